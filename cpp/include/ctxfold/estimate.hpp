@@ -1,0 +1,50 @@
+// Byte-class token estimator: counts a handful of byte classes in one pass and combines them with
+// per-tokenizer coefficients fitted by least squares against an exact tokenizer.
+//
+// Thread safety: all functions are pure; call them from any thread.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+namespace ctxfold {
+
+// The features of one text, in the order the coefficients use them.
+enum Feature : int {
+  kLetters = 0,         // ASCII letters
+  kLetterRuns,          // maximal runs of ASCII letters (roughly: words)
+  kDigits,              // ASCII digits
+  kDigitRuns,           // maximal runs of digits (numbers)
+  kPunct,               // ASCII punctuation, symbols and control bytes other than \t \n \r
+  kPunctRuns,           // maximal runs of punctuation
+  kSpaces,              // spaces and tabs
+  kMultiSpaceRuns,      // runs of two or more spaces/tabs (indentation, alignment)
+  kNewlines,            // \n and \r
+  kOtherChars,          // multi-byte UTF-8 characters outside CJK (accents, emoji, box drawing)
+  kCjkChars,            // CJK ideographs, kana, hangul, fullwidth forms
+  kTexts,               // 1 per text: the intercept
+  kNumFeatures,
+};
+
+using Features = std::array<int64_t, kNumFeatures>;
+using Coefficients = std::array<double, kNumFeatures>;
+
+// Adds the byte-class counts of `text` to `out`. O(len), no allocation. Invalid UTF-8 is counted
+// byte by byte as other characters, never rejected: the estimator must not fail where a tokenizer
+// would fall back to byte tokens.
+void AccumulateFeatures(std::string_view text, Features& out) noexcept;
+
+// Estimated token count of one text: max(0, round(sum_i coef[i] * feature[i])).
+int64_t EstimateTokens(std::string_view text, const Coefficients& coef) noexcept;
+
+// Texts packed back to back in `data`, text i spanning [offsets[i], offsets[i+1]).
+// `offsets` has num_texts + 1 entries, non-decreasing, the last <= data.size(); the caller checks.
+void EstimateBatch(std::string_view data, std::span<const int64_t> offsets, const Coefficients& coef,
+                   std::span<int64_t> out_tokens) noexcept;
+
+// Feature rows of a batch, row-major [num_texts x kNumFeatures]; used to fit coefficients.
+void FeatureBatch(std::string_view data, std::span<const int64_t> offsets, std::span<int64_t> out_rows) noexcept;
+
+}  // namespace ctxfold

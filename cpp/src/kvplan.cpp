@@ -1,0 +1,1 @@
+#include "ctxfold/kvplan.hpp"

@@ -1,0 +1,1 @@
+#include "ctxfold/tail.hpp"

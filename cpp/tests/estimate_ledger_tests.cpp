@@ -1,0 +1,63 @@
+#include <stdexcept>
+#include <string>
+
+#include "check.hpp"
+#include "ctxfold/estimate.hpp"
+#include "ctxfold/ledger.hpp"
+
+using namespace ctxfold;
+
+CTXFOLD_TEST(features_count_each_class) {
+  Features f{};
+  AccumulateFeatures("ab 12  x\n\xE4\xB8\xAD\xC3\xA9!?", f);  // "ab 12  x\n中é!?"
+  CHECK(f[kLetters] == 3);
+  CHECK(f[kLetterRuns] == 2);
+  CHECK(f[kDigits] == 2);
+  CHECK(f[kDigitRuns] == 1);
+  CHECK(f[kSpaces] == 3);
+  CHECK(f[kMultiSpaceRuns] == 1);
+  CHECK(f[kNewlines] == 1);
+  CHECK(f[kCjkChars] == 1);
+  CHECK(f[kOtherChars] == 1);
+  CHECK(f[kPunct] == 2);
+  CHECK(f[kPunctRuns] == 1);
+  CHECK(f[kTexts] == 1);
+}
+
+CTXFOLD_TEST(features_survive_invalid_utf8) {
+  // Truncated sequences at the very end and stray continuation bytes must not read past the end.
+  const std::string bad[] = {"\xE4", "\xE4\xB8", "\x80\x80", "a\xF0\x9F\x98", "\xFF\xFE"};
+  for (const auto& s : bad) {
+    Features f{};
+    AccumulateFeatures(s, f);
+    CHECK(f[kTexts] == 1);
+  }
+}
+
+CTXFOLD_TEST(estimate_empty_is_zero) {
+  Coefficients c{};
+  c[kTexts] = 3.0;
+  CHECK(EstimateTokens("", c) == 0);
+  CHECK(EstimateTokens("x", c) == 3);
+}
+
+CTXFOLD_TEST(ledger_totals_and_truncate) {
+  Ledger l;
+  l.Append(1, 10, kFlagUser | kFlagUserTurn, 0);
+  l.Append(2, 20, kFlagAssistant | kFlagToolCall, 1);
+  l.Append(3, 30, kFlagToolResult, 1);
+  CHECK(l.total_tokens() == 60);
+  CHECK(l.num_user_turns() == 1);
+  l.Replace(2, 4, 5, kFlagToolResult | kFlagArchived);
+  CHECK(l.total_tokens() == 35);
+  l.Truncate(1);
+  CHECK(l.total_tokens() == 10);
+  CHECK(l.size() == 1);
+  CHECK_THROWS(l.Truncate(2), std::out_of_range);
+  CHECK_THROWS(l.Append(5, -1, 0, 1), std::invalid_argument);
+  CHECK_THROWS(l.Append(5, 1, 0, 7), std::invalid_argument);
+  CHECK_THROWS(l.Replace(0, 1, 1, kFlagUser), std::invalid_argument);  // would drop a user turn
+  l.RememberCount(42, 7);
+  CHECK(l.CachedCount(42) == 7);
+  CHECK(l.CachedCount(43) == -1);
+}

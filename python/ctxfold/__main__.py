@@ -1,0 +1,5 @@
+import sys
+
+from ctxfold.cli import main
+
+sys.exit(main())
