@@ -164,7 +164,7 @@ def test_turn_start_threshold_and_error_preview(tmp_path: Path) -> None:
 def test_turn_start_never_writes_when_marker_is_not_shorter(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path / "a")
     text = "z" * 1050  # over the threshold, but a 1000-char preview plus the header is longer
-    new, rep = archive_turn_start([user(0), *call_and_result(0, text), user(1)], store, ArchiveParams(1))
+    _new, rep = archive_turn_start([user(0), *call_and_result(0, text), user(1)], store, ArchiveParams(1))
     assert rep.archived == () and store.ids() == [] and not (tmp_path / "a").exists()
 
 
@@ -220,7 +220,7 @@ def test_oversized_result_becomes_marker_and_tool_error(tmp_path: Path) -> None:
     m = call_and_result(0, text)[1]
     got = archive_oversized(m, store, max_chars=8000)
     assert got.fits and got.message.is_error and len(got.message.text) <= 8000
-    first, notice = got.message.text.split("\n", 1)
+    _first, notice = got.message.text.split("\n", 1)
     assert "read_archive" in notice and "offset=0, limit=4000" in notice and "nothing was dropped" in notice
     marker = parse_marker(got.message.text)
     assert marker is not None and marker.oversized and not marker.tool_error
