@@ -1,0 +1,224 @@
+"""Crash safety and failing disks.
+
+Faults are injected at every system call the writer makes (open, write, fsync, close, replace,
+in the order it makes them): first as exceptions, then by killing a forked process with SIGKILL at
+that call, with a half-done write where the call is a write. After each: no archive name ever holds
+partial content, and the conversation holds either the original output or a marker whose archive
+reads back whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ctxfold.archive import ArchiveParams, ArchiveStore, archive_turn_start, is_archived_text, restore
+from ctxfold.archive.store import LocalBackend
+from ctxfold.messages import Message, Role, ToolCall
+
+SYSCALLS = ("open", "write", "fsync", "close", "replace")
+PARAMS = ArchiveParams(keep_recent_user_turns=1, archive_threshold_chars=1000, archive_preview_chars=100)
+
+
+def conversation(turns: int, first: int = 0) -> list[Message]:
+    out: list[Message] = []
+    for t in range(first, first + turns):
+        out.append(Message(role=Role.USER, content=f"turn {t}", id=f"u{t}"))
+        for k in range(2):
+            cid = f"c{t}.{k}"
+            out.append(Message(role=Role.ASSISTANT, id=f"a{t}.{k}", tool_calls=(ToolCall(cid, "run", "{}"),)))
+            body = f"output {t}.{k}\n" + "".join(f"{t}:{k}:{j} " for j in range(2000))
+            out.append(Message(role=Role.TOOL, content=body, id=f"t{t}.{k}", tool_call_id=cid))
+    return out
+
+
+def assert_no_partial_archive(root: Path) -> None:
+    """Every file under an archive name holds exactly the content that hashes to that name."""
+    for path in root.glob("*.txt"):
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == path.stem, f"partial archive {path.name}"
+
+
+def assert_consistent(compacted: list[Message], original: list[Message], store: ArchiveStore) -> None:
+    """Each tool output is the original or a marker that resolves, and restore gives the original."""
+    for new, old in zip(compacted, original, strict=True):
+        assert new.id == old.id and new.tool_call_id == old.tool_call_id
+        if new.text != old.text:
+            assert is_archived_text(new.text, store)
+    assert restore(compacted, store, strict=True) == original
+
+
+class Injector:
+    """Counts the writer's system calls and runs ``action`` at the ``fail_at``-th one (1-based)."""
+
+    def __init__(self, fail_at: int, action: Callable[[str, Callable[..., Any], tuple[Any, ...]], Any]) -> None:
+        self.fail_at = fail_at
+        self.action = action
+        self.calls: list[str] = []
+
+    @contextmanager
+    def installed(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[Injector]:
+        for name in SYSCALLS:
+            real = getattr(os, name)
+
+            def hooked(*args: Any, _name: str = name, _real: Callable[..., Any] = real, **kw: Any) -> Any:
+                self.calls.append(_name)
+                if len(self.calls) == self.fail_at:
+                    return self.action(_name, _real, args)
+                return _real(*args, **kw)
+
+            monkeypatch.setattr(os, name, hooked)
+        try:
+            yield self
+        finally:
+            monkeypatch.undo()
+
+
+def count_syscalls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    inj = Injector(0, lambda *a: None)
+    with inj.installed(monkeypatch):
+        archive_turn_start(conversation(3), ArchiveStore(tmp_path / "count"), PARAMS)
+    return len(inj.calls)
+
+
+def test_exception_at_every_write_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = conversation(3)
+    total = count_syscalls(tmp_path, monkeypatch)
+    assert total >= 2 * 4 * len(SYSCALLS) - 8  # four outputs to archive, each a full write sequence
+    seen_steps = set()
+    for k in range(1, total + 1):
+        root = tmp_path / f"k{k}"
+
+        def fail(name: str, real: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+            seen_steps.add(name)
+            raise OSError(errno.EIO, f"injected I/O error at {name}")
+
+        store = ArchiveStore(root)
+        with Injector(k, fail).installed(monkeypatch):
+            compacted, report = archive_turn_start(original, store, PARAMS)
+        assert report.error is not None and "EIO" in report.error
+        assert report.left_inline, "an output that could not be written must be reported as left inline"
+        assert_no_partial_archive(root)
+        assert not list(root.glob(".tmp-*")), "a failed write must remove its temp file"
+        assert_consistent(compacted, original, store)
+        # Once the disk works again the next pass finishes the job.
+        done, again = archive_turn_start(compacted, ArchiveStore(root), PARAMS)
+        assert again.error is None and len(again.archived) + len(report.archived) == 4
+        assert_consistent(done, original, store)
+    assert seen_steps == set(SYSCALLS)
+
+
+def _child(root: Path, session: Path, inj: Injector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two passes as an agent would run them, saving the session after each."""
+    with inj.installed(monkeypatch):
+        store = ArchiveStore(root)
+        history = conversation(3)
+        history, _ = archive_turn_start(history, store, PARAMS)
+        session.write_text(json.dumps([m.text for m in history]))
+        history, _ = archive_turn_start(history + conversation(2, first=3), store, PARAMS)
+        session.write_text(json.dumps([m.text for m in history]))
+
+
+def test_sigkill_at_every_write_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = conversation(5)
+    outcomes = set()
+    temps_left = 0
+    k = 0
+    while True:
+        k += 1
+        root, session = tmp_path / f"k{k}" / "archive", tmp_path / f"k{k}" / "session.json"
+
+        def die(name: str, real: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+            if name == "write":  # leave half the bytes on disk, as a kill mid-write would
+                fd, data = args
+                real(fd, bytes(data)[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                _child(root, session, Injector(k, die), monkeypatch)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        if not killed:
+            assert os.WEXITSTATUS(status) == 0, f"child failed at k={k}"
+        assert_no_partial_archive(root)
+        store = ArchiveStore(root)
+        if session.exists():
+            texts = json.loads(session.read_text())
+            compacted = [dataclasses.replace(m, content=t) for m, t in zip(original, texts, strict=False)]
+            assert_consistent(compacted, original[: len(compacted)], store)
+            outcomes.add("session saved")
+        else:
+            outcomes.add("nothing saved")
+        # Reopening after the crash sweeps the temp files the kill left behind.
+        temps_left += len(list(root.glob(".tmp-*")))
+        LocalBackend(root).sweep_stale_temps(older_than_s=0)
+        assert not list(root.glob(".tmp-*"))
+        if not killed:
+            break
+    assert k > 30  # every call of both passes was a kill point
+    assert outcomes == {"session saved", "nothing saved"}
+    assert temps_left > 0  # kills mid-write did leave partial temp files, and none was ever taken for an archive
+
+
+@pytest.mark.parametrize(
+    ("err", "where"), [(errno.ENOSPC, "write"), (errno.EROFS, "open"), (errno.EACCES, "open"), (errno.EDQUOT, "fsync")]
+)
+def test_full_or_read_only_disk_keeps_outputs_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, err: int, where: str
+) -> None:
+    root = tmp_path / "archive"
+    root.mkdir()
+    original = conversation(6)
+    store = ArchiveStore(root)
+    name = errno.errorcode[err]
+
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, where, refuse)
+    with caplog.at_level(logging.WARNING, logger="ctxfold.archive"):
+        first, rep1 = archive_turn_start(original, store, PARAMS)
+        second, rep2 = archive_turn_start(first + conversation(1, first=6), store, PARAMS)
+    monkeypatch.undo()
+    assert first == original  # nothing archived, nothing lost
+    assert second[: len(original)] == original
+    assert rep1.archived == () and name in (rep1.error or "") and rep1.left_inline[0] == "t0.0"
+    assert rep2.archived == () and rep2.left_inline
+    warnings = [r for r in caplog.records if r.name == "ctxfold.archive"]
+    assert len(warnings) == 1 and name in warnings[0].getMessage()  # reported once, not per output
+    assert store.write_failures == 2  # each pass stops at its first failure
+    assert list(root.iterdir()) == []  # no temp file, no partial archive
+    # Space freed: the next pass archives everything that was left inline.
+    third, rep3 = archive_turn_start(second, store, PARAMS)
+    assert rep3.error is None and len(rep3.archived) == 12
+    assert restore(third, store, strict=True) == second
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_real_read_only_directory(tmp_path: Path) -> None:
+    root = tmp_path / "archive"
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        original = conversation(3)
+        compacted, rep = archive_turn_start(original, ArchiveStore(root), PARAMS)
+        assert compacted == original and rep.error is not None and "EACCES" in rep.error
+        assert list(root.iterdir()) == []
+    finally:
+        root.chmod(0o700)
