@@ -37,6 +37,6 @@ def load_openai_chat_sets(traces_dir: Path) -> Iterator[tuple[str, str, list[Mes
         yield "tau_bench", f"{item['task_id']}.{item['trial']}#{k}", [_message(i, d) for i, d in enumerate(item["traj"])]
     for path in sorted((traces_dir / "deepseek_sample").glob("*/*.traj.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
-        yield "deepseek_sample", f"{path.parent.name}/{path.name}", [
-            _message(i, d) for i, d in enumerate(data["messages"])
-        ]
+        # mini-swe-agent ends a run with an "exit" record that is not part of the chat.
+        chat = [d for d in data["messages"] if d["role"] != "exit"]
+        yield "deepseek_sample", f"{path.parent.name}/{path.name}", [_message(i, d) for i, d in enumerate(chat)]
