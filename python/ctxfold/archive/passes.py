@@ -59,6 +59,7 @@ class ArchivedOutput:
     archive_id: str  # sha256 of the archived text
     chars_before: int  # length of the archived text
     chars_after: int  # length of what replaced it (marker, plus the notice when oversized)
+    part: int | None = None  # index of the text part archived; None when the content is a string
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,16 +144,16 @@ class _Archiver:
                 marker = self._unit(m.content, min_chars, preview_chars)
                 if marker is None:
                     return m
-                self._record(index, m, m.content, marker)
+                self._record(index, m, m.content, marker, None)
                 return dataclasses.replace(m, content=marker)
             parts: list[ContentPart] = []
             changed = False
-            for p in m.content:
+            for k, p in enumerate(m.content):
                 marker = None if p.text is None else self._unit(p.text, min_chars, preview_chars)
                 if marker is None or p.text is None:
                     parts.append(p)
                     continue
-                self._record(index, m, p.text, marker)
+                self._record(index, m, p.text, marker, k)
                 parts.append(dataclasses.replace(p, text=marker))
                 changed = True
             return dataclasses.replace(m, content=tuple(parts)) if changed else m
@@ -161,9 +162,9 @@ class _Archiver:
             self.left_inline.append(m.id)
             return m
 
-    def _record(self, index: int, m: Message, text: str, marker: str) -> None:
+    def _record(self, index: int, m: Message, text: str, marker: str, part: int | None) -> None:
         aid = marker[len(MARKER_PREFIX) : len(MARKER_PREFIX) + 64]
-        self.archived.append(ArchivedOutput(index, m.id, aid, len(text), len(marker)))
+        self.archived.append(ArchivedOutput(index, m.id, aid, len(text), len(marker), part))
 
     def report(self) -> ArchiveReport:
         return ArchiveReport(
@@ -293,12 +294,13 @@ def archive_oversized(
     def build(preview_n: int) -> tuple[Content, list[ArchivedOutput]]:
         done: list[ArchivedOutput] = []
         new_units: list[str | None] = []
-        for u, aid in zip(units, ids, strict=True):
+        whole = isinstance(message.content, str)
+        for k, (u, aid) in enumerate(zip(units, ids, strict=True)):
             if u is None or aid is None:
                 new_units.append(u)
                 continue
             r = replace_unit(u, aid, preview_n)
-            done.append(ArchivedOutput(index, message.id, aid, len(u), len(r)))
+            done.append(ArchivedOutput(index, message.id, aid, len(u), len(r), None if whole else k))
             new_units.append(r)
         if isinstance(message.content, str):
             return str(new_units[0]), done
