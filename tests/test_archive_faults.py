@@ -129,6 +129,7 @@ def _child(root: Path, session: Path, inj: Injector, monkeypatch: pytest.MonkeyP
         session.write_text(json.dumps([m.text for m in history]))
 
 
+@pytest.mark.slow  # one fork per system call of two passes
 def test_sigkill_at_every_write_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     original = conversation(5)
     outcomes = set()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from ctxfold import formats
 from ctxfold.archive import (
     ArchiveParams,
     ArchiveReport,
@@ -25,7 +26,6 @@ from ctxfold.archive import (
     content_id,
     restore,
 )
-from ctxfold import formats
 from ctxfold.integrity import count_orphans, validate
 from ctxfold.messages import Message
 
@@ -89,6 +89,7 @@ def tokens_saved(before: list[Message], after: list[Message], tok: tokenizers.To
     return sum(len(enc[2 * i].ids) - len(enc[2 * i + 1].ids) for i in range(len(changed)))
 
 
+@pytest.mark.slow  # real fsyncs: a few seconds per setting on a loaded disk
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("set_name", SETS)
 def test_archive_on_real_traces(
