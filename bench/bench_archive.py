@@ -11,6 +11,7 @@ group is the Datus way: serialize every item to JSON and check it, every turn.
 from __future__ import annotations
 
 import importlib.resources
+import itertools
 import json
 import os
 import sys
@@ -151,11 +152,14 @@ def figures() -> None:
         diffs = [counts[2 * i] - counts[2 * i + 1] for i in range(len(pairs))]
         return sum(diffs), sum(d < 0 for d in diffs)
 
-    print("set | setting | tool-output tokens | turn-start passes run / fired | tokens saved per fired pass"
-          " (mean) | turn-start saved | mid-turn saved | markers costlier in tokens")
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    print("set | setting | counter given | tool-output tokens | turn-start passes run / fired | tokens saved"
+          " per fired pass (mean) | turn-start saved | mid-turn saved | markers costlier in tokens")
     for set_name, convs in trace_sets():
         tool_tokens = sum(ntok([m.text for c in convs for m in c if m.role is Role.TOOL]))
-        for label, params in SETTINGS.items():
+        for (label, params), counter in itertools.product(SETTINGS.items(), (None, count)):
             run = fired = ts_saved = mt_saved = costlier = 0
             with tempfile.TemporaryDirectory() as tmp:
                 for k, original in enumerate(convs):
@@ -165,19 +169,19 @@ def figures() -> None:
                         history.append(m)
                         if m.is_user_turn:
                             before = list(history)
-                            history, rep = archive_turn_start(history, store, params)
+                            history, rep = archive_turn_start(history, store, params, count_tokens=counter)
                             run += 1
                             if rep.archived:
                                 fired += 1
                                 s, c = saved(before, history)
                                 ts_saved += s
                                 costlier += c
-                    mid, rep = archive_mid_turn(history, store, params)
+                    mid, rep = archive_mid_turn(history, store, params, count_tokens=counter)
                     s, c = saved(history, mid)
                     mt_saved += s
                     costlier += c
             per_pass = ts_saved / fired if fired else 0.0
-            print(f"{set_name} | {label} | {tool_tokens} | {run} / {fired} | {per_pass:.0f} | {ts_saved}"
+            print(f"{set_name} | {label} | {'yes' if counter else 'no'} | {tool_tokens} | {run} / {fired} | {per_pass:.0f} | {ts_saved}"
                   f" ({100 * ts_saved / max(tool_tokens, 1):.1f}%) | {mt_saved}"
                   f" ({100 * mt_saved / max(tool_tokens, 1):.1f}%) | {costlier}")
 

@@ -25,7 +25,7 @@ from ctxfold.archive.marker import (
     marker_chars,
     parse_marker,
 )
-from ctxfold.archive.store import ArchiveStore
+from ctxfold.archive.store import ArchiveStore, content_id
 from ctxfold.errors import ArchiveError, ConfigError, IntegrityError
 from ctxfold.messages import Content, ContentPart, Message, Role
 
@@ -113,12 +113,16 @@ def _content_chars(content: Content) -> int:
     return sum(texts) + max(len(texts) - 1, 0)
 
 
+TokenCounter = Callable[[str], int]
+
+
 class _Archiver:
     """Archives the text units (the string content, or each text part) of chosen messages."""
 
-    def __init__(self, store: ArchiveStore, stage: Stage) -> None:
+    def __init__(self, store: ArchiveStore, stage: Stage, count_tokens: TokenCounter | None = None) -> None:
         self.store = store
         self.stage = stage
+        self.count_tokens = count_tokens
         self.archived: list[ArchivedOutput] = []
         self.left_inline: list[str] = []
         self.error: ArchiveError | None = None
@@ -130,6 +134,13 @@ class _Archiver:
             return None  # too small, or the marker would not be shorter (then nothing is written)
         if is_archived_text(text, self.store):
             return None  # never archive a marker again
+        if self.count_tokens is not None:
+            # Shorter in chars is not always cheaper in tokens (64 hex chars are ~33 tokens, a preview
+            # of dense text can tokenize worse than the original's tail): check with the real counter
+            # before anything is written.
+            marker = make_marker(content_id(text), text, preview_chars)
+            if self.count_tokens(marker) >= self.count_tokens(text):
+                return None
         archive_id = self.store.put(text)  # raises ArchiveError; the caller keeps the output inline
         return make_marker(archive_id, text, preview_chars)
 
@@ -191,16 +202,23 @@ def turn_start_cutoff(messages: Sequence[Message], keep_recent_user_turns: int) 
     return -1
 
 
-def archive_turn_start(messages: Sequence[Message], store: ArchiveStore, params: ArchiveParams) -> ArchivePass:
+def archive_turn_start(
+    messages: Sequence[Message],
+    store: ArchiveStore,
+    params: ArchiveParams,
+    *,
+    count_tokens: TokenCounter | None = None,
+) -> ArchivePass:
     """Turn start: with more than ``keep_recent_user_turns`` real user turns, archive every tool output
     of at least ``archive_threshold_chars`` that lies before the newest ``keep_recent_user_turns``
-    turns, where its marker is shorter than it.
+    turns, where its marker is shorter than it (and, given the model's ``count_tokens``, has fewer
+    tokens).
 
     Cheap when there is nothing to do: one backward scan for the cutoff, then a length check per
-    message; only outputs that will be archived are hashed.
+    message; only outputs that will be archived are hashed or counted.
     """
     out = list(messages)
-    archiver = _Archiver(store, "turn_start")
+    archiver = _Archiver(store, "turn_start", count_tokens)
     cutoff = turn_start_cutoff(out, params.keep_recent_user_turns)
     threshold = params.archive_threshold_chars
     tool = Role.TOOL
@@ -215,11 +233,18 @@ def archive_turn_start(messages: Sequence[Message], store: ArchiveStore, params:
     return ArchivePass(out, archiver.report())
 
 
-def archive_mid_turn(messages: Sequence[Message], store: ArchiveStore, params: ArchiveParams) -> ArchivePass:
+def archive_mid_turn(
+    messages: Sequence[Message],
+    store: ArchiveStore,
+    params: ArchiveParams,
+    *,
+    count_tokens: TokenCounter | None = None,
+) -> ArchivePass:
     """Mid-turn archive stage: every tool output but the newest ``keep_recent_tool_results``, where the
-    marker is shorter than the output. The caller decides when (occupancy >= the mid-turn threshold)."""
+    marker is shorter than the output (and, given ``count_tokens``, has fewer tokens). The caller
+    decides when (occupancy >= the mid-turn threshold)."""
     out = list(messages)
-    archiver = _Archiver(store, "mid_turn")
+    archiver = _Archiver(store, "mid_turn", count_tokens)
     tool_indexes = [i for i, m in enumerate(out) if m.role is Role.TOOL]
     keep = params.keep_recent_tool_results
     older = tool_indexes[: len(tool_indexes) - keep] if keep else tool_indexes
