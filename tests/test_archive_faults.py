@@ -223,3 +223,78 @@ def test_real_read_only_directory(tmp_path: Path) -> None:
         assert list(root.iterdir()) == []
     finally:
         root.chmod(0o700)
+
+
+_CHILD = r"""
+import json, logging, sys
+from pathlib import Path
+from ctxfold.archive import ArchiveParams, ArchiveStore, archive_turn_start, restore
+from ctxfold.messages import Message, Role, ToolCall
+
+root = Path(sys.argv[1])
+records = []
+class Keep(logging.Handler):
+    def emit(self, record): records.append(record.getMessage())
+logging.getLogger("ctxfold.archive").addHandler(Keep())
+msgs = []
+for t in range(6):
+    msgs.append(Message(role=Role.USER, content=f"turn {t}", id=f"u{t}"))
+    msgs.append(Message(role=Role.ASSISTANT, id=f"a{t}", tool_calls=(ToolCall(f"c{t}", "run", "{}"),)))
+    msgs.append(Message(role=Role.TOOL, content=f"{t}" * 20000, id=f"t{t}", tool_call_id=f"c{t}"))
+store = ArchiveStore(root)
+params = ArchiveParams(keep_recent_user_turns=1, archive_preview_chars=100)
+first, rep1 = archive_turn_start(msgs, store, params)
+second, rep2 = archive_turn_start(first, store, params)
+print(json.dumps({
+    "archived": len(rep1.archived) + len(rep2.archived),
+    "errors": [rep1.error, rep2.error],
+    "left_inline": list(rep1.left_inline),
+    "restored": restore(second, store, strict=True) == msgs,
+    "log": records,
+    "names": sorted(p.name for p in root.iterdir()),
+}))
+"""
+
+
+def _unshare_works() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], check=False, capture_output=True).returncode == 0
+
+
+@pytest.mark.slow  # a fresh interpreter per file system
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare -m (mount namespaces) to mount a real file system")
+@pytest.mark.parametrize(
+    ("mount", "err"),
+    [
+        ("mount --bind {d} {d} && mount -o remount,bind,ro {d}", "EROFS"),  # a real read-only file system
+        ("mount -t tmpfs -o size=48k tmpfs {d}", "ENOSPC"),  # a real full disk: room for two outputs
+    ],
+)
+def test_real_read_only_or_full_file_system(tmp_path: Path, mount: str, err: str) -> None:
+    """The kernel, not an injected fault, refuses the write; the outputs stay inline, once reported."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "archive"
+    root.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = f"{mount.format(d=root)} && exec {sys.executable} {script} {root}"
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["restored"]  # nothing lost
+    assert err in got["errors"][0] and err in got["errors"][1]
+    assert len(got["log"]) == 1 and err in got["log"][0]  # reported once for both passes
+    assert all(not n.startswith(".tmp-") for n in got["names"])  # the failed temp file was removed
+    if err == "EROFS":
+        assert got["archived"] == 0 and got["names"] == [] and got["left_inline"] == ["t0", "t1", "t2", "t3", "t4"]
+    else:
+        assert got["archived"] == 2 and len(got["names"]) == 2  # what fit was archived, the rest stayed inline
