@@ -138,3 +138,27 @@ def test_fsspec_memory_backend(text: str, request: pytest.FixtureRequest) -> Non
 def test_any_text_round_trips(text: str) -> None:
     store = ArchiveStore("memory://ctxfold-test/hypothesis")
     assert store.get(store.put(text)) == text
+
+
+def test_object_store_client_errors_become_archive_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storage client's own exception type (not OSError) still leaves the output inline."""
+    from ctxfold.archive import ArchiveParams, archive_mid_turn
+    from ctxfold.messages import Message, Role, ToolCall
+
+    class ClientError(Exception):
+        pass
+
+    store = ArchiveStore("memory://ctxfold-test/client-error")
+    assert isinstance(store.backend, FsspecBackend)
+
+    def refuse(path: str, data: bytes) -> None:
+        raise ClientError("SlowDown: reduce your request rate")
+
+    monkeypatch.setattr(store.backend.fs, "pipe_file", refuse)
+    msgs = [
+        Message(role=Role.ASSISTANT, id="a", tool_calls=(ToolCall("c", "run", "{}"),)),
+        Message(role=Role.TOOL, content="x" * 5000, id="t", tool_call_id="c"),
+    ]
+    new, rep = archive_mid_turn(msgs, store, ArchiveParams(keep_recent_tool_results=0))
+    assert new == msgs and rep.left_inline == ("t",)
+    assert rep.error is not None and "ClientError: SlowDown" in rep.error

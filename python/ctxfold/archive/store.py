@@ -24,6 +24,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NewType, Protocol
 
@@ -194,22 +195,36 @@ class FsspecBackend:
         return f"{self.root}/{name}"
 
     def exists(self, name: str) -> bool:
-        return bool(self.fs.exists(self._path(name)))
+        with _as_oserror():
+            return bool(self.fs.exists(self._path(name)))
 
     def read_bytes(self, name: str) -> bytes:
-        data = self.fs.cat_file(self._path(name))
-        return bytes(data)
+        with _as_oserror():
+            return bytes(self.fs.cat_file(self._path(name)))
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(name), data)
+        with _as_oserror():
+            self.fs.pipe_file(self._path(name), data)
 
     def names(self) -> Iterator[str]:
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return
+        with _as_oserror():
+            try:
+                entries = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return
         for entry in entries:
             yield str(entry).rstrip("/").rsplit("/", 1)[-1]
+
+
+@contextmanager
+def _as_oserror() -> Iterator[None]:
+    """Storage clients raise their own errors (botocore, google.api_core); the store handles OSError."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        raise OSError(errno.EIO, f"{type(e).__name__}: {e}") from e
 
 
 def open_backend(location: str | os.PathLike[str], **storage_options: Any) -> Backend:
