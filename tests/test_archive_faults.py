@@ -25,6 +25,7 @@ import pytest
 
 from ctxfold.archive import ArchiveParams, ArchiveStore, archive_turn_start, is_archived_text, restore
 from ctxfold.archive.store import LocalBackend
+from ctxfold.errors import ArchiveError
 from ctxfold.messages import Message, Role, ToolCall
 
 SYSCALLS = ("open", "write", "fsync", "close", "replace")
@@ -298,3 +299,34 @@ def test_real_read_only_or_full_file_system(tmp_path: Path, mount: str, err: str
         assert got["archived"] == 0 and got["names"] == [] and got["left_inline"] == ["t0", "t1", "t2", "t3", "t4"]
     else:
         assert got["archived"] == 2 and len(got["names"]) == 2  # what fit was archived, the rest stayed inline
+
+
+def test_failure_between_parts_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message with two big text parts whose second write fails keeps both parts inline, and the
+    report does not claim the first."""
+    from ctxfold.messages import ContentPart
+
+    parts = (ContentPart("text", "A" * 5000, {"type": "text"}), ContentPart("text", "B" * 5000, {"type": "text"}))
+    msgs = [
+        Message(role=Role.ASSISTANT, id="a", tool_calls=(ToolCall("c", "run", "{}"),)),
+        Message(role=Role.TOOL, content=parts, id="t", tool_call_id="c"),
+    ]
+    store = ArchiveStore(tmp_path)
+    real_put = store.put
+    calls = []
+
+    def second_fails(text: str) -> str:
+        calls.append(text)
+        if len(calls) == 2:
+            raise ArchiveError("injected: disk full")
+        return real_put(text)
+
+    monkeypatch.setattr(store, "put", second_fails)
+    from ctxfold.archive import archive_mid_turn
+
+    new, rep = archive_mid_turn(msgs, store, ArchiveParams(keep_recent_tool_results=0))
+    assert new == msgs and rep.archived == () and rep.left_inline == ("t",)
+    monkeypatch.undo()
+    done, rep2 = archive_mid_turn(new, store, ArchiveParams(keep_recent_tool_results=0))
+    assert len(rep2.archived) == 2 and [a.part for a in rep2.archived] == [0, 1]
+    assert restore(done, store, strict=True) == msgs

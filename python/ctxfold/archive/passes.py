@@ -127,13 +127,17 @@ class _Archiver:
         self.left_inline: list[str] = []
         self.error: ArchiveError | None = None
 
-    def _unit(self, text: str, min_chars: int, preview_chars: int) -> str | None:
-        """The marker for one text unit, or None to keep it."""
+    def _candidate(self, text: str | None, min_chars: int, preview_chars: int) -> bool:
+        """Whether a text unit would be archived: big enough, shrinks, and not a marker already."""
+        if text is None:
+            return False
         n = len(text)
         if n < min_chars or marker_chars(n, preview_chars) >= n:
-            return None  # too small, or the marker would not be shorter (then nothing is written)
-        if is_archived_text(text, self.store):
-            return None  # never archive a marker again
+            return False  # too small, or the marker would not be shorter (then nothing is written)
+        return not is_archived_text(text, self.store)  # never archive a marker again
+
+    def _unit(self, text: str, preview_chars: int) -> str | None:
+        """The marker for one candidate unit, or None to keep it. Raises ArchiveError."""
         if self.count_tokens is not None:
             # Shorter in chars is not always cheaper in tokens (64 hex chars are ~33 tokens, a preview
             # of dense text can tokenize worse than the original's tail): check with the real counter
@@ -141,37 +145,42 @@ class _Archiver:
             marker = make_marker(content_id(text), text, preview_chars)
             if self.count_tokens(marker) >= self.count_tokens(text):
                 return None
-        archive_id = self.store.put(text)  # raises ArchiveError; the caller keeps the output inline
+        archive_id = self.store.put(text)
         return make_marker(archive_id, text, preview_chars)
 
     def message(self, index: int, m: Message, min_chars: int, preview_chars: int) -> Message:
+        units = [m.content] if isinstance(m.content, str) else [p.text for p in m.content]
+        chosen = [k for k, u in enumerate(units) if self._candidate(u, min_chars, preview_chars)]
+        if not chosen:
+            return m
         if self.error is not None:
             # The store failed earlier in this pass: keep the rest inline rather than retry per output.
-            if _content_chars(m.content) >= min_chars:
-                self.left_inline.append(m.id)
+            self.left_inline.append(m.id)
             return m
+        markers: dict[int, str] = {}
         try:
-            if isinstance(m.content, str):
-                marker = self._unit(m.content, min_chars, preview_chars)
-                if marker is None:
-                    return m
-                self._record(index, m, m.content, marker, None)
-                return dataclasses.replace(m, content=marker)
-            parts: list[ContentPart] = []
-            changed = False
-            for k, p in enumerate(m.content):
-                marker = None if p.text is None else self._unit(p.text, min_chars, preview_chars)
-                if marker is None or p.text is None:
-                    parts.append(p)
-                    continue
-                self._record(index, m, p.text, marker, k)
-                parts.append(dataclasses.replace(p, text=marker))
-                changed = True
-            return dataclasses.replace(m, content=tuple(parts)) if changed else m
+            for k in chosen:
+                unit = units[k]
+                assert unit is not None  # a candidate has text
+                marker = self._unit(unit, preview_chars)
+                if marker is not None:
+                    markers[k] = marker
         except ArchiveError as e:
+            # Nothing of this message changes, even if some of its parts were written: those files are
+            # complete and content-addressed, so a later pass reuses them instead of writing again.
             self.error = e
             self.left_inline.append(m.id)
             return m
+        for k, marker in markers.items():
+            text = units[k]
+            assert text is not None
+            self._record(index, m, text, marker, None if isinstance(m.content, str) else k)
+        if isinstance(m.content, str):
+            return dataclasses.replace(m, content=markers[0]) if markers else m
+        parts = tuple(
+            dataclasses.replace(p, text=markers[k]) if k in markers else p for k, p in enumerate(m.content)
+        )
+        return dataclasses.replace(m, content=parts) if markers else m
 
     def _record(self, index: int, m: Message, text: str, marker: str, part: int | None) -> None:
         aid = marker[len(MARKER_PREFIX) : len(MARKER_PREFIX) + 64]
