@@ -37,7 +37,7 @@ class Reader:
                 if exc.source is None:  # raised deep down without a place: add ours
                     raise self.error(exc.reason, location) from None
                 raise
-            self.skipped.append(str(exc) if exc.source else f"{location}: {exc.reason}")
+            self.skipped.append(str(exc) if exc.source else f"{self.source}, {location}: {exc.reason}")
             return None
 
     def meta(self) -> dict[str, Any]:
@@ -137,7 +137,8 @@ def parse(data: bytes | str, reader: Reader) -> Document:
 
 
 def type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", type(None): "null", bool: "boolean"}.get(
+    return {dict: "object", list: "array", str: "string", type(None): "null", bool: "boolean", int: "number",
+            float: "number"}.get(
         type(value), type(value).__name__
     )
 
