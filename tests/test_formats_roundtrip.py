@@ -127,7 +127,7 @@ def test_anthropic_blocks_map_to_the_model() -> None:
     ]}
     (conv,) = formats.loads(json.dumps(doc))
     assert conv.source_format == "anthropic" and conv.system == "be brief"
-    u, a, r, t = conv.messages
+    _, a, r, t = conv.messages
     assert (a.id, a.content, a.reasoning) == ("msg_1", "Listing.", "use ls")
     assert a.tool_calls[0].parsed_arguments() == {"command": "ls"}
     assert a.usage is not None and (a.usage.prompt_tokens, a.usage.cached_prompt_tokens) == (105, 100)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ctxfold.errors import FormatError
-from ctxfold.messages import ContentPart, Content, Message, Role, Usage
+from ctxfold.messages import Content, ContentPart, Message, Role, Usage
 
 T = TypeVar("T")
 
