@@ -75,7 +75,7 @@ def _usage_in_extra(d: dict[str, Any]) -> Any:
     return None
 
 
-def message_from_openai(raw: Any) -> Message:
+def message_from_openai(raw: Any, default_id: str = "") -> Message:
     """One OpenAI chat message dict -> :class:`Message` (raises FormatError without a location)."""
     d = expect_dict(raw, "message")
     role = role_of(d.get("role"), ROLES)
@@ -111,7 +111,7 @@ def message_from_openai(raw: Any) -> Message:
     return Message(
         role=role,
         content=content,
-        id=mid if isinstance(mid, str) else "",
+        id=mid if isinstance(mid, str) and mid else default_id,
         tool_calls=calls,
         tool_call_id=tool_call_id,
         name=name if isinstance(name, str) else None,
@@ -176,9 +176,9 @@ def conversation_from_messages(
     prefix = f"{where}, " if where else ""
     for i, raw in enumerate(items):
         loc = f"{prefix}message {i}"
-        m = reader.guard(loc, partial(message_from_openai, raw))
+        m = reader.guard(loc, partial(message_from_openai, raw, f"m{i}"))
         if m is not None:
-            messages.append(m if m.id else _with_id(m, f"m{i}"))
+            messages.append(m)
             locations.append(loc)
     if require_pairing:
         messages = check_pairing(messages, locations, reader)
@@ -196,12 +196,6 @@ def conversation_from_messages(
     )
     return Conversation(messages=assign_ids(messages, "m"), id=conv_id, system=system, tools=specs,
                         source_format=source_format, source=reader.source, meta=dict(meta or {}))
-
-
-def _with_id(m: Message, mid: str) -> Message:
-    from dataclasses import replace
-
-    return replace(m, id=mid)
 
 
 def load_document(value: Any, reader: Reader, conv_id: str, jsonl_lines: Sequence[tuple[int, Any]] | None = None
