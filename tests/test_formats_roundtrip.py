@@ -136,3 +136,17 @@ def test_anthropic_blocks_map_to_the_model() -> None:
     assert formats.dump(conv, "anthropic")["system"] == doc["system"]
     (again,) = formats.loads(formats.dumps(conv, "anthropic"))
     assert again.messages == conv.messages
+
+
+def test_jsonl_of_conversations_yields_each() -> None:
+    convs = [{"id": f"c{k}", "messages": [{"role": "user", "content": f"q{k}"},
+                                          {"role": "assistant", "content": f"a{k}"}]} for k in range(3)]
+    got = formats.loads("\n".join(json.dumps(c) for c in convs))
+    assert [c.id for c in got] == ["c0", "c1", "c2"]
+    assert [m.text for c in got for m in c.messages] == ["q0", "a0", "q1", "a1", "q2", "a2"]
+    anth = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]},
+                          {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "n",
+                                                             "input": {}}]}]}] * 2
+    got = formats.loads("\n".join(json.dumps(c) for c in anth))
+    assert [c.source_format for c in got] == ["anthropic", "anthropic"]
+    assert got[0].messages[1].tool_calls[0].id == "t"
