@@ -87,6 +87,8 @@ class _Session:
                     content=simple_content(_parts(prev) + parts),
                     reasoning="\n".join(texts) if texts else None,
                     tool_calls=prev.tool_calls + tuple(calls),
+                    # Each record repeats the response's usage as it stood when written: the last is final.
+                    usage=anthropic_usage(msg.get("usage")) or prev.usage,
                     extra={"claude_code": pcc, **({"anthropic": pan} if pan else {})},
                 )
             else:
