@@ -143,3 +143,18 @@ def test_lenient_skips_bad_records_inside_a_real_format() -> None:
     report = formats.read(json.dumps(runs), "tau_bench", lenient=True)
     assert [c.id for c in report.conversations] == ["conv:task1-trial0"]
     assert report.skipped == ("<string>, index 1: 'traj' is a JSON string; expected an array",)
+
+
+def test_agent_log_errors_name_the_line_or_event() -> None:
+    head = {"type": "user", "uuid": "u1", "sessionId": "s", "message": {"role": "user", "content": "hi"}}
+    bad = {"type": "assistant", "uuid": "a1", "sessionId": "s", "message": "oops"}
+    text = "\n".join(json.dumps(r) for r in [{"type": "progress", "uuid": "p", "sessionId": "s"}, head, bad])
+    with pytest.raises(FormatError, match=r"<string>, line 3: 'message' is a JSON string; expected an object"):
+        formats.loads(text)
+    (conv,) = formats.loads(text, lenient=True)
+    assert [m.id for m in conv.messages] == ["u1"] and conv.meta["skipped_records"] == 1
+    assert conv.meta["ignored_records"] == {"progress": 1}
+    events = [{"id": 0, "source": "user", "action": "message", "args": {"content": "go"}},
+              {"id": 1, "source": "agent", "note": "neither action nor observation"}]
+    with pytest.raises(FormatError, match=r"event 1: event has neither 'action' nor 'observation'"):
+        formats.loads(json.dumps(events), "openhands")

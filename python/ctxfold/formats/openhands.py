@@ -150,7 +150,9 @@ def _conversation(events: list[Any], reader: Reader, where: str, conv_id: str,
 
 
 def load_document(doc: Document, reader: Reader, conv_id: str) -> list[Conversation]:
-    if not doc.is_jsonl and isinstance(doc.value, list) and all(looks_like_event(v) for v in doc.value[:50]):
+    # A JSON list is one event stream unless its items are runs (objects with a history).
+    if not doc.is_jsonl and isinstance(doc.value, list) and not any(
+            isinstance(v, dict) and "history" in v for v in doc.value[:50]):
         return [_conversation(doc.value, reader, "", conv_id, {})]
     out: list[Conversation] = []
     for where, rec in iter_records(doc):
