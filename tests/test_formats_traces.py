@@ -45,6 +45,8 @@ def test_every_trace_file_loads_with_its_detected_format(traces_dir: Path,
         assert report.format == EXPECTED_FORMAT[set_name(traces_dir, path)], path
         assert report.conversations, path
         assert not report.skipped, path
+        conv_ids = [c.id for c in report.conversations]
+        assert len(set(conv_ids)) == len(conv_ids), path
         for conv in report.conversations:
             assert conv.messages, (path, conv.id)
             ids = [m.id for m in conv.messages]
