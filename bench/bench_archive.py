@@ -34,15 +34,15 @@ from ctxfold.archive.marker import marker_chars
 from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Message, Role
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
+# For the table printed by ``python bench/bench_archive.py``; the benchmarks use bench/conftest.py.
+TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"))
 NUM_MESSAGES = 2000
 PARAMS = ArchiveParams()
 
 
-def tau_messages(n: int) -> list[Message]:
+def tau_messages(traces_dir: Path, n: int) -> list[Message]:
     """``n`` messages of real tau-bench conversations, back to back, as one long conversation."""
-    convs = formats.load(TRACES_DIR / "tau_bench" / "gpt-4o-airline.json")
+    convs = formats.load(traces_dir / "tau_bench" / "gpt-4o-airline.json")
     out: list[Message] = []
     for c in convs:
         for m in c.messages:
@@ -53,10 +53,12 @@ def tau_messages(n: int) -> list[Message]:
 
 
 @pytest.fixture(scope="module")
-def steady_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Message], ArchiveStore]:
+def steady_state(
+    traces_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[Message], ArchiveStore]:
     """2,000 messages after a turn-start pass: nothing is left for the next pass to archive."""
     store = ArchiveStore(tmp_path_factory.mktemp("archive"))
-    msgs, report = archive_turn_start(tau_messages(NUM_MESSAGES), store, PARAMS)
+    msgs, report = archive_turn_start(tau_messages(traces_dir, NUM_MESSAGES), store, PARAMS)
     assert report.archived  # the old bulky outputs became markers
     again, nothing = archive_turn_start(msgs, store, PARAMS)
     assert nothing.archived == () and again == msgs
