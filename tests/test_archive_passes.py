@@ -100,6 +100,14 @@ def test_lookalike_marker_is_not_taken_for_one(tmp_path: Path) -> None:
         restore(msgs, store, strict=True)
 
 
+def test_params_from_config() -> None:
+    from ctxfold.config import CompactConfig, MinorConfig
+
+    assert ArchiveParams.from_config(CompactConfig().minor) == ArchiveParams()
+    got = ArchiveParams.from_config(MinorConfig(keep_recent_user_turns=2, archive_threshold=300))
+    assert got.keep_recent_user_turns == 2 and got.archive_threshold_chars == 300
+
+
 def test_params_are_validated() -> None:
     with pytest.raises(ConfigError, match="keep_recent_user_turns"):
         ArchiveParams(keep_recent_user_turns=-1)

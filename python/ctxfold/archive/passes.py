@@ -26,6 +26,7 @@ from ctxfold.archive.marker import (
     parse_marker,
 )
 from ctxfold.archive.store import ArchiveStore, content_id
+from ctxfold.config import MinorConfig
 from ctxfold.errors import ArchiveError, ConfigError, IntegrityError
 from ctxfold.messages import Content, ContentPart, Message, Role
 
@@ -48,6 +49,16 @@ class ArchiveParams:
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"minor.{f.name} = {value!r}: expected an integer >= 0")
+
+    @classmethod
+    def from_config(cls, minor: MinorConfig) -> ArchiveParams:
+        """The knobs of a validated ``compact.minor`` section."""
+        return cls(
+            keep_recent_user_turns=minor.keep_recent_user_turns,
+            archive_threshold_chars=minor.archive_threshold,
+            archive_preview_chars=minor.archive_preview_chars,
+            keep_recent_tool_results=minor.keep_recent_tool_results,
+        )
 
 
 @dataclass(frozen=True, slots=True)
