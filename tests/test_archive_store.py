@@ -60,7 +60,7 @@ def test_read_slices_in_characters(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["../../etc/passwd", "/etc/passwd", "A" * 64, "a" * 63, "a" * 65, "a" * 64 + "\n", "g" * 64, "", 7, None],
+    ["../../etc/passwd", "/etc/passwd", "A" * 64, "a" * 63, "a" * 65, "a" * 64 + "\n", "g" * 64, "", 7, None, ["a"]],
 )
 def test_malformed_ids_never_become_paths(tmp_path: Path, bad: object) -> None:
     store = ArchiveStore(tmp_path / "a")

@@ -267,10 +267,10 @@ class ArchiveStore:
 
     def exists(self, archive_id: str) -> bool:
         """Whether ``archive_id`` is stored here. False (not an error) for a malformed id."""
-        if archive_id in self._known:
-            return True
         if not is_valid_id(archive_id):
             return False
+        if archive_id in self._known:
+            return True
         try:
             found = self.backend.exists(archive_id + _FILE_SUFFIX)
         except OSError:
