@@ -372,6 +372,9 @@ def restore(messages: Sequence[Message], store: ArchiveStore, *, strict: bool = 
     With ``strict``, a tool output with marker syntax that does not resolve raises IntegrityError
     naming the message and the archive id; otherwise it is left as text (it may be a tool output that
     only looks like a marker).
+
+    The one case this cannot tell apart: a tool output that is, byte for byte, a valid marker of this
+    same archive (a tool that printed one). It is expanded like a marker; the passes never produce it.
     """
     out = list(messages)
     for i, m in enumerate(out):
