@@ -162,3 +162,13 @@ def test_object_store_client_errors_become_archive_errors(monkeypatch: pytest.Mo
     new, rep = archive_mid_turn(msgs, store, ArchiveParams(keep_recent_tool_results=0))
     assert new == msgs and rep.left_inline == ("t",)
     assert rep.error is not None and "ClientError: SlowDown" in rep.error
+
+
+def test_memory_backend_round_trips_without_a_disk() -> None:
+    from ctxfold.archive import MemoryBackend
+
+    store = ArchiveStore(MemoryBackend())
+    aid = store.put("héllo\n" * 100)
+    assert store.get(aid) == "héllo\n" * 100
+    assert store.ids() == [aid]
+    assert store.location == "<memory>"

@@ -86,6 +86,32 @@ class Backend(Protocol):
     def names(self) -> Iterator[str]: ...
 
 
+class MemoryBackend:
+    """A dict in this process: for a compactor that keeps no session on disk, and for tests.
+
+    Nothing survives the process, so it is only as lossless as the process lives.
+    """
+
+    def __init__(self) -> None:
+        self.location = "<memory>"
+        self._files: dict[str, bytes] = {}
+
+    def exists(self, name: str) -> bool:
+        return name in self._files
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return self._files[name]
+        except KeyError:
+            raise FileNotFoundError(name) from None
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self._files[name] = bytes(data)
+
+    def names(self) -> Iterator[str]:
+        return iter(list(self._files))
+
+
 class LocalBackend:
     """A directory on a local (or POSIX-mounted) file system."""
 
