@@ -1,0 +1,338 @@
+"""Quality beside speed: what each method keeps, how wrong each estimate is, what a compaction costs
+the KV cache. No timing here; ``bench/run.py`` runs this and puts the tables on the results page.
+
+    python bench/quality.py --json build/bench/quality.json     # also prints the tables
+
+Sections (each reports "not available" with the reason when a part is missing from this build):
+1. Tail selection on the real traces at budgets 1k..200k: budget use (kept tokens / budget: min, p10,
+   median) and windows that start with an orphan tool result, for ctxfold's segment tail,
+   trim_messages with and without start_on="human", the plain "oldest user turn that fits" rule and
+   the naive "drop the oldest messages"; the same on a 2,000-message transcript built from them.
+2. Estimator error against the exact tokenizer, per message and per conversation (median and p95
+   absolute relative error), for each built-in calibration beside chars/4.
+3. Tokens prefilled again per compaction: ``ctxfold replay`` of every trace at 8k/16k/32k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import numpy as np
+import numpy.typing as npt
+
+import peers
+import synth
+from ctxfold import formats
+from ctxfold.integrity import count_orphans
+from ctxfold.messages import Conversation, Message, Role
+
+BUDGETS = [1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000, 128_000, 200_000]
+REPLAY_CONTEXTS = [8_192, 16_384, 32_768]
+NOT_TRACES = {"README.md", "LICENSE", "LICENSE.md", "SOURCE.txt"}
+Section = dict[str, Any]
+
+
+def trace_files(traces_dir: Path) -> list[Path]:
+    return sorted(p for p in traces_dir.rglob("*") if p.is_file() and p.name not in NOT_TRACES)
+
+
+def real_conversations(traces_dir: Path) -> list[Conversation]:
+    out: list[Conversation] = []
+    for p in trace_files(traces_dir):
+        out.extend(formats.load(p))
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
+
+
+def fmt_pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.1f}%"
+
+
+# ---- 1. tail selection ------------------------------------------------------------------------------
+
+
+class Case:
+    """One conversation as every tail method sees it: message 0 is the system prompt (maybe empty)."""
+
+    def __init__(self, name: str, messages: list[Message], tokens: npt.NDArray[np.int64]) -> None:
+        self.name = name
+        self.messages = messages
+        self.tokens = tokens
+        self.flags = np.array([synth.message_flags(m) for m in messages], np.uint32)
+        self.groups = synth.group_starts(messages)
+        self.total = int(tokens.sum())
+        self._lc: list[Any] | None = None
+        self.counter = peers.list_counter(tokens)
+
+    @property
+    def lc(self) -> list[Any]:
+        if self._lc is None:
+            self._lc = peers.to_langchain(self.messages)
+        return self._lc
+
+
+def cases_from(convs: Sequence[Conversation]) -> tuple[list[Case], int]:
+    tok = synth.deepseek_tokenizer()
+    cases: list[Case] = []
+    skipped = 0
+    for c in convs:
+        if count_orphans(c.messages) or len(c.messages) < 2:
+            skipped += 1  # a source that already orphans a result says nothing about the cut
+            continue
+        msgs = [Message(Role.SYSTEM, c.system or "", id="system"), *c.messages]
+        enc = tok.encode_batch([synth.message_text(m) for m in msgs], add_special_tokens=False)
+        tokens = np.array([len(e.ids) + synth.PER_MESSAGE_TOKENS for e in enc], np.int64)
+        cases.append(Case(c.id or c.source, msgs, tokens))
+    return cases, skipped
+
+
+# Each method: (case, budget) -> indices of the kept messages, system prompt included.
+Method = Callable[[Case, int], list[int]]
+
+
+def _ctxfold_tail() -> Method | str:
+    try:
+        from ctxfold import tail
+    except ImportError:
+        return "ctxfold.tail is not in this build"
+
+    def run(case: Case, budget: int) -> list[int]:
+        room = budget - int(case.tokens[0])
+        t = tail.select_tail(case.tokens, case.flags, case.groups, budget_tokens=room)
+        return [0, *range(t.start, len(case.tokens))]
+
+    return run
+
+
+def _trim(start_on_human: bool) -> Method | str:
+    try:
+        import langchain_core  # noqa: F401
+    except ImportError:
+        return "langchain-core is not installed"
+
+    def run(case: Case, budget: int) -> list[int]:
+        return peers.kept_indices(peers.trim_last(case.lc, case.counter, budget, start_on_human=start_on_human))
+
+    return run
+
+
+def _oldest_user_turn(case: Case, budget: int) -> list[int]:
+    room = budget - int(case.tokens[0])
+    start = peers.numpy_segment_tail(case.tokens[1:], case.flags[1:], room) + 1
+    return [0, *range(start, len(case.tokens))]
+
+
+def _drop_oldest(case: Case, budget: int) -> list[int]:
+    start = peers.drop_oldest(case.tokens, budget, floor=1)
+    return [0, *range(start, len(case.tokens))]
+
+
+def tail_methods() -> list[tuple[str, Method | str]]:
+    return [
+        ("ctxfold select_tail", _ctxfold_tail()),
+        ('trim_messages start_on="human"', _trim(True)),
+        ("trim_messages (no start_on)", _trim(False)),
+        ("oldest user turn that fits (numpy)", _oldest_user_turn),
+        ("drop oldest messages (naive)", _drop_oldest),
+    ]
+
+
+def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dict[str, Any]:
+    headers = ["method", "cuts", "budget use min", "p10", "median", "windows with an orphan",
+               "orphaned results", "empty windows", "over budget"]
+    rows: list[list[Any]] = []
+    for label, method in tail_methods():
+        if isinstance(method, str):
+            rows.append([label, "not available: " + method, "", "", "", "", "", "", ""])
+            continue
+        use: list[float] = []
+        orphan_windows = orphans = empty = over = 0
+        for case in cases:
+            for b in budgets:
+                # Only budgets that force a cut, and leave room beyond the system prompt.
+                if case.total <= b or int(case.tokens[0]) >= b:
+                    continue
+                kept = method(case, b)
+                kept_tokens = int(case.tokens[kept].sum())
+                over += kept_tokens > b
+                use.append(kept_tokens / b)
+                n = count_orphans(case.messages[i] for i in kept)
+                orphans += n
+                orphan_windows += n > 0
+                empty += len(kept) <= 1
+        rows.append([label, len(use), fmt_pct(min(use, default=float("nan"))), fmt_pct(pct(use, 10)),
+                     fmt_pct(pct(use, 50)), orphan_windows, orphans, empty, over])
+    return {"title": title, "headers": headers, "rows": rows}
+
+
+def section_tail(traces_dir: Path) -> Section:
+    convs = real_conversations(traces_dir)
+    cases, skipped = cases_from(convs)
+    long = synth.transcript(2_000)
+    long_case = Case("synthetic-2000", long.messages, long.tokens)
+    return {
+        "title": "Tail selection: budget use and orphans",
+        "status": "ok",
+        "intro": (
+            f"Every conversation of the traces folder ({len(cases)} conversations; {skipped} left out "
+            "because the recording itself has an orphaned result or no messages) at budgets "
+            f"{', '.join(f'{b // 1000}k' for b in BUDGETS)} tokens, each (conversation, budget) pair "
+            "that forces a cut. Budget use = tokens kept (system prompt included) / budget. Token counts: "
+            f"DeepSeek V4, exact, plus {synth.PER_MESSAGE_TOKENS} per message; every method sees the same "
+            "counts. trim_messages runs with strategy=\"last\", include_system=True."
+        ),
+        "tables": [
+            tail_table(cases, BUDGETS, "Real traces"),
+            tail_table([long_case], list(range(1_000, 200_001, 500)),
+                       f"One 2,000-message transcript ({long.num_tokens:,} tokens, the traces repeated), "
+                       "budgets 1k..200k in steps of 500"),
+        ],
+    }
+
+
+# ---- 2. estimator error -----------------------------------------------------------------------------
+
+
+def _abs_rel(est: npt.NDArray[np.int64], exact: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+    keep = exact > 0
+    return np.abs(est[keep] - exact[keep]) / exact[keep]
+
+
+def section_estimator(traces_dir: Path) -> Section:
+    title = "Estimator error against the exact tokenizer"
+    try:
+        from ctxfold import counting
+    except ImportError:
+        return {"title": title, "status": "ctxfold.counting is not in this build"}
+    names = counting.builtin_calibrations()
+    if not names:
+        return {"title": title, "status": "this build ships no built-in calibration"}
+    convs = real_conversations(traces_dir)
+    texts: list[str] = []
+    conv_of: list[int] = []
+    for k, c in enumerate(convs):
+        for m in ([Message(Role.SYSTEM, c.system, id="s")] if c.system else []) + list(c.messages):
+            texts.append(synth.message_text(m))
+            conv_of.append(k)
+    owner = np.array(conv_of, np.int64)
+    rows: list[list[Any]] = []
+    notes: list[str] = []
+    for name in names:
+        cal = counting.builtin_calibration(name)
+        try:
+            exact_counter = counting.load_counter(cal.tokenizer)
+        except Exception as exc:  # noqa: BLE001  a tokenizer package missing here: say so, keep the others
+            rows.append([name, "not available", f"exact tokenizer {cal.tokenizer!r}: {exc}", "", "", ""])
+            continue
+        exact = np.asarray(exact_counter.count_batch(texts), np.int64)
+        per_conv_exact = np.bincount(owner, weights=exact, minlength=len(convs))
+        for label, est in (("ctxfold estimator", np.asarray(counting.EstimateCounter(cal).count_batch(texts), np.int64)),
+                           ("chars/4", np.array([len(t) // 4 for t in texts], np.int64))):
+            per_msg = _abs_rel(est, exact)
+            per_conv = _abs_rel(np.bincount(owner, weights=est, minlength=len(convs)).astype(np.int64),
+                                per_conv_exact.astype(np.int64))
+            rows.append([name, label, fmt_pct(pct(per_msg, 50)), fmt_pct(pct(per_msg, 95)),
+                         fmt_pct(pct(per_conv, 50)), fmt_pct(pct(per_conv, 95))])
+        if cal.corpus:
+            notes.append(f"{name}: fitted on {cal.corpus} ({cal.num_texts:,} texts)")
+    return {
+        "title": title,
+        "status": "ok",
+        "intro": (f"{len(texts):,} messages in {len(convs)} conversations of the traces folder; absolute "
+                  "relative error |estimate - exact| / exact (messages with at least one token). Target per "
+                  "conversation: median <= 3%, p95 <= 10%."),
+        "tables": [{"headers": ["calibration", "method", "per message median", "p95", "per conversation median",
+                                "p95"], "rows": rows}],
+        "notes": notes,
+    }
+
+
+# ---- 3. tokens prefilled again per compaction ------------------------------------------------------
+
+
+def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Section:
+    title = "Tokens prefilled again per compaction (replay of the traces)"
+    probe = subprocess.run([env_python, "-m", "ctxfold", "replay", "--help"], check=False, capture_output=True, text=True)
+    if probe.returncode != 0:
+        return {"title": title, "status": "`ctxfold replay` is not in this build"}
+    files = [str(p) for p in trace_files(traces_dir)]
+    rows: list[list[Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ctx in REPLAY_CONTEXTS:
+            out = Path(tmp) / f"replay-{ctx}.json"
+            r = subprocess.run([env_python, "-m", "ctxfold", "replay", *files, "--ctx", str(ctx), "--json", str(out),
+                                "--quiet"], check=False, capture_output=True, text=True, timeout=600)
+            if not out.is_file():
+                tail = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+                rows.append([f"{ctx:,}", "replay failed: " + tail[:200], "", "", "", "", "", ""])
+                continue
+            total = json.loads(out.read_text(encoding="utf-8"))["total"]
+            kinds = total.get("compactions", {})
+            n = sum(int(v) for v in kinds.values())
+            reused, prefilled = int(total.get("kv_tokens_reused", 0)), int(total.get("kv_tokens_prefilled", 0))
+            rows.append([
+                f"{ctx:,}", total.get("conversations", ""),
+                ", ".join(f"{k} {v}" for k, v in kinds.items()) or "0",
+                f"{prefilled:,}", f"{prefilled / n:,.0f}" if n else "-",
+                fmt_pct(reused / (reused + prefilled)) if reused + prefilled else "-",
+                total.get("orphans", ""), total.get("overflows", ""),
+            ])
+    return {
+        "title": title,
+        "status": "ok",
+        "intro": ("`ctxfold replay` of every trace file with the default policy and the extractive summarizer; "
+                  "KV figures from each compaction's plan (page size 16)."),
+        "tables": [{"headers": ["context", "conversations", "compactions", "tokens prefilled again",
+                                "per compaction", "KV reused share", "orphans", "overflows"], "rows": rows}],
+    }
+
+
+def compute(traces_dir: Path) -> dict[str, Any]:
+    sections: list[Section] = []
+    for fn, title in ((section_tail, "Tail selection: budget use and orphans"),
+                      (section_estimator, "Estimator error against the exact tokenizer"),
+                      (section_prefill, "Tokens prefilled again per compaction (replay of the traces)")):
+        try:
+            sections.append(fn(traces_dir))
+        except Exception as exc:  # noqa: BLE001  one broken section must not hide the others; the page shows why
+            traceback.print_exc()
+            sections.append({"title": title, "status": f"failed: {type(exc).__name__}: {exc}"})
+    return {"traces_dir": traces_dir.name, "sections": sections}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Quality figures of ctxfold beside its baselines (no timing).")
+    ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    ap.add_argument("--traces", type=Path, default=synth.TRACES_DIR, help="the traces folder (default ../shared/traces)")
+    args = ap.parse_args(argv)
+    if not args.traces.is_dir():
+        print(f"quality: traces folder {args.traces} not found; pass --traces or set CTXFOLD_TRACES", file=sys.stderr)
+        return 2
+    synth.TRACES_DIR = args.traces  # the synthetic transcript repeats the same traces
+    result = compute(args.traces)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    import report
+
+    print("\n".join(report.render_quality(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

