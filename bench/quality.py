@@ -152,15 +152,27 @@ def tail_methods() -> list[tuple[str, Method | str]]:
     ]
 
 
+def best_legal_tokens(case: Case, budget: int) -> int:
+    """Tokens kept (system prompt included) by the best cut that orphans nothing: the oldest start of
+    an atomic group, other than a tool result, whose suffix fits. What no honest method can beat."""
+    room = budget - int(case.tokens[0])
+    suffix = np.cumsum(case.tokens[::-1])[::-1]
+    idx = np.arange(len(case.tokens))
+    legal = (case.groups == idx) & ((case.flags & (synth.FLAG_TOOL_RESULT | synth.FLAG_SYSTEM)) == 0)
+    fits = np.flatnonzero(legal & (suffix <= room))
+    return int(case.tokens[0]) + (int(suffix[fits[0]]) if fits.size else 0)
+
+
 def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dict[str, Any]:
-    headers = ["method", "cuts", "budget use min", "p10", "median", "windows with an orphan",
-               "orphaned results", "empty windows", "over budget"]
+    headers = ["method", "cuts", "budget use min", "p10", "median", "of best orphan-free cut p10", "min",
+               "windows with an orphan", "orphaned results", "empty windows", "over budget"]
     rows: list[list[Any]] = []
     for label, method in tail_methods():
         if isinstance(method, str):
-            rows.append([label, "not available: " + method, "", "", "", "", "", "", ""])
+            rows.append([label, "not available: " + method, *[""] * (len(headers) - 2)])
             continue
         use: list[float] = []
+        of_best: list[float] = []
         orphan_windows = orphans = empty = over = 0
         for case in cases:
             for b in budgets:
@@ -171,12 +183,14 @@ def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dic
                 kept_tokens = int(case.tokens[kept].sum())
                 over += kept_tokens > b
                 use.append(kept_tokens / b)
+                of_best.append(kept_tokens / best_legal_tokens(case, b))
                 n = count_orphans(case.messages[i] for i in kept)
                 orphans += n
                 orphan_windows += n > 0
                 empty += len(kept) <= 1
         rows.append([label, len(use), fmt_pct(min(use, default=float("nan"))), fmt_pct(pct(use, 10)),
-                     fmt_pct(pct(use, 50)), orphan_windows, orphans, empty, over])
+                     fmt_pct(pct(use, 50)), fmt_pct(pct(of_best, 10)), fmt_pct(min(of_best, default=float("nan"))),
+                     orphan_windows, orphans, empty, over])
     return {"title": title, "headers": headers, "rows": rows}
 
 
@@ -194,7 +208,9 @@ def section_tail(traces_dir: Path) -> Section:
             f"{', '.join(f'{b // 1000}k' for b in BUDGETS)} tokens, each (conversation, budget) pair "
             "that forces a cut. Budget use = tokens kept (system prompt included) / budget. Token counts: "
             f"DeepSeek V4, exact, plus {synth.PER_MESSAGE_TOKENS} per message; every method sees the same "
-            "counts. trim_messages runs with strategy=\"last\", include_system=True."
+            "counts. trim_messages runs with strategy=\"last\", include_system=True. \"Of best orphan-free cut\": "
+            "tokens kept / tokens kept by the oldest group start (not a tool result) that fits; above 100% "
+            "only by orphaning a result."
         ),
         "tables": [
             tail_table(cases, BUDGETS, "Real traces"),
@@ -249,7 +265,16 @@ def section_estimator(traces_dir: Path) -> Section:
             rows.append([name, label, fmt_pct(pct(per_msg, 50)), fmt_pct(pct(per_msg, 95)),
                          fmt_pct(pct(per_conv, 50)), fmt_pct(pct(per_conv, 95))])
         if cal.corpus:
-            notes.append(f"{name}: fitted on {cal.corpus} ({cal.num_texts:,} texts)")
+            held = cal.error
+            line = f"{name}: fitted on {cal.num_texts:,} texts of {cal.corpus}"
+            if {"message_median", "message_p95", "conversation_median", "conversation_p95"} <= held.keys():
+                line += (
+                    f"; the table covers every message, fitting texts included. Held out at calibration "
+                    f"({int(held.get('num_conversations', 0))} conversations): per message median "
+                    f"{fmt_pct(held['message_median'])}, p95 {fmt_pct(held['message_p95'])}; per conversation "
+                    f"median {fmt_pct(held['conversation_median'])}, p95 {fmt_pct(held['conversation_p95'])}"
+                )
+            notes.append(line)
     return {
         "title": title,
         "status": "ok",

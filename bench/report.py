@@ -214,8 +214,11 @@ def describe_slope(s: float | None) -> str:
     return f"{s:.2f} ({kind})"
 
 
-def _size_key(e: Entry) -> float:
-    return e.size or 0.0
+def _time_iqr(e: Entry) -> str:
+    """Median with its spread: the IQR as a share of the median."""
+    if not math.isfinite(e.iqr_s) or e.median_s <= 0:
+        return fmt_time(e.median_s)
+    return f"{fmt_time(e.median_s)} ±{100 * e.iqr_s / e.median_s:.0f}%"
 
 
 def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None, plot_rel: str) -> list[str]:
@@ -254,7 +257,7 @@ def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None
         cells = steps[s]
         size = max((x.size or 0.0) for x in cells.values())
         row: list[Any] = [fmt_size(size)]
-        row += [fmt_time(cells[m].median_s) if m in cells else "" for m in names]
+        row += [_time_iqr(cells[m]) if m in cells else "" for m in names]
         for m, b in ratio_cols:
             row.append(fmt_ratio(cells[b].median_s, cells[m].median_s) if m in cells and b in cells else "")
         rows.append(row)
@@ -319,7 +322,9 @@ def read_junit(path: Path) -> dict[str, list[tuple[str, str]]]:
             node = case.find(tag)
             if node is not None:
                 lines = (node.text or "").strip().splitlines()
-                msg = node.get("message") or (lines[-1] if lines else "")
+                msg = node.get("message") or ""
+                if lines and (msg in ("", "collection failure") or msg.startswith("failed on setup")):
+                    msg = f"{msg}: {lines[-1]}" if msg else lines[-1]  # the exception line says why
                 out[kind].append((test, msg.strip()))
     return out
 
@@ -447,7 +452,7 @@ def render(results: Path, out: Path) -> Path:
         lines += [f"### {g}", "", *render_scaling_group(g, groups[g], plot_dir, plot_rel), ""]
         lines += [f"- {n}" for n in sorted({e.note for e in groups[g] if e.note})]
         lines.append("")
-    lines += ["## Quality beside speed", "", *render_quality(quality)]
+    lines += ["## Quality beside speed", "", *render_quality(quality), ""]
     nm = render_not_measured(junit)
     lines += ["## Not measured in this run", ""] + (nm or ["Everything in bench/ ran.", ""])
     out.parent.mkdir(parents=True, exist_ok=True)
