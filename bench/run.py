@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="pytest-benchmark --benchmark-max-time in seconds per benchmark (0.5)")
     ap.add_argument("-k", help="only benchmarks matching this pytest -k expression")
     ap.add_argument("--no-quality", action="store_true", help="skip the quality figures")
-    ap.add_argument("--quality-timeout", type=float, default=600, help="seconds allowed for bench/quality.py")
+    ap.add_argument("--quality-timeout", type=float, default=900, help="seconds allowed for bench/quality.py (900)")
     ap.add_argument("--render-only", action="store_true", help="re-render the page from --results, run nothing")
     ap.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = ap.parse_args(argv)
