@@ -340,6 +340,8 @@ def compute(traces_dir: Path) -> dict[str, Any]:
                       (section_prefill, "Tokens prefilled again per compaction (replay of the traces)")):
         try:
             sections.append(fn(traces_dir))
+        except ImportError as exc:  # an optional package (tokenizers, langchain-core) is not installed
+            sections.append({"title": title, "status": f"an optional package is missing: {exc}"})
         except Exception as exc:  # noqa: BLE001  one broken section must not hide the others; the page shows why
             traceback.print_exc()
             sections.append({"title": title, "status": f"failed: {type(exc).__name__}: {exc}"})
