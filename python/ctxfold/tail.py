@@ -92,7 +92,9 @@ def select_tail_from_ledger(
     ledger: _core.Ledger, *, budget_tokens: int, bottom: int | None = None, min_fill: float = DEFAULT_MIN_FILL
 ) -> SegmentTail:
     """As :func:`select_tail`, over a Ledger's own arrays (nothing copied)."""
-    start, num, rule = _core.select_segment_tail_ledger(ledger, _bottom(bottom, len(ledger)), budget_tokens, min_fill)
+    start, num, rule = _core.select_segment_tail_ledger(
+        ledger, _bottom(bottom, len(ledger)), budget_tokens, min_fill
+    )
     return SegmentTail(start, num, TailRule(rule))
 
 
