@@ -12,11 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from ctxfold.kvplan import plan_kv_resync
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow  # imports transformers and runs a (tiny) model: ~10 s on 2 cores
 

@@ -216,16 +216,24 @@ def test_segment_bad_input_is_a_clear_error() -> None:
 
 
 def test_torch_tensors_cross_without_copies() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
+    from ctxfold._arrays import as_view
+
     t = torch.tensor([5, 5, 5], dtype=torch.int64)
-    f = torch.tensor([ref.USER | ref.USER_TURN, ref.ASSISTANT, ref.USER | ref.USER_TURN], dtype=torch.int32)
+    f = np.array([ref.USER | ref.USER_TURN, ref.ASSISTANT, ref.USER | ref.USER_TURN], np.uint32)
     g = torch.arange(3, dtype=torch.int32)
-    # torch has no uint32 tensors in common use: the flags must be converted once, visibly.
-    r = select_tail(t, f.numpy().astype(np.uint32), g, budget_tokens=10)
+    r = select_tail(t, f, g, budget_tokens=10)
     assert (r.start, r.rule) == (1, TailRule.ASSISTANT_TURN)
+    view = as_view(t, np.int64, "tokens")
+    t[0] = 99  # the numpy view reads the tensor's own memory
+    assert view[0] == 99 and view.dtype == np.int64
     ids = torch.tensor([9, 1, 9, 2, 9], dtype=torch.int32)
     assert select_token_tail(ids, budget_tokens=4, boundaries=[9]).start == 2
-    assert np.shares_memory(np.from_dlpack(ids), np.from_dlpack(ids))
+    with pytest.raises(ValueError, match="ids: expected dtype int32"):
+        select_token_tail(ids.to(torch.int64), budget_tokens=4, boundaries=[9])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        select_token_tail(torch.arange(10, dtype=torch.int32)[::2], budget_tokens=4, boundaries=[9])
 
 
 # ---- token ids -----------------------------------------------------------------------------------
