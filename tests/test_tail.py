@@ -392,37 +392,30 @@ def test_traces_zero_orphans_and_full_budgets(traces) -> None:  # type: ignore[n
     assert ob.min() >= 0.90  # preferring a user turn never gives up more than 10% of what fits
 
 
-def _langchain_messages(messages: list[dict]) -> list:  # type: ignore[type-arg]
-    import json
-
+def _langchain_messages(tr) -> list:  # type: ignore[no-untyped-def, type-arg]
+    """The trace as langchain messages, one per ctxfold message (the system prompt first)."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        text = content if isinstance(content, str) else json.dumps(content) if content else ""
-        if m["role"] == "system":
-            out.append(SystemMessage(text, id=str(i)))
-        elif m["role"] == "user":
-            out.append(HumanMessage(text, id=str(i)))
-        elif m["role"] == "assistant":
+    from ctxfold.messages import Role
+
+    out: list = []  # type: ignore[type-arg]
+    if tr.message_of and tr.message_of[0] == -1:
+        out.append(SystemMessage(tr.texts[0], id="system"))
+    for i, m in enumerate(tr.conversation.messages):
+        if m.role is Role.SYSTEM:
+            out.append(SystemMessage(m.text, id=str(i)))
+        elif m.role is Role.USER:
+            out.append(HumanMessage(m.text, id=str(i)))
+        elif m.role is Role.ASSISTANT:
             calls = []
-            for c in m.get("tool_calls") or []:
-                try:
-                    args = json.loads(c["function"]["arguments"])
-                except (KeyError, TypeError, ValueError):
-                    args = {}
+            for c in m.tool_calls:
+                args = c.parsed_arguments()
                 calls.append(
-                    {
-                        "name": c.get("function", {}).get("name", "tool"),
-                        "args": args if isinstance(args, dict) else {"value": args},
-                        "id": c.get("id") or f"call{i}",
-                    }
+                    {"name": c.name, "args": args if isinstance(args, dict) else {"value": args}, "id": c.id}
                 )
-            out.append(AIMessage(text, tool_calls=calls, id=str(i)))
+            out.append(AIMessage(m.text, tool_calls=calls, id=str(i)))
         else:
-            ids = m.get("tool_call_ids") or [m.get("tool_call_id") or f"missing{i}"]
-            out.append(ToolMessage(text, tool_call_id=ids[0], id=str(i)))
+            out.append(ToolMessage(m.text, tool_call_id=m.tool_call_id or f"missing{i}", id=str(i)))
     return out
 
 
@@ -440,9 +433,11 @@ def test_traces_compare_with_trim_messages(traces) -> None:  # type: ignore[no-u
     ours_cut, theirs_cut = [], []  # pairs where the budget is smaller than the conversation
     trim_orphans = 0
     for tr in traces:
-        per_message = np.zeros(len(tr.messages), np.int64)
-        np.add.at(per_message, tr.message_of, tr.tokens)
-        lc = _langchain_messages(tr.messages)
+        # Per message, the system prompt (message_of == -1) first, as _langchain_messages orders them.
+        has_prompt = bool(tr.message_of) and tr.message_of[0] == -1
+        per_message = np.zeros(len(tr.conversation.messages) + has_prompt, np.int64)
+        np.add.at(per_message, np.array(tr.message_of, np.int64) + has_prompt, tr.tokens)
+        lc = _langchain_messages(tr)
         count = {m.id: int(c) for m, c in zip(lc, per_message, strict=True)}
         system_tokens = sum(count[m.id] for m in lc if isinstance(m, SystemMessage))
         counter = functools.partial(_count, count)
