@@ -161,15 +161,23 @@ TOKEN_BUDGET = 50_000
 KINDS = [Boundary(USER_ID), Boundary(ASSISTANT_ID), Boundary(EOS_ID, cut_after=True)]
 
 
-def numpy_token_tail(ids: np.ndarray, budget: int) -> int:
-    """The oldest user marker in the window, else the oldest assistant marker, else a raw cut."""
-    lo = len(ids) - budget
-    window = ids[lo:]
-    for marker in (USER_ID, ASSISTANT_ID):
-        hits = np.flatnonzero(window == marker)
-        if len(hits):
-            return lo + int(hits[0])
-    return lo
+def numpy_token_tail(ids: np.ndarray, budget: int, min_fill: float = 0.9) -> int:
+    """The same rule in numpy (no no-entry spans here): the oldest cut of each kind in the window,
+    then the most preferred kind that keeps min_fill of the oldest cut, else a raw cut."""
+    n = len(ids)
+    lo = max(n - budget, 0)
+    first_token = max(lo - 1, 0)
+    window = ids[first_token:]
+    oldest = []
+    for kind in KINDS:
+        cuts = np.flatnonzero(window == kind.token_id) + first_token + int(kind.cut_after)
+        cuts = cuts[(cuts >= lo) & (cuts < n)]
+        oldest.append(int(cuts[0]) if len(cuts) else -1)
+    found = [c for c in oldest if c >= 0]
+    if not found:
+        return lo
+    want = min_fill * (n - min(found))
+    return next(c for c in oldest if c >= 0 and n - c >= want)
 
 
 @pytest.mark.benchmark(group="token tail, 50k budget in a 1M-token buffer")

@@ -175,6 +175,24 @@ void CheckTokenTailArgs(std::span<const int32_t> ids, int64_t bottom, int64_t fl
 
 namespace {
 
+// Whether any of n tokens equals one of the markers (4 * num_groups of them). One pass with four
+// compares per token and no branch, so the compiler vectorises it; on x86-64 an AVX2 clone is
+// chosen at load time when the CPU has it (the default build targets baseline SSE2).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__)  // ifunc: glibc only
+__attribute__((target_clones("avx2", "default")))
+#endif
+bool BlockHasMarker(const int32_t* tokens, int64_t n, const int32_t* markers4, int num_groups) {
+  int hits = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    const int32_t a = markers4[4 * g], b = markers4[4 * g + 1], c = markers4[4 * g + 2], d = markers4[4 * g + 3];
+    for (int64_t p = 0; p < n; ++p) {
+      const int32_t x = tokens[p];
+      hits |= static_cast<int>(x == a) | static_cast<int>(x == b) | static_cast<int>(x == c) | static_cast<int>(x == d);
+    }
+  }
+  return hits != 0;
+}
+
 // The no-entry span that could contain a cut: the last one whose begin < c. Spans are sorted and
 // disjoint, so it is the only candidate. Cuts must be visited in non-decreasing order.
 class SpanCursor {
@@ -239,16 +257,15 @@ TokenTail SelectTokenTail(std::span<const int32_t> ids, int64_t bottom, int64_t 
     if (r == 0) done = true;
   };
   const int32_t* data = ids.data();
-  constexpr int64_t kBlock = 32;
+  // Boundary ids padded to a multiple of 4 by repeating the first one, for BlockHasMarker.
+  int32_t markers4[kMaxBoundaryKinds];
+  const int num_groups = (kinds + 3) / 4;
+  for (int r = 0; r < 4 * num_groups; ++r) markers4[r] = boundary_ids[static_cast<size_t>(r < kinds ? r : 0)];
+  constexpr int64_t kBlock = 256;
   for (int64_t block_begin = std::max<int64_t>(lowest - 1, 0); block_begin < bottom && !done; block_begin += kBlock) {
     const int64_t block_end = std::min(bottom, block_begin + kBlock);
     if (best >= 0 && static_cast<double>(bottom - block_begin) < want) break;
-    int hits = 0;
-    for (int r = 0; r < kinds; ++r) {
-      const int32_t marker = boundary_ids[static_cast<size_t>(r)];
-      for (int64_t p = block_begin; p < block_end; ++p) hits |= static_cast<int>(data[p] == marker);
-    }
-    if (!hits) continue;
+    if (!BlockHasMarker(data + block_begin, block_end - block_begin, markers4, num_groups)) continue;
     for (int64_t p = block_begin; p < block_end && !done; ++p) {
       const int32_t id = data[p];
       // Cuts in increasing order (the span cursor only moves forward): p, then p + 1.
