@@ -10,7 +10,6 @@ is that tokenizer's ids for the same text, repeated to 1M tokens, with DeepSeek'
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,6 @@ import pytest
 
 from ctxfold.kvplan import common_prefix, plan_kv_resync
 from ctxfold.tail import Boundary, select_tail, select_token_tail
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TRACES = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
 
 SYSTEM, USER, USER_TURN, ASSISTANT, TOOL_CALL, TOOL_RESULT = 1, 2, 4, 8, 16, 32
 USER_ID, ASSISTANT_ID, EOS_ID = 128803, 128804, 1  # DeepSeek V4 special ids
@@ -37,11 +33,9 @@ def _tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def transcript() -> dict[str, Any]:
+def transcript(traces_dir: Path) -> dict[str, Any]:
     """2,000 messages: one system prompt, then whole tau-bench trajectories back to back."""
-    if not TRACES.is_dir():
-        pytest.fail(f"real traces not found at {TRACES}; set CTXFOLD_TRACES")
-    runs = json.loads((TRACES / "tau_bench" / "gpt-4o-airline.json").read_text())
+    runs = json.loads((traces_dir / "tau_bench" / "gpt-4o-airline.json").read_text())
     messages = [runs[0]["traj"][0]]
     for run in runs:
         messages += [m for m in run["traj"] if m["role"] != "system"]
