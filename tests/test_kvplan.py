@@ -130,6 +130,8 @@ def test_plan_bad_input_is_a_clear_error() -> None:
         plan_kv_resync(a, a, block_table=np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="block_table"):
         plan_kv_resync(a, a, block_table=np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match=r"block_table\[1\] = -1"):
+        plan_kv_resync(a, a, block_table=np.array([4, -1, 5], np.int32))
     with pytest.raises(ValueError, match="expected a numpy array"):
         common_prefix("abc", a)
 
