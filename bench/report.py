@@ -11,8 +11,8 @@ How each benchmark is read (the convention of bench/README.md):
   ``BASELINE_HINTS`` is a baseline and anything else is ctxfold.
 - ``extra_info["method"]``: the label in tables and plots (default: the test name without
   ``test_`` and its parameters).
-- ``extra_info["baseline"]``: on a ctxfold entry, the method (or test name) it is measured against;
-  without it, every baseline of the group gets a column.
+- ``extra_info["baseline"]``: on a ctxfold entry, the method (or test name) of its headline
+  baseline, whose ratio column comes first; every baseline of the group gets a ratio column.
 - ``extra_info["size"]`` and ``["size_unit"]``: a scaling point; a group with sizes is drawn as a
   log-log plot with a fitted slope per method.
 - ``extra_info["nbytes"]``: input bytes; adds a MB/s column.
@@ -158,17 +158,17 @@ def _matches(entry: Entry, wanted: str) -> bool:
 
 
 def baselines_for(entry: Entry, baselines: Sequence[Entry]) -> list[Entry]:
-    """The baselines a ctxfold entry is compared with: the one it names, else all of its group's."""
-    if entry.baseline:
-        named = [b for b in baselines if _matches(b, str(entry.baseline))]
-        if named:
-            return named
-    return list(baselines)
+    """Every baseline of the group, the one a ctxfold entry names (its headline ratio) first."""
+    named = [b for b in baselines if entry.baseline and _matches(b, str(entry.baseline))]
+    return named + [b for b in baselines if b not in named]
 
 
 def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
-    base = [e for e in entries if e.role == "baseline"]
     order = sorted(entries, key=lambda e: (e.role != "ctxfold", e.median_s))
+    base = [e for e in order if e.role == "baseline"]
+    first = next((e for e in order if e.role == "ctxfold" and e.baseline), None)
+    if first is not None:
+        base = baselines_for(first, base)
     has_mbs = any(e.nbytes for e in entries)
     headers = ["method", "role", "median", "IQR", "rounds"] + (["MB/s"] if has_mbs else [])
     headers += [f"vs {b.method}" for b in base]
@@ -177,9 +177,8 @@ def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
         row: list[Any] = [f"`{e.method}`", e.role, fmt_time(e.median_s), fmt_time(e.iqr_s), e.rounds]
         if has_mbs:
             row.append(f"{e.nbytes / e.median_s / 1e6:,.0f}" if e.nbytes else "")
-        wanted = {id(b) for b in baselines_for(e, base)} if e.role == "ctxfold" else set()
         for b in base:
-            row.append(fmt_ratio(b.median_s, e.median_s) if id(b) in wanted else "")
+            row.append(fmt_ratio(b.median_s, e.median_s) if e.role == "ctxfold" else "")
         rows.append(row)
     lines = md_table(headers, rows)
     if not base:
@@ -242,15 +241,12 @@ def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None
 
     ordered = sorted(steps, key=step_key)
     ratio_cols: list[tuple[str, str]] = []
+    baseline_names = [b for b in names if methods[b][0].role == "baseline"]
     for m in names:
         first = methods[m][0]
-        if first.role != "ctxfold":
-            continue
-        base = [b for b in names if methods[b][0].role == "baseline"]
-        if first.baseline:
-            named = [b for b in base if _matches(methods[b][0], str(first.baseline))]
-            base = named or base
-        ratio_cols += [(m, b) for b in base]
+        if first.role == "ctxfold":
+            named = [b for b in baseline_names if first.baseline and _matches(methods[b][0], str(first.baseline))]
+            ratio_cols += [(m, b) for b in named + [b for b in baseline_names if b not in named]]
     headers = [unit] + [f"`{m}`" for m in names] + [f"{m} vs {b}" for m, b in ratio_cols]
     rows = []
     for s in ordered:
