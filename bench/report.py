@@ -17,6 +17,7 @@ How each benchmark is read (the convention of bench/README.md):
   log-log plot with a fitted slope per method.
 - ``extra_info["nbytes"]``: input bytes; adds a MB/s column.
 - ``extra_info["note"]``: a line printed under the group.
+- ``extra_info["target_s"]``: the median this entry must stay under; the page says met or missed.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Entry:
     size_unit: str = ""
     nbytes: int | None = None
     note: str | None = None
+    target_s: float | None = None  # an upper bound on the median, from the issue that set it
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,6 +101,7 @@ def load_entries(data: dict[str, Any]) -> list[Entry]:
             size_unit=str(extra.get("size_unit", "")),
             nbytes=int(extra["nbytes"]) if isinstance(extra.get("nbytes"), int | float) else None,
             note=extra.get("note"),
+            target_s=float(extra["target_s"]) if isinstance(extra.get("target_s"), int | float) else None,
             extra=extra,
         ))
     return out
@@ -127,6 +130,12 @@ def fmt_ratio(baseline_s: float, entry_s: float) -> str:
     if r >= 1:
         return f"**{r:.3g}x faster**" if r >= 1.5 else f"{r:.2f}x faster"
     return f"{1 / r:.3g}x slower"
+
+
+def fmt_target(e: Entry) -> str:
+    if not e.target_s:
+        return ""
+    return f"<= {fmt_time(e.target_s)}: " + ("met" if e.median_s <= e.target_s else "**missed**")
 
 
 def fmt_size(size: float) -> str:
@@ -170,13 +179,17 @@ def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
     if first is not None:
         base = baselines_for(first, base)
     has_mbs = any(e.nbytes for e in entries)
+    has_target = any(e.target_s for e in entries)
     headers = ["method", "role", "median", "IQR", "rounds"] + (["MB/s"] if has_mbs else [])
+    headers += ["target"] if has_target else []
     headers += [f"vs {b.method}" for b in base]
     rows = []
     for e in order:
         row: list[Any] = [f"`{e.method}`", e.role, fmt_time(e.median_s), fmt_time(e.iqr_s), e.rounds]
         if has_mbs:
             row.append(f"{e.nbytes / e.median_s / 1e6:,.0f}" if e.nbytes else "")
+        if has_target:
+            row.append(fmt_target(e))
         for b in base:
             row.append(fmt_ratio(b.median_s, e.median_s) if e.role == "ctxfold" else "")
         rows.append(row)
@@ -185,6 +198,24 @@ def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
         lines.append("")
         lines.append("_No baseline in this group's run: no ratio._")
     return lines
+
+
+def render_glance(groups: dict[str, list[Entry]], plain: Sequence[str]) -> list[str]:
+    """One line per ctxfold entry of the plain groups: its median, then every baseline of its group
+    (the headline one first) with its median and the ratio."""
+    rows = []
+    for g in plain:
+        base = [e for e in groups[g] if e.role == "baseline"]
+        for e in sorted((e for e in groups[g] if e.role == "ctxfold"), key=lambda e: e.median_s):
+            against = "; ".join(f"`{b.method}` {fmt_time(b.median_s)}: {fmt_ratio(b.median_s, e.median_s)}"
+                                for b in baselines_for(e, base)) or "-"
+            rows.append([g, f"`{e.method}`", fmt_time(e.median_s), against, fmt_target(e) or "-"])
+    if not rows:
+        return []
+    headers = ["group", "ctxfold", "median", "against the baselines of the same run", "target"]
+    if all(r[-1] == "-" for r in rows):  # nobody set a target: no column of dashes
+        headers, rows = headers[:-1], [r[:-1] for r in rows]
+    return md_table(headers, rows)
 
 
 def fit_slope(points: Sequence[tuple[float, float]]) -> float | None:
@@ -438,6 +469,9 @@ def render(results: Path, out: Path) -> Path:
         lines += [f"> pytest exited with status {run['pytest_rc']}: see *Not measured* below.", ""]
     if not entries:
         lines += ["_No benchmark results in this run._", ""]
+    glance = render_glance(groups, plain)
+    if glance:
+        lines += ["## At a glance", "", *glance, ""]
     lines += ["## Speed against the baselines", ""]
     for g in plain:
         lines += [f"### {g}", "", *render_plain_group(g, groups[g]), ""]

@@ -121,3 +121,15 @@ def test_missing_results_render_a_page_not_a_traceback(report: ModuleType, tmp_p
     page = report.render(empty, tmp_path / "docs" / "benchmarks.md").read_text()
     assert "_Machine information was not recorded._" in page
     assert "_Quality figures were not computed in this run._" in page
+
+
+def test_targets_and_the_glance_table(report: ModuleType, tmp_path: Path) -> None:
+    results = write_run(tmp_path, [
+        bench("test_tail", "tail", 2e-6, target_s=20e-6),
+        bench("test_prefix", "prefix", 8e-4, target_s=5e-4),
+        bench("test_prefix_numpy", "prefix", 4e-4),
+    ])
+    page = report.render(results, tmp_path / "docs" / "benchmarks.md").read_text()
+    glance = page.split("## At a glance", 1)[1].split("## ", 1)[0]
+    assert "| tail | `tail` | 2 us | - | <= 20 us: met |" in glance
+    assert "| prefix | `prefix` | 800 us | `prefix_numpy` 400 us: 2x slower | <= 500 us: **missed** |" in glance
