@@ -16,7 +16,8 @@ slope fitted per method (1 = linear, 0 = constant). Baselines run in the same gr
 - token tail (50k budget) and common prefix: ctxfold against numpy over the whole buffer;
 - archive pass: the turn-start pass with nothing to archive, against serialising every message to
   JSON and checking it (what Datus does every turn);
-- before_request: the compactor's per-request overhead when nothing fires.
+- before_request: the compactor's per-request overhead when nothing fires, against what LangChain's
+  summarization middleware does before every call (count the whole list, approximately).
 
 Set CTXFOLD_BENCH_QUICK=1 to drop the largest size of each axis (a smoke run).
 """
@@ -33,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+import peers
 import synth
 from ctxfold import _core
 
@@ -86,6 +88,12 @@ def by_tokens(num_tokens: int) -> synth.Transcript:
 def by_messages(num_messages: int) -> synth.Transcript:
     _pool()
     return synth.transcript(num_messages)
+
+
+@functools.cache
+def lc_of(num_messages: int) -> list[Any]:
+    """The transcript as LangChain message objects (3 s at 100,000 messages: converted once)."""
+    return peers.to_langchain(by_messages(num_messages).messages)
 
 
 @functools.cache
@@ -227,8 +235,6 @@ def test_scaling_segment_tail(benchmark: Any, num_messages: int) -> None:
 @pytest.mark.benchmark(group=SEGMENT_TAIL)
 @pytest.mark.parametrize("num_messages", SIZES_MESSAGES)
 def test_scaling_segment_tail_numpy_baseline(benchmark: Any, num_messages: int) -> None:
-    import peers
-
     t = by_messages(num_messages)
     _info(benchmark, method="numpy suffix scan", role="baseline", size=num_messages, unit="messages")
     start = benchmark(peers.numpy_segment_tail, t.tokens, t.flags, SEGMENT_BUDGET_TOKENS)
@@ -239,10 +245,8 @@ def test_scaling_segment_tail_numpy_baseline(benchmark: Any, num_messages: int) 
 @pytest.mark.parametrize("num_messages", [n for n in SIZES_MESSAGES if n <= TRIM_MESSAGES_MAX])
 def test_scaling_trim_messages_baseline(benchmark: Any, num_messages: int) -> None:
     pytest.importorskip("langchain_core", reason="langchain-core is not installed")
-    import peers
-
     t = by_messages(num_messages)
-    lc = peers.to_langchain(t.messages)
+    lc = lc_of(num_messages)
     counter = peers.list_counter(t.tokens)
     _info(benchmark, method="trim_messages start_on=human", role="baseline", size=num_messages, unit="messages")
     if max(SIZES_MESSAGES) > TRIM_MESSAGES_MAX:
@@ -410,5 +414,21 @@ def test_scaling_before_request(benchmark: Any, num_messages: int) -> None:
     compactor = _make_compactor(mod, max(4 * t.num_tokens, 65_536))
     compactor.before_request(t.messages)  # the first call counts everything; later ones are incremental
     _info(benchmark, method="ctxfold before_request", role="ctxfold", size=num_messages, unit="messages",
-          baseline="recount")
+          baseline=LANGCHAIN_CHECK)
     benchmark(compactor.before_request, t.messages)
+
+
+LANGCHAIN_CHECK = "count_tokens_approximately"
+
+
+@pytest.mark.benchmark(group=BEFORE_REQUEST)
+@pytest.mark.parametrize("num_messages", SIZES_MESSAGES)
+def test_scaling_before_request_langchain_baseline(benchmark: Any, num_messages: int) -> None:
+    """What LangChain's summarization middleware does before every model call to decide whether to
+    summarize: count the whole message list again (its default counter)."""
+    pytest.importorskip("langchain_core", reason="langchain-core is not installed")
+    from langchain_core.messages.utils import count_tokens_approximately
+
+    lc = lc_of(num_messages)
+    _info(benchmark, method=LANGCHAIN_CHECK, role="baseline", size=num_messages, unit="messages")
+    assert run(benchmark, count_tokens_approximately, lc) > 0
