@@ -48,8 +48,9 @@ SEGMENT_BUDGET_TOKENS = 32_000
 TOKEN_BUDGET_TOKENS = 50_000
 
 
-def _info(benchmark: Any, *, method: str, role: str, size: int, unit: str, baseline: str | None = None,
-          **more: Any) -> None:
+def _info(
+    benchmark: Any, *, method: str, role: str, size: int, unit: str, baseline: str | None = None, **more: Any
+) -> None:
     benchmark.extra_info.update(method=method, role=role, size=size, size_unit=unit, **more)
     if baseline is not None:
         benchmark.extra_info["baseline"] = baseline
@@ -127,8 +128,15 @@ def _coefficients() -> npt.NDArray[np.float64]:
 def test_scaling_estimator(benchmark: Any, num_tokens: int) -> None:
     t = by_tokens(num_tokens)
     coef = _coefficients()
-    _info(benchmark, method="ctxfold estimator", role="ctxfold", size=t.num_tokens, unit="tokens",
-          baseline=TOKENIZERS_DIRECT, nbytes=t.nbytes)
+    _info(
+        benchmark,
+        method="ctxfold estimator",
+        role="ctxfold",
+        size=t.num_tokens,
+        unit="tokens",
+        baseline=TOKENIZERS_DIRECT,
+        nbytes=t.nbytes,
+    )
     counts = benchmark(_core.estimate_batch, t.texts, coef)
     assert len(counts) == len(t.texts)
 
@@ -139,8 +147,15 @@ def test_scaling_exact_ctxfold(benchmark: Any, num_tokens: int) -> None:
     counting = pytest.importorskip("ctxfold.counting", reason="ctxfold.counting is not in this build")
     counter = counting.load_counter("deepseek-v4")
     t = by_tokens(num_tokens)
-    _info(benchmark, method="ctxfold exact (deepseek-v4)", role="ctxfold", size=t.num_tokens, unit="tokens",
-          baseline=TOKENIZERS_DIRECT, nbytes=t.nbytes)
+    _info(
+        benchmark,
+        method="ctxfold exact (deepseek-v4)",
+        role="ctxfold",
+        size=t.num_tokens,
+        unit="tokens",
+        baseline=TOKENIZERS_DIRECT,
+        nbytes=t.nbytes,
+    )
     counts = run(benchmark, counter.count_batch, t.texts)
     assert int(counts.sum()) == t.num_tokens - synth.PER_MESSAGE_TOKENS * len(t.texts)
 
@@ -150,7 +165,14 @@ def test_scaling_exact_ctxfold(benchmark: Any, num_tokens: int) -> None:
 def test_scaling_tokenizers_baseline(benchmark: Any, num_tokens: int) -> None:
     tok = synth.deepseek_tokenizer()
     t = by_tokens(num_tokens)
-    _info(benchmark, method=TOKENIZERS_DIRECT, role="baseline", size=t.num_tokens, unit="tokens", nbytes=t.nbytes)
+    _info(
+        benchmark,
+        method=TOKENIZERS_DIRECT,
+        role="baseline",
+        size=t.num_tokens,
+        unit="tokens",
+        nbytes=t.nbytes,
+    )
 
     def count() -> list[int]:
         return [len(e.ids) for e in tok.encode_batch(t.texts, add_special_tokens=False)]
@@ -226,8 +248,14 @@ SEGMENT_TAIL = "scaling: segment tail (32k budget)"
 def test_scaling_segment_tail(benchmark: Any, num_messages: int) -> None:
     tail = pytest.importorskip("ctxfold.tail", reason="ctxfold.tail is not in this build")
     t = by_messages(num_messages)
-    _info(benchmark, method="ctxfold select_tail", role="ctxfold", size=num_messages, unit="messages",
-          baseline="trim_messages start_on=human")
+    _info(
+        benchmark,
+        method="ctxfold select_tail",
+        role="ctxfold",
+        size=num_messages,
+        unit="messages",
+        baseline="trim_messages start_on=human",
+    )
     result = benchmark(tail.select_tail, t.tokens, t.flags, t.groups, budget_tokens=SEGMENT_BUDGET_TOKENS)
     assert result.num_tokens <= SEGMENT_BUDGET_TOKENS
 
@@ -248,9 +276,13 @@ def test_scaling_trim_messages_baseline(benchmark: Any, num_messages: int) -> No
     t = by_messages(num_messages)
     lc = lc_of(num_messages)
     counter = peers.list_counter(t.tokens)
-    _info(benchmark, method="trim_messages start_on=human", role="baseline", size=num_messages, unit="messages")
+    _info(
+        benchmark, method="trim_messages start_on=human", role="baseline", size=num_messages, unit="messages"
+    )
     if max(SIZES_MESSAGES) > TRIM_MESSAGES_MAX:
-        benchmark.extra_info["note"] = f"trim_messages stops at {TRIM_MESSAGES_MAX:,} messages: each call walks the whole list"
+        benchmark.extra_info["note"] = (
+            f"trim_messages stops at {TRIM_MESSAGES_MAX:,} messages: each call walks the whole list"
+        )
     kept = run(benchmark, peers.trim_last, lc, counter, SEGMENT_BUDGET_TOKENS, start_on_human=True)
     assert counter(kept) <= SEGMENT_BUDGET_TOKENS
 
@@ -266,10 +298,21 @@ def test_scaling_token_tail(benchmark: Any, num_tokens: int) -> None:
     tail = pytest.importorskip("ctxfold.tail", reason="ctxfold.tail is not in this build")
     ids = ids_of(num_tokens)
     floor = min(synth.system_prefix_tokens(), len(ids))
-    _info(benchmark, method="ctxfold select_token_tail", role="ctxfold", size=len(ids), unit="tokens",
-          baseline="numpy where + searchsorted")
-    result = benchmark(tail.select_token_tail, ids, budget_tokens=TOKEN_BUDGET_TOKENS,
-                       boundaries=[synth.USER_ID], floor=floor)
+    _info(
+        benchmark,
+        method="ctxfold select_token_tail",
+        role="ctxfold",
+        size=len(ids),
+        unit="tokens",
+        baseline="numpy where + searchsorted",
+    )
+    result = benchmark(
+        tail.select_token_tail,
+        ids,
+        budget_tokens=TOKEN_BUDGET_TOKENS,
+        boundaries=[synth.USER_ID],
+        floor=floor,
+    )
     assert result.num_tokens <= TOKEN_BUDGET_TOKENS
 
 
@@ -309,8 +352,14 @@ def _prefix_pair(num_tokens: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np
 def test_scaling_common_prefix(benchmark: Any, num_tokens: int) -> None:
     kvplan = pytest.importorskip("ctxfold.kvplan", reason="ctxfold.kvplan is not in this build")
     a, b = _prefix_pair(num_tokens)
-    _info(benchmark, method="ctxfold common_prefix", role="ctxfold", size=len(a), unit="tokens",
-          baseline="numpy mismatch")
+    _info(
+        benchmark,
+        method="ctxfold common_prefix",
+        role="ctxfold",
+        size=len(a),
+        unit="tokens",
+        baseline="numpy mismatch",
+    )
     assert benchmark(kvplan.common_prefix, a, b) == len(a) - 1
 
 
@@ -357,13 +406,21 @@ def test_scaling_archive_turn_start(benchmark: Any, archive_steady: Any, num_mes
     from ctxfold.archive import archive_turn_start
 
     msgs, store, params = archive_steady(num_messages)
-    _info(benchmark, method="ctxfold archive_turn_start", role="ctxfold", size=num_messages, unit="messages",
-          baseline="json scan (Datus)")
+    _info(
+        benchmark,
+        method="ctxfold archive_turn_start",
+        role="ctxfold",
+        size=num_messages,
+        unit="messages",
+        baseline="json scan (Datus)",
+    )
     result = benchmark(archive_turn_start, msgs, store, params)
     assert result.report.archived == ()
 
 
-def json_scan(items: list[dict[str, Any]], keep_recent_user_turns: int, threshold_chars: int, prefix: str) -> int:
+def json_scan(
+    items: list[dict[str, Any]], keep_recent_user_turns: int, threshold_chars: int, prefix: str
+) -> int:
     """The Datus way: serialise every item to size it, find the cutoff turn, check each old output."""
     sizes = [len(json.dumps(item, ensure_ascii=False, default=str)) for item in items]
     users = [i for i, item in enumerate(items) if item.get("role") == "user"]
@@ -387,7 +444,14 @@ def test_scaling_archive_json_baseline(benchmark: Any, archive_steady: Any, num_
     msgs, _, params = archive_steady(num_messages)
     items = [message_to_openai(m, api=True) for m in msgs]
     _info(benchmark, method="json scan (Datus)", role="baseline", size=num_messages, unit="messages")
-    run(benchmark, json_scan, items, params.keep_recent_user_turns, params.archive_threshold_chars, MARKER_PREFIX)
+    run(
+        benchmark,
+        json_scan,
+        items,
+        params.keep_recent_user_turns,
+        params.archive_threshold_chars,
+        MARKER_PREFIX,
+    )
 
 
 # ---- the compactor when nothing fires -------------------------------------------------------------
@@ -402,7 +466,9 @@ def _make_compactor(mod: Any, context_tokens: int) -> Any:
     try:
         return mod.Compactor(CompactConfig(context_tokens=context_tokens))
     except TypeError as exc:
-        pytest.skip(f"ctxfold.compactor.Compactor has another signature ({exc}); adapt bench_scaling._make_compactor")
+        pytest.skip(
+            f"ctxfold.compactor.Compactor has another signature ({exc}); adapt bench_scaling._make_compactor"
+        )
 
 
 @pytest.mark.benchmark(group=BEFORE_REQUEST)
@@ -413,8 +479,14 @@ def test_scaling_before_request(benchmark: Any, num_messages: int) -> None:
     # A window four times the conversation: no trigger can fire, the cost is the bookkeeping.
     compactor = _make_compactor(mod, max(4 * t.num_tokens, 65_536))
     compactor.before_request(t.messages)  # the first call counts everything; later ones are incremental
-    _info(benchmark, method="ctxfold before_request", role="ctxfold", size=num_messages, unit="messages",
-          baseline=LANGCHAIN_CHECK)
+    _info(
+        benchmark,
+        method="ctxfold before_request",
+        role="ctxfold",
+        size=num_messages,
+        unit="messages",
+        baseline=LANGCHAIN_CHECK,
+    )
     benchmark(compactor.before_request, t.messages)
 
 

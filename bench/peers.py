@@ -40,8 +40,9 @@ def to_langchain(messages: Sequence[Message]) -> list[Any]:
                     args = json.loads(c.arguments) if c.arguments else {}
                 except ValueError:
                     args = {"raw": c.arguments}
-                calls.append({"name": c.name, "args": args if isinstance(args, dict) else {"value": args},
-                              "id": c.id})
+                calls.append(
+                    {"name": c.name, "args": args if isinstance(args, dict) else {"value": args}, "id": c.id}
+                )
             out.append(AIMessage(m.text, id=mid, tool_calls=calls))
         else:
             out.append(ToolMessage(m.text, id=mid, tool_call_id=m.tool_call_id or ""))
@@ -62,8 +63,14 @@ def trim_last(lc_messages: list[Any], counter: Any, budget_tokens: int, *, start
     from langchain_core.messages import trim_messages
 
     kwargs: dict[str, Any] = {"start_on": "human"} if start_on_human else {}
-    result: list[Any] = trim_messages(lc_messages, max_tokens=budget_tokens, token_counter=counter,
-                                      strategy="last", include_system=True, **kwargs)
+    result: list[Any] = trim_messages(
+        lc_messages,
+        max_tokens=budget_tokens,
+        token_counter=counter,
+        strategy="last",
+        include_system=True,
+        **kwargs,
+    )
     return result
 
 
@@ -71,7 +78,9 @@ def kept_indices(lc_kept: Sequence[Any]) -> list[int]:
     return [int(m.id) for m in lc_kept]
 
 
-def numpy_segment_tail(tokens: npt.NDArray[np.int64], flags: npt.NDArray[np.uint32], budget_tokens: int) -> int:
+def numpy_segment_tail(
+    tokens: npt.NDArray[np.int64], flags: npt.NDArray[np.uint32], budget_tokens: int
+) -> int:
     """Oldest real user turn whose suffix fits the budget; failing that, the oldest message that is
     not a tool result. Returns the first kept index (len(tokens) when nothing fits). O(n): every
     suffix sum is computed, whatever the budget."""

@@ -128,7 +128,9 @@ def _trim(start_on_human: bool) -> Method | str:
         return "langchain-core is not installed"
 
     def run(case: Case, budget: int) -> list[int]:
-        return peers.kept_indices(peers.trim_last(case.lc, case.counter, budget, start_on_human=start_on_human))
+        return peers.kept_indices(
+            peers.trim_last(case.lc, case.counter, budget, start_on_human=start_on_human)
+        )
 
     return run
 
@@ -166,8 +168,19 @@ def best_legal_tokens(case: Case, budget: int) -> int:
 
 
 def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dict[str, Any]:
-    headers = ["method", "cuts", "budget use min", "p10", "median", "of best orphan-free cut p10", "min",
-               "windows with an orphan", "orphaned results", "empty windows", "over budget"]
+    headers = [
+        "method",
+        "cuts",
+        "budget use min",
+        "p10",
+        "median",
+        "of best orphan-free cut p10",
+        "min",
+        "windows with an orphan",
+        "orphaned results",
+        "empty windows",
+        "over budget",
+    ]
     rows: list[list[Any]] = []
     for label, method in tail_methods():
         if isinstance(method, str):
@@ -190,9 +203,21 @@ def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dic
                 orphans += n
                 orphan_windows += n > 0
                 empty += len(kept) <= 1
-        rows.append([label, len(use), fmt_pct(min(use, default=float("nan"))), fmt_pct(pct(use, 10)),
-                     fmt_pct(pct(use, 50)), fmt_pct(pct(of_best, 10)), fmt_pct(min(of_best, default=float("nan"))),
-                     orphan_windows, orphans, empty, over])
+        rows.append(
+            [
+                label,
+                len(use),
+                fmt_pct(min(use, default=float("nan"))),
+                fmt_pct(pct(use, 10)),
+                fmt_pct(pct(use, 50)),
+                fmt_pct(pct(of_best, 10)),
+                fmt_pct(min(of_best, default=float("nan"))),
+                orphan_windows,
+                orphans,
+                empty,
+                over,
+            ]
+        )
     return {"title": title, "headers": headers, "rows": rows}
 
 
@@ -210,15 +235,18 @@ def section_tail(traces_dir: Path) -> Section:
             f"{', '.join(f'{b // 1000}k' for b in BUDGETS)} tokens, each (conversation, budget) pair "
             "that forces a cut. Budget use = tokens kept (system prompt included) / budget. Token counts: "
             f"DeepSeek V4, exact, plus {synth.PER_MESSAGE_TOKENS} per message; every method sees the same "
-            "counts. trim_messages runs with strategy=\"last\", include_system=True. \"Of best orphan-free cut\": "
+            'counts. trim_messages runs with strategy="last", include_system=True. "Of best orphan-free cut": '
             "tokens kept / tokens kept by the oldest group start (not a tool result) that fits; above 100% "
             "only by orphaning a result."
         ),
         "tables": [
             tail_table(cases, BUDGETS, "Real traces"),
-            tail_table([long_case], list(range(1_000, 200_001, 500)),
-                       f"One 2,000-message transcript ({long.num_tokens:,} tokens, the traces repeated), "
-                       "budgets 1k..200k in steps of 500"),
+            tail_table(
+                [long_case],
+                list(range(1_000, 200_001, 500)),
+                f"One 2,000-message transcript ({long.num_tokens:,} tokens, the traces repeated), "
+                "budgets 1k..200k in steps of 500",
+            ),
         ],
     }
 
@@ -259,13 +287,25 @@ def section_estimator(traces_dir: Path) -> Section:
             continue
         exact = np.asarray(exact_counter.count_batch(texts), np.int64)
         per_conv_exact = np.bincount(owner, weights=exact, minlength=len(convs))
-        for label, est in (("ctxfold estimator", np.asarray(counting.EstimateCounter(cal).count_batch(texts), np.int64)),
-                           ("chars/4", np.array([len(t) // 4 for t in texts], np.int64))):
+        for label, est in (
+            ("ctxfold estimator", np.asarray(counting.EstimateCounter(cal).count_batch(texts), np.int64)),
+            ("chars/4", np.array([len(t) // 4 for t in texts], np.int64)),
+        ):
             per_msg = _abs_rel(est, exact)
-            per_conv = _abs_rel(np.bincount(owner, weights=est, minlength=len(convs)).astype(np.int64),
-                                per_conv_exact.astype(np.int64))
-            rows.append([name, label, fmt_pct(pct(per_msg, 50)), fmt_pct(pct(per_msg, 95)),
-                         fmt_pct(pct(per_conv, 50)), fmt_pct(pct(per_conv, 95))])
+            per_conv = _abs_rel(
+                np.bincount(owner, weights=est, minlength=len(convs)).astype(np.int64),
+                per_conv_exact.astype(np.int64),
+            )
+            rows.append(
+                [
+                    name,
+                    label,
+                    fmt_pct(pct(per_msg, 50)),
+                    fmt_pct(pct(per_msg, 95)),
+                    fmt_pct(pct(per_conv, 50)),
+                    fmt_pct(pct(per_conv, 95)),
+                ]
+            )
         if cal.corpus:
             held = cal.error
             line = f"{name}: fitted on {cal.num_texts:,} texts of {cal.corpus}"
@@ -280,11 +320,24 @@ def section_estimator(traces_dir: Path) -> Section:
     return {
         "title": title,
         "status": "ok",
-        "intro": (f"{len(texts):,} messages in {len(convs)} conversations of the traces folder; absolute "
-                  "relative error |estimate - exact| / exact (messages with at least one token). Target per "
-                  "conversation: median <= 3%, p95 <= 10%."),
-        "tables": [{"headers": ["calibration", "method", "per message median", "p95", "per conversation median",
-                                "p95"], "rows": rows}],
+        "intro": (
+            f"{len(texts):,} messages in {len(convs)} conversations of the traces folder; absolute "
+            "relative error |estimate - exact| / exact (messages with at least one token). Target per "
+            "conversation: median <= 3%, p95 <= 10%."
+        ),
+        "tables": [
+            {
+                "headers": [
+                    "calibration",
+                    "method",
+                    "per message median",
+                    "p95",
+                    "per conversation median",
+                    "p95",
+                ],
+                "rows": rows,
+            }
+        ],
         "notes": notes,
     }
 
@@ -294,7 +347,9 @@ def section_estimator(traces_dir: Path) -> Section:
 
 def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Section:
     title = "Tokens prefilled again per compaction (replay of the traces)"
-    probe = subprocess.run([env_python, "-m", "ctxfold", "replay", "--help"], check=False, capture_output=True, text=True)
+    probe = subprocess.run(
+        [env_python, "-m", "ctxfold", "replay", "--help"], check=False, capture_output=True, text=True
+    )
     if probe.returncode != 0:
         return {"title": title, "status": "`ctxfold replay` is not in this build"}
     files = [str(p) for p in trace_files(traces_dir)]
@@ -302,8 +357,20 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
     with tempfile.TemporaryDirectory() as tmp:
         for ctx in REPLAY_CONTEXTS:
             out = Path(tmp) / f"replay-{ctx}.json"
-            cmd = [env_python, "-m", "ctxfold", "replay", *files, "--ctx", str(ctx), "--json", str(out), "--quiet",
-                   "--jobs", str(os.cpu_count() or 1)]
+            cmd = [
+                env_python,
+                "-m",
+                "ctxfold",
+                "replay",
+                *files,
+                "--ctx",
+                str(ctx),
+                "--json",
+                str(out),
+                "--quiet",
+                "--jobs",
+                str(os.cpu_count() or 1),
+            ]
             try:
                 r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=REPLAY_TIMEOUT_S)
                 why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
@@ -315,29 +382,54 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
             total = json.loads(out.read_text(encoding="utf-8"))["total"]
             kinds = total.get("compactions") or {}
             n = sum(int(v or 0) for v in kinds.values())
-            reused, prefilled = int(total.get("kv_tokens_reused") or 0), int(total.get("kv_tokens_prefilled") or 0)
-            rows.append([
-                f"{ctx:,}", total.get("conversations", ""),
-                ", ".join(f"{k} {v}" for k, v in kinds.items()) or "0",
-                f"{prefilled:,}", f"{prefilled / n:,.0f}" if n else "-",
-                fmt_pct(reused / (reused + prefilled)) if reused + prefilled else "-",
-                total.get("orphans", ""), total.get("overflows", ""),
-            ])
+            reused, prefilled = (
+                int(total.get("kv_tokens_reused") or 0),
+                int(total.get("kv_tokens_prefilled") or 0),
+            )
+            rows.append(
+                [
+                    f"{ctx:,}",
+                    total.get("conversations", ""),
+                    ", ".join(f"{k} {v}" for k, v in kinds.items()) or "0",
+                    f"{prefilled:,}",
+                    f"{prefilled / n:,.0f}" if n else "-",
+                    fmt_pct(reused / (reused + prefilled)) if reused + prefilled else "-",
+                    total.get("orphans", ""),
+                    total.get("overflows", ""),
+                ]
+            )
     return {
         "title": title,
         "status": "ok",
-        "intro": ("`ctxfold replay` of every trace file with the default policy and the extractive summarizer; "
-                  "KV figures from each compaction's plan (page size 16)."),
-        "tables": [{"headers": ["context", "conversations", "compactions", "tokens prefilled again",
-                                "per compaction (all kinds)", "KV reused share", "orphans", "overflows"], "rows": rows}],
+        "intro": (
+            "`ctxfold replay` of every trace file with the default policy and the extractive summarizer; "
+            "KV figures from each compaction's plan (page size 16)."
+        ),
+        "tables": [
+            {
+                "headers": [
+                    "context",
+                    "conversations",
+                    "compactions",
+                    "tokens prefilled again",
+                    "per compaction (all kinds)",
+                    "KV reused share",
+                    "orphans",
+                    "overflows",
+                ],
+                "rows": rows,
+            }
+        ],
     }
 
 
 def compute(traces_dir: Path) -> dict[str, Any]:
     sections: list[Section] = []
-    for fn, title in ((section_tail, "Tail selection: budget use and orphans"),
-                      (section_estimator, "Estimator error against the exact tokenizer"),
-                      (section_prefill, "Tokens prefilled again per compaction (replay of the traces)")):
+    for fn, title in (
+        (section_tail, "Tail selection: budget use and orphans"),
+        (section_estimator, "Estimator error against the exact tokenizer"),
+        (section_prefill, "Tokens prefilled again per compaction (replay of the traces)"),
+    ):
         try:
             sections.append(fn(traces_dir))
         except ImportError as exc:  # an optional package (tokenizers, langchain-core) is not installed
@@ -351,10 +443,15 @@ def compute(traces_dir: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Quality figures of ctxfold beside its baselines (no timing).")
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
-    ap.add_argument("--traces", type=Path, default=synth.TRACES_DIR, help="the traces folder (default ../shared/traces)")
+    ap.add_argument(
+        "--traces", type=Path, default=synth.TRACES_DIR, help="the traces folder (default ../shared/traces)"
+    )
     args = ap.parse_args(argv)
     if not args.traces.is_dir():
-        print(f"quality: traces folder {args.traces} not found; pass --traces or set CTXFOLD_TRACES", file=sys.stderr)
+        print(
+            f"quality: traces folder {args.traces} not found; pass --traces or set CTXFOLD_TRACES",
+            file=sys.stderr,
+        )
         return 2
     synth.TRACES_DIR = args.traces  # the synthetic transcript repeats the same traces
     result = compute(args.traces)

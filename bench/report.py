@@ -37,8 +37,22 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Lower-case substrings that mark a test as a baseline when it does not say so itself.
-BASELINE_HINTS = ("baseline", "numpy", "naive", "langchain", "trim_messages", "chars4", "chars_4", "json",
-                  "tokenizers_direct", "direct", "recount", "reference", "plain_python", "python_ref")
+BASELINE_HINTS = (
+    "baseline",
+    "numpy",
+    "naive",
+    "langchain",
+    "trim_messages",
+    "chars4",
+    "chars_4",
+    "json",
+    "tokenizers_direct",
+    "direct",
+    "recount",
+    "reference",
+    "plain_python",
+    "python_ref",
+)
 
 # A slope fitted over the largest sizes reads as constant below this and as linear within this band.
 CONSTANT_BELOW = 0.25
@@ -88,22 +102,24 @@ def load_entries(data: dict[str, Any]) -> list[Entry]:
         extra = dict(b.get("extra_info") or {})
         name = b.get("name", "?")
         size = extra.get("size")
-        out.append(Entry(
-            group=b.get("group") or "(no group)",
-            name=name,
-            method=str(extra.get("method") or _base_name(name)),
-            role=role_of(name, extra),
-            median_s=float(stats["median"]),
-            iqr_s=float(stats.get("iqr", float("nan"))),
-            rounds=int(stats.get("rounds", 0)),
-            baseline=extra.get("baseline"),
-            size=float(size) if isinstance(size, int | float) else None,
-            size_unit=str(extra.get("size_unit", "")),
-            nbytes=int(extra["nbytes"]) if isinstance(extra.get("nbytes"), int | float) else None,
-            note=extra.get("note"),
-            target_s=float(extra["target_s"]) if isinstance(extra.get("target_s"), int | float) else None,
-            extra=extra,
-        ))
+        out.append(
+            Entry(
+                group=b.get("group") or "(no group)",
+                name=name,
+                method=str(extra.get("method") or _base_name(name)),
+                role=role_of(name, extra),
+                median_s=float(stats["median"]),
+                iqr_s=float(stats.get("iqr", float("nan"))),
+                rounds=int(stats.get("rounds", 0)),
+                baseline=extra.get("baseline"),
+                size=float(size) if isinstance(size, int | float) else None,
+                size_unit=str(extra.get("size_unit", "")),
+                nbytes=int(extra["nbytes"]) if isinstance(extra.get("nbytes"), int | float) else None,
+                note=extra.get("note"),
+                target_s=float(extra["target_s"]) if isinstance(extra.get("target_s"), int | float) else None,
+                extra=extra,
+            )
+        )
     return out
 
 
@@ -207,8 +223,13 @@ def render_glance(groups: dict[str, list[Entry]], plain: Sequence[str]) -> list[
     for g in plain:
         base = [e for e in groups[g] if e.role == "baseline"]
         for e in sorted((e for e in groups[g] if e.role == "ctxfold"), key=lambda e: e.median_s):
-            against = "; ".join(f"`{b.method}` {fmt_time(b.median_s)}: {fmt_ratio(b.median_s, e.median_s)}"
-                                for b in baselines_for(e, base)) or "-"
+            against = (
+                "; ".join(
+                    f"`{b.method}` {fmt_time(b.median_s)}: {fmt_ratio(b.median_s, e.median_s)}"
+                    for b in baselines_for(e, base)
+                )
+                or "-"
+            )
             rows.append([g, f"`{e.method}`", fmt_time(e.median_s), against, fmt_target(e) or "-"])
     if not rows:
         return []
@@ -276,7 +297,9 @@ def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None
     for m in names:
         first = methods[m][0]
         if first.role == "ctxfold":
-            named = [b for b in baseline_names if first.baseline and _matches(methods[b][0], str(first.baseline))]
+            named = [
+                b for b in baseline_names if first.baseline and _matches(methods[b][0], str(first.baseline))
+            ]
             ratio_cols += [(m, b) for b in named + [b for b in baseline_names if b not in named]]
     headers = [unit] + [f"`{m}`" for m in names] + [f"{m} vs {b}" for m, b in ratio_cols]
     rows = []
@@ -289,8 +312,11 @@ def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None
             row.append(fmt_ratio(cells[b].median_s, cells[m].median_s) if m in cells and b in cells else "")
         rows.append(row)
     slopes = {m: fit_slope([(e.size or 0.0, e.median_s) for e in methods[m]]) for m in names}
-    rows.append([f"slope (largest {SLOPE_POINTS})"] + [describe_slope(slopes[m]) for m in names]
-                + [""] * len(ratio_cols))
+    rows.append(
+        [f"slope (largest {SLOPE_POINTS})"]
+        + [describe_slope(slopes[m]) for m in names]
+        + [""] * len(ratio_cols)
+    )
     lines = md_table(headers, rows)
     if plot_dir is not None:
         png = plot_scaling(group, unit, {m: methods[m] for m in names}, slopes, plot_dir)
@@ -299,8 +325,9 @@ def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None
     return lines
 
 
-def plot_scaling(group: str, unit: str, methods: dict[str, list[Entry]], slopes: dict[str, float | None],
-                 plot_dir: Path) -> Path | None:
+def plot_scaling(
+    group: str, unit: str, methods: dict[str, list[Entry]], slopes: dict[str, float | None], plot_dir: Path
+) -> Path | None:
     try:
         import matplotlib
 
@@ -358,8 +385,11 @@ def read_junit(path: Path) -> dict[str, list[tuple[str, str]]]:
 
 def render_not_measured(junit: dict[str, list[tuple[str, str]]]) -> list[str]:
     lines: list[str] = []
-    for kind, title in (("error", "could not run (collection or setup error)"), ("failed", "failed"),
-                        ("skipped", "skipped")):
+    for kind, title in (
+        ("error", "could not run (collection or setup error)"),
+        ("failed", "failed"),
+        ("skipped", "skipped"),
+    ):
         items = junit.get(kind, [])
         if not items:
             continue
@@ -381,8 +411,11 @@ def render_not_measured(junit: dict[str, list[tuple[str, str]]]) -> list[str]:
 def render_machine(machine: dict[str, Any]) -> list[str]:
     if not machine:
         return ["_Machine information was not recorded._"]
-    rows = [[k, machine[k]] for k in ("cpu", "cores", "memory", "os", "load_before", "load_after")
-            if machine.get(k) not in (None, "")]
+    rows = [
+        [k, machine[k]]
+        for k in ("cpu", "cores", "memory", "os", "load_before", "load_after")
+        if machine.get(k) not in (None, "")
+    ]
     lines = md_table(["machine", ""], rows)
     versions = machine.get("versions", {})
     if versions:
@@ -497,7 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md")
     args = ap.parse_args(argv)
     if not args.results.is_dir():
-        print(f"report: {args.results} is not a folder of results; run `python bench/run.py` first", file=sys.stderr)
+        print(
+            f"report: {args.results} is not a folder of results; run `python bench/run.py` first",
+            file=sys.stderr,
+        )
         return 2
     print(render(args.results, args.out))
     return 0

