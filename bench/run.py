@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -184,6 +185,10 @@ def run_pytest(results: Path, env: dict[str, str], args: argparse.Namespace) -> 
     cmd += list(args.pytest_args)
     if args.quick:
         env = dict(env, CTXFOLD_BENCH_QUICK="1")
+    if args.cpu is not None:
+        # One pinned core: less noise from the scheduler, and "per core" figures mean one core.
+        # Multi-threaded baselines (tokenizers' encode_batch) are then measured on that core too.
+        cmd = ["taskset", "--cpu-list", str(args.cpu), *cmd]
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env).returncode
 
@@ -234,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pytest-benchmark --benchmark-max-time in seconds per benchmark (0.5)",
     )
     ap.add_argument("-k", help="only benchmarks matching this pytest -k expression")
+    ap.add_argument(
+        "--cpu", type=int, metavar="N", help="pin the benchmarks to CPU N (taskset; the page records it)"
+    )
     ap.add_argument("--no-quality", action="store_true", help="skip the quality figures")
     ap.add_argument(
         "--quality-timeout", type=float, default=900, help="seconds allowed for bench/quality.py (900)"
@@ -265,6 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     machine = machine_info()
     machine["run"] = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick}
+    if args.cpu is not None:
+        if shutil.which("taskset") is None:
+            print("run: --cpu needs taskset (util-linux)", file=sys.stderr)
+            return 2
+        machine["cores"] += f"; benchmarks pinned to CPU {args.cpu}"
     rc = run_pytest(results, env, args)
     if not args.no_quality:
         run_quality(results, env, args.quality_timeout)
@@ -272,6 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine["run"].update(wall_s=round(time.monotonic() - started), pytest_rc=rc)
     (results / "machine.json").write_text(json.dumps(machine, indent=1), encoding="utf-8")
     page = report.render(results, args.out)
+    text = page.read_text(encoding="utf-8")
+    if "## At a glance" in text:  # the headline figures on the terminal too
+        print(text.split("## At a glance", 1)[1].split("\n## ", 1)[0].strip())
     print(f"wrote {page}")
     # Failed benchmarks (a missed target) are on the page; the exit status still says so.
     return 0 if rc in (0, 5) else 1
