@@ -36,12 +36,13 @@ EOS_MARKERS: tuple[str, ...] = (
     "<|end|>",
     "</s>",
 )
+# The DSML opener and closer are markers of their own too, so the '<' or '</' before `｜DSML｜` is held back
+# with it when the stream splits them (a '<' already streamed could not be taken back).
 _MARKERS: tuple[tuple[str, CutReason], ...] = tuple(
-    [(m, "control_boundary") for m in CONTROL_MARKERS] + [(m, "eos") for m in EOS_MARKERS]
+    [(m, "control_boundary") for m in ("<｜DSML｜", "</｜DSML｜", *CONTROL_MARKERS)] + [(m, "eos") for m in EOS_MARKERS]
 )
 _THINK_OPEN = "<think>"
 _THINK_CLOSE = "</think>"
-_DSML = "｜DSML｜"
 
 # Leftover special-token-like markup removed from a finished summary (never part of durable state).
 _SPECIAL_RE = re.compile(r"<[｜|][^<>\n]{0,48}[｜|]>|</?think>")
@@ -71,7 +72,7 @@ class StreamCutter:
         self._max_tokens = max_tokens
         self._counter = counter
         self.limit_reason: CutReason = limit_reason
-        self._state = "start"  # start -> (think ->) body
+        self._state = "start"  # start -> (think -> lead ->) body
         self._pending = ""  # text not yet decided (a possible marker prefix, or the start)
         self._parts: list[str] = []  # accepted summary text
         self._num_chars = 0
@@ -105,22 +106,24 @@ class StreamCutter:
                 self._pending = self._pending[-keep:]
                 return ""
             self.reasoning_chars += end
-            self._pending = self._pending[end + len(_THINK_CLOSE):].lstrip()
+            self._pending = self._pending[end + len(_THINK_CLOSE):]
+            self._state = "lead"
+        if self._state == "lead":  # whitespace between the thinking block and the answer is not summary
+            self._pending = self._pending.lstrip()
+            if not self._pending:
+                return ""
             self._state = "body"
         return self._scan()
 
     def _scan(self) -> str:
         first = -1
         reason: CutReason = "none"
-        marker = ""
         for m, r in _MARKERS:
             i = self._pending.find(m)
             if i >= 0 and (first < 0 or i < first):
-                first, reason, marker = i, r, m
+                first, reason = i, r
         if first >= 0:
             accepted = self._pending[:first]
-            if marker == _DSML:  # `<｜DSML｜` and `</｜DSML｜`: the '<' or '</' belongs to the markup
-                accepted = accepted.removesuffix("/").removesuffix("<")
             self._pending = ""
             out = self._accept(accepted)
             if not self.stopped:
