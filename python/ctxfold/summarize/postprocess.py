@@ -48,16 +48,21 @@ _THINK_CLOSE = "</think>"
 _SPECIAL_RE = re.compile(r"<[｜|][^<>\n]{0,48}[｜|]>|</?think>")
 
 
+_MARKER_STARTS = "".join(sorted({m[0] for m, _ in _MARKERS}))  # "<", "[", "｜"
+_MAX_MARKER_CHARS = max(len(m) for m, _ in _MARKERS)
+
+
 def _held_suffix_len(text: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker (it may still grow
-    into one, so it must not be streamed yet)."""
-    best = 0
-    for marker, _ in _MARKERS:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
-                break
-    return best
+    into one, so it must not be streamed yet). Every marker starts with one of a few characters, so only
+    suffixes starting at one of those are tried: most pieces have none, and cost one scan of a short tail."""
+    tail = text[-(_MAX_MARKER_CHARS - 1):]
+    for i, ch in enumerate(tail):
+        if ch in _MARKER_STARTS:
+            suffix = tail[i:]
+            if any(m.startswith(suffix) for m, _ in _MARKERS):
+                return len(suffix)
+    return 0
 
 
 class StreamCutter:
@@ -116,6 +121,9 @@ class StreamCutter:
         return self._scan()
 
     def _scan(self) -> str:
+        if not any(ch in self._pending for ch in _MARKER_STARTS):  # the common piece: plain text
+            accepted, self._pending = self._pending, ""
+            return self._accept(accepted)
         first = -1
         reason: CutReason = "none"
         for m, r in _MARKERS:
