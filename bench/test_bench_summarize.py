@@ -25,7 +25,7 @@ from ctxfold.summarize import StreamCutter, extractive_summary
 from ctxfold.summarize.request import render_plain, to_openai_messages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from openai_chat_traces import openai_chat_conversations  # noqa: E402
+from openai_chat_traces import openai_chat_conversations
 
 TRACES = Path(os.environ.get("CTXFOLD_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"))
 CAP_TOKENS = 4096
