@@ -202,3 +202,13 @@ def test_speed_on_two_thousand_real_messages(conversations: list[Conversation]) 
         times.append(time.perf_counter() - t0)
     # A few tens of milliseconds on a quiet core; the bound leaves room for a loaded CI machine.
     assert statistics.median(times) < 0.25, times
+
+
+def test_cut_reason_says_whether_the_cap_left_facts_out(conversations: list[Conversation]) -> None:
+    big = max(conversations, key=len)
+    s = ExtractiveSummarizer()
+    assert s.summarize(build_summary_request(big, cap_tokens=200)).cut_reason == "token_cap"
+    assert s.summarize(build_summary_request(big, cap_tokens=4096, room_tokens=200)).cut_reason == "room"
+    small = [Message(Role.USER, "Rename foo to bar in util.py.")]
+    r = s.summarize(build_summary_request(small, cap_tokens=4096))
+    assert r.cut_reason == "none" and "Rename foo to bar in util.py." in r.text

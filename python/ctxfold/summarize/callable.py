@@ -20,7 +20,7 @@ import traceback
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 
 from ctxfold.summarize._run import run_limited, run_sync
-from ctxfold.summarize.base import SummaryResult, TokenCallback, TokenCounter, failed
+from ctxfold.summarize.base import CutReason, SummaryResult, TokenCallback, TokenCounter, count_tokens, failed
 from ctxfold.summarize.postprocess import StreamCutter, result_from_cutter
 from ctxfold.summarize.request import SummaryRequest
 
@@ -50,6 +50,12 @@ class CallableSummarizer:
     @property
     def name(self) -> str:
         return self._name
+
+    def _end_reason(self, cutter: StreamCutter, request: SummaryRequest) -> CutReason:
+        """A generator has no finish_reason: one that stopped with the answer at the cap was cut by it."""
+        if count_tokens(self._counter, cutter.text) >= request.max_tokens:
+            return cutter.limit_reason
+        return "eos"
 
     def _cutter(self, request: SummaryRequest) -> StreamCutter:
         return StreamCutter(request.max_tokens, counter=self._counter,
@@ -88,7 +94,7 @@ class CallableSummarizer:
                 if cutter.stopped:
                     break
             else:
-                out = cutter.finish("eos")
+                out = cutter.finish(self._end_reason(cutter, request))
                 if out and on_token is not None:
                     on_token(out)
         except Exception as e:  # noqa: BLE001 - as above: the engine's error becomes a result
@@ -133,7 +139,7 @@ class CallableSummarizer:
                         on_token(out)
                     if cutter.stopped:
                         return
-                out = cutter.finish("eos")
+                out = cutter.finish(self._end_reason(cutter, request))
                 if out and on_token is not None:
                     on_token(out)
             finally:

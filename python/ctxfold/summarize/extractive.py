@@ -34,7 +34,7 @@ from typing import Any
 from ctxfold.messages import Message, Role, ToolCall
 from ctxfold.summarize.base import SummaryResult, TokenCallback, TokenCounter, count_tokens, failed
 from ctxfold.summarize.postprocess import trim_to_tokens
-from ctxfold.summarize.request import INTERNAL_KEY, SummaryRequest
+from ctxfold.summarize.request import INTERNAL_KEY, SummaryRequest, build_summary_request
 
 _SCAN_CHARS = 2000  # chars scanned at each end of a large text
 _GOAL_FIRST_CHARS = 1500  # the first user turn is usually the task statement
@@ -356,7 +356,9 @@ def _dedupe_runs(items: list[str]) -> list[str]:
     return out
 
 
-def _render(sections: list[_Section], budget_chars: int, header: str) -> str:
+def _render(sections: list[_Section], budget_chars: int, header: str) -> tuple[str, int]:
+    """The fitted text, and how many items the budget left out or shortened."""
+    omitted = 0
     need = [sum(len(s.items[i]) + 3 for i in s.order) + len(s.title) + 6 if s.items else 0 for s in sections]
     body_budget = max(0, budget_chars - len(header))
     alloc = [0] * len(sections)
@@ -381,6 +383,7 @@ def _render(sections: list[_Section], budget_chars: int, header: str) -> str:
     out = [header]
     for s, a in zip(sections, alloc, strict=True):
         if not s.items or a <= len(s.title) + 6:
+            omitted += len(s.items)
             continue
         room = a - len(s.title) - 6
         keep: set[int] = set()
@@ -393,14 +396,16 @@ def _render(sections: list[_Section], budget_chars: int, header: str) -> str:
                 keep.add(i)
                 s.items[i] = s.items[i][: room - 4] + " …"
                 room = 0
+                omitted += 1
+        dropped = len(s.items) - len(keep)
+        omitted += dropped
         if not keep:
             continue
-        dropped = len(s.items) - len(keep)
         out.append(f"\n## {s.title}")
         out.extend(f"- {s.items[i]}" for i in sorted(keep))
         if dropped:
             out.append(f"- ({dropped} more omitted)")
-    return "\n".join(out).strip() + "\n"
+    return "\n".join(out).strip() + "\n", omitted
 
 
 def extractive_summary(messages: Sequence[Message], max_tokens: int, *, counter: TokenCounter | None = None) -> str:
@@ -408,32 +413,37 @@ def extractive_summary(messages: Sequence[Message], max_tokens: int, *, counter:
 
     Never raises on message content: the rules only read text. The result may be shorter than the cap; it is
     never longer."""
+    return _extract(messages, max_tokens, counter)[0]
+
+
+def _extract(messages: Sequence[Message], max_tokens: int, counter: TokenCounter | None) -> tuple[str, bool]:
+    """The summary, and whether the cap made it leave something out."""
     if max_tokens < 1:
-        return ""
+        return "", True
     header = f"Summary of the earlier conversation ({len(messages)} messages), extracted without a model."
     facts = _collect(messages)
     budget_chars = max_tokens * 4  # chars/4 is the first guess; a real counter corrects it below
     text = ""
     for _ in range(4):
-        text = _render(_sections(facts), budget_chars, header)
+        text, omitted = _render(_sections(facts), budget_chars, header)
         n = count_tokens(counter, text)
         if n <= max_tokens:
-            return text
+            return text, omitted > 0
         budget_chars = int(budget_chars * max_tokens / n * 0.95)
-    return trim_to_tokens(text, max_tokens, counter)
+    return trim_to_tokens(text, max_tokens, counter), True
 
 
 def safe_extractive_summary(messages: Sequence[Message], max_tokens: int, *,
-                            counter: TokenCounter | None = None) -> str:
+                            counter: TokenCounter | None = None) -> tuple[str, bool]:
     """:func:`extractive_summary`, and if a rule ever trips on input nobody foresaw, a minimal summary (the
     user turns) instead of an exception: this is the last line of the fallback chain."""
     try:
-        return extractive_summary(messages, max_tokens, counter=counter)
+        return _extract(messages, max_tokens, counter)
     except Exception:  # noqa: BLE001 - the fallback of the fallback must not raise
         goals = [_one_line(m.text, _GOAL_CHARS) for m in messages if m.role is Role.USER and isinstance(m.text, str)]
         text = f"Summary of the earlier conversation ({len(messages)} messages).\n" + "\n".join(
             f"- user: {g}" for g in goals[-20:])
-        return trim_to_tokens(text, max_tokens, counter)
+        return trim_to_tokens(text, max_tokens, counter), True
 
 
 class ExtractiveSummarizer:
@@ -471,7 +481,8 @@ class ExtractiveSummarizer:
     def summarize_messages(self, messages: Sequence[Message], max_tokens: int) -> SummaryResult:
         """The same without a request object (the fallback path uses it)."""
         t0 = time.perf_counter()
-        return self._result(safe_extractive_summary(messages, max_tokens, counter=self._counter), t0, max_tokens)
+        text, capped = safe_extractive_summary(messages, max_tokens, counter=self._counter)
+        return self._result(text, capped, t0, build_summary_request(messages, cap_tokens=max(1, max_tokens)))
 
     def _run(self, request: SummaryRequest, on_token: TokenCallback | None,
              cancel: threading.Event | asyncio.Event | None) -> SummaryResult:
@@ -480,17 +491,18 @@ class ExtractiveSummarizer:
             return failed(self.name, "cancelled", 0.0)
         if request.max_tokens < 1:
             return failed(self.name, "no room left for a summary (max_tokens is 0)", 0.0)
-        text = safe_extractive_summary(request.transcript, request.max_tokens, counter=self._counter)
-        result = self._result(text, t0, request.max_tokens)
+        text, capped = safe_extractive_summary(request.transcript, request.max_tokens, counter=self._counter)
+        result = self._result(text, capped, t0, request)
         if result.ok and on_token is not None:
             on_token(result.text)
         return result
 
-    def _result(self, text: str, t0: float, max_tokens: int) -> SummaryResult:
+    def _result(self, text: str, capped: bool, t0: float, request: SummaryRequest) -> SummaryResult:
         n = count_tokens(self._counter, text)
         if not text.strip():
             return failed(self.name, "no room left for a summary", time.perf_counter() - t0)
-        # Cut by the cap when the fitting loop had to shrink what it would have written.
-        return SummaryResult(text=text, ok=True, failure=None, cut_reason="none", num_tokens=n,
+        # Marked as cut by the cap (or the room) when fitting it left facts out; "none" when all of them fit.
+        return SummaryResult(text=text, ok=True, failure=None,
+                             cut_reason=request.limit_reason if capped else "none", num_tokens=n,
                              seconds=time.perf_counter() - t0, summarizer=self.name,
-                             detail=f"{n} of {max_tokens} tokens")
+                             detail=f"{n} of {request.max_tokens} tokens")
