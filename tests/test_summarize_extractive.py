@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ctxfold import formats
 from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall
 from ctxfold.summarize import ExtractiveSummarizer, build_summary_request, extractive_summary
-from openai_chat_traces import openai_chat_conversations
 
 _WS = re.compile(r"\s+")
 
@@ -30,10 +30,16 @@ class DeepSeekCounter:
         return len(self._tok.encode(text, add_special_tokens=False).ids)
 
 
+_NOT_TRACES = {"README.md", "LICENSE", "LICENSE.md", "SOURCE.txt"}
+
+
 @pytest.fixture(scope="module")
 def conversations(traces_dir: Path) -> list[Conversation]:
-    convs = list(openai_chat_conversations(traces_dir))
-    assert len(convs) >= 200  # tau-bench's 200 + the DeepSeek runs + SWE-agent histories
+    """Every conversation of every trace set, through the format importers."""
+    files_ = sorted(p for p in traces_dir.rglob("*") if p.is_file() and p.name not in _NOT_TRACES)
+    convs = [c for p in files_ for c in formats.load(p)]
+    assert len(convs) >= 200 and {c.source_format for c in convs} >= {
+        "claude_code", "mini_swe_agent", "openhands", "swe_agent", "tau_bench"}
     return convs
 
 
@@ -46,7 +52,8 @@ def _shell_commands(c: Conversation) -> list[str]:
     for m in c.messages:
         for call in m.tool_calls:
             args = call.parsed_arguments()
-            if isinstance(args, dict) and isinstance(args.get("command"), str) and call.name == "bash":
+            if isinstance(args, dict) and isinstance(args.get("command"), str) and call.name.lower() in (
+                    "bash", "execute_bash"):
                 out.append(_norm(args["command"]))
     return out
 
@@ -56,8 +63,9 @@ def _arg_paths(c: Conversation) -> list[str]:
     for m in c.messages:
         for call in m.tool_calls:
             args = call.parsed_arguments()
-            if isinstance(args, dict) and isinstance(args.get("path"), str):
-                out.append(args["path"])
+            for key in ("path", "file_path"):
+                if isinstance(args, dict) and isinstance(args.get(key), str):
+                    out.append(args[key])
     return out
 
 

@@ -90,6 +90,8 @@ _ERROR_LINE_RE = re.compile(
     r"(?:(?i:\berror\b)[:\]]|\bERROR\b|\bFAILED\b|\bfatal:|command not found|No such file or directory|"
     r"Permission denied|Traceback \(most recent call last\)|\bpanicked at\b|Segmentation fault)",
 )
+# User messages that are client chatter, not goals (Claude Code's interrupt notes and local slash commands).
+_NOT_A_GOAL_RE = re.compile(r"\s*(?:\[Request interrupted by user|<local-command-|<command-name>|<command-message>)")
 _OBSERVATION_RE = re.compile(r"^\s*(?:<returncode>|OBSERVATION:|Observation:|\[Command finished|EXECUTION RESULT)")
 _FENCE_RE = re.compile(r"```(bash|sh|shell|console)?[ \t]*\n(.*?)```", re.DOTALL)
 _WS_RE = re.compile(r"\s+")
@@ -143,9 +145,13 @@ def _error_line(text: str) -> str | None:
     for line in reversed(tail.splitlines()):
         if _EXC_LINE_RE.match(line):
             return line.strip()
-    for line in _ends(text).splitlines():
+    lines = _ends(text).splitlines()
+    for k, line in enumerate(lines):
         if _ERROR_LINE_RE.search(line):
-            return line.strip()
+            found = line.strip()
+            if len(found) < 24:  # "ERROR:" alone: the message is on the next line
+                found += " " + next((x.strip() for x in lines[k + 1:] if x.strip()), "")
+            return found.strip()
     return None
 
 
@@ -196,7 +202,7 @@ def _collect(messages: Sequence[Message]) -> _Facts:
             f.earlier.append(text.strip())
             continue
         if m.role is Role.USER and not _is_observation(m):
-            if m.is_user_turn and text.strip():
+            if m.is_user_turn and text.strip() and not _NOT_A_GOAL_RE.match(text):
                 f.goals.append(text.strip())
             continue
         if m.role is Role.SYSTEM:
@@ -260,7 +266,8 @@ def _collect(messages: Sequence[Message]) -> _Facts:
         f.pending.append(f"call without a result yet: {calls[cid][0]}")
     last = next((m for m in reversed(messages) if not m.extra.get(INTERNAL_KEY)), None)
     if last is not None:
-        if last.is_user_turn and not _is_observation(last) and last.text.strip():
+        if last.is_user_turn and not _is_observation(last) and last.text.strip() and not _NOT_A_GOAL_RE.match(
+                last.text):
             f.pending.append("unanswered user message: " + _one_line(last.text, _GOAL_CHARS))
         last_assistant = next((m for m in reversed(messages) if m.role is Role.ASSISTANT and m.text.strip()), None)
         if last_assistant is not None:
