@@ -1,6 +1,6 @@
 """Speed of the extractive summary and of the stream cutter, each beside a naive baseline in the same run.
 
-Run: ``PYTHONPATH=python:tests pytest bench/test_bench_summarize.py --benchmark-enable``. Groups:
+Run: ``PYTHONPATH=python pytest bench/test_bench_summarize.py --benchmark-enable``. Groups:
 
 - ``extractive-2000``: the extractive summary of 2,000 real messages (tool outputs included) against two
   baselines over the same messages: Datus's request-size estimate (``len(json.dumps(item)) // 4`` per item,
@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ctxfold import formats
 from ctxfold.messages import Message
 from ctxfold.summarize import StreamCutter, extractive_summary
 from ctxfold.summarize.request import render_plain, to_openai_messages
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from openai_chat_traces import openai_chat_conversations
 
 TRACES = Path(os.environ.get("CTXFOLD_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"))
 CAP_TOKENS = 4096
@@ -33,8 +30,10 @@ CAP_TOKENS = 4096
 
 @pytest.fixture(scope="module")
 def messages() -> list[Message]:
-    convs = list(openai_chat_conversations(TRACES))
-    pool = [m for c in convs if "deepseek" in c.source or "swe_agent" in c.source for m in c.messages]
+    convs = [c for d in ("deepseek_sample", "swe_agent", "openhands", "tau_bench")
+             for p in sorted((TRACES / d).rglob("*.*")) if p.suffix in (".json", ".jsonl", ".traj")
+             for c in formats.load(p)]
+    pool = [m for c in convs if c.source_format in ("mini_swe_agent", "swe_agent", "openhands") for m in c.messages]
     pool += [m for c in convs for m in c.messages]
     return (pool * (2000 // len(pool) + 1))[:2000]
 

@@ -196,7 +196,8 @@ def test_random_conversations_never_fail_and_fit(msgs: list[Message], cap: int) 
 
 
 def _two_thousand(conversations: list[Conversation]) -> list[Message]:
-    pool = [m for c in conversations if "deepseek" in c.source or "swe_agent" in c.source for m in c.messages]
+    pool = [m for c in conversations if c.source_format in ("mini_swe_agent", "swe_agent", "openhands")
+            for m in c.messages]
     pool += [m for c in conversations for m in c.messages]
     return (pool * (2000 // len(pool) + 1))[:2000]
 

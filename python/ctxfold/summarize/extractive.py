@@ -83,13 +83,12 @@ _EXIT_RES = (
     ("exit", re.compile(r"\bexit(?:ed)?(?: with)?[ _](?:code|status)[\s:=]*(-?\d+)", re.IGNORECASE)),
     ('"exit_code"', re.compile(r'"exit_code"\s*:\s*(-?\d+)')),
 )
-_ERROR_HINTS = ("error", "failed", "fatal:", "not found", "no such file", "denied", "traceback", "panicked",
-                "segmentation fault")
+# Error lines are found with str.find on the lowered text (C speed): an alternation regex over these tried at
+# every position cost ~65 us per 4 KB scan, the largest part of a summary.
+_ERROR_HINTS = ("error:", "error]", "failed", "fatal:", "command not found", "no such file or directory",
+                "permission denied", "traceback (most recent call last)", "panicked at", "segmentation fault")
+_EXC_WORDS = ("Error", "Exception", "Exit", "Interrupt")
 _EXC_LINE_RE = re.compile(r"\s{0,32}(?:[\w.]{1,128}\.)?\w{0,64}(?:Error|Exception|Exit|Interrupt)\b(?::|$)")
-_ERROR_LINE_RE = re.compile(
-    r"(?:(?i:\berror\b)[:\]]|\bERROR\b|\bFAILED\b|\bfatal:|command not found|No such file or directory|"
-    r"Permission denied|Traceback \(most recent call last\)|\bpanicked at\b|Segmentation fault)",
-)
 # User messages that are client chatter, not goals (Claude Code's interrupt notes and local slash commands).
 _NOT_A_GOAL_RE = re.compile(r"\s*(?:\[Request interrupted by user|<local-command-|<command-name>|<command-message>)")
 _OBSERVATION_RE = re.compile(r"^\s*(?:<returncode>|OBSERVATION:|Observation:|\[Command finished|EXECUTION RESULT)")
@@ -142,17 +141,22 @@ def _exit_code(text: str, lowered: str) -> int | None:
 def _error_line(text: str) -> str | None:
     """The most telling error line: the exception line of a traceback (last), else the first error line."""
     tail = text[-_SCAN_CHARS * 2:]
-    for line in reversed(tail.splitlines()):
-        if _EXC_LINE_RE.match(line):
-            return line.strip()
-    lines = _ends(text).splitlines()
-    for k, line in enumerate(lines):
-        if _ERROR_LINE_RE.search(line):
-            found = line.strip()
-            if len(found) < 24:  # "ERROR:" alone: the message is on the next line
-                found += " " + next((x.strip() for x in lines[k + 1:] if x.strip()), "")
-            return found.strip()
-    return None
+    if any(w in tail for w in _EXC_WORDS):
+        for line in reversed(tail.splitlines()):
+            if _EXC_LINE_RE.match(line):
+                return line.strip()
+    scan = _ends(text)
+    lowered = scan.lower()
+    hits = [k for k in (lowered.find(h) for h in _ERROR_HINTS) if k >= 0]
+    if not hits:
+        return None
+    at = min(hits)
+    start = scan.rfind("\n", 0, at) + 1
+    end = scan.find("\n", at)
+    found = scan[start:end if end >= 0 else len(scan)].strip()
+    if len(found) < 24 and end >= 0:  # "ERROR:" alone: the message is on the next line
+        found += " " + next((x.strip() for x in scan[end + 1:].splitlines() if x.strip()), "")
+    return found.strip()
 
 
 def _parsed_args(call: ToolCall) -> Any:
@@ -229,8 +233,8 @@ def _collect(messages: Sequence[Message]) -> _Facts:
         scan = _ends(text)
         lowered = scan.lower()
         code = _exit_code(scan, lowered)
-        err = _error_line(text) if (m.is_error or (code is not None and code != 0) or (
-            _might_be_error(lowered) and _ERROR_LINE_RE.search(scan))) else None
+        err = _error_line(text) if (m.is_error or (code is not None and code != 0) or
+                                    _might_be_error(lowered)) else None
         slot: int | None = None
         if m.role is Role.TOOL:
             cid = m.tool_call_id
