@@ -14,7 +14,11 @@ from ctxfold.summarize.request import SummaryRequest
 class FallbackSummarizer:
     """Runs ``primary``; on a failure other than cancellation returns the extractive summary instead, with
     ``primary_failure`` set so the caller can count the failure (the three-failure breaker) while the
-    compaction still goes ahead. A cancelled summary stays cancelled: the caller asked to stop."""
+    compaction still goes ahead. A cancelled summary stays cancelled: the caller asked to stop.
+
+    Streaming: pieces the primary delivered to ``on_token`` before it failed cannot be taken back; the
+    fallback's text then arrives as one piece. A user interface should show the final result's text (and may
+    reset its live view when ``primary_failure`` is set)."""
 
     def __init__(self, primary: Summarizer, fallback: ExtractiveSummarizer | None = None) -> None:
         self._primary = primary
