@@ -287,7 +287,7 @@ def test_timeout_on_a_stalled_server(srv: ScriptedServer) -> None:
     srv.handler = srv.stall(5.0)
     t0 = time.perf_counter()
     r = summarizer(srv).summarize(build_summary_request(conversation()), timeout_s=0.5)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 4.0  # not the server's 5 s
     assert not r.ok and r.failure == "timeout after 0.5 s"
 
 
@@ -296,7 +296,7 @@ def test_timeout_on_a_trickling_server(srv: ScriptedServer) -> None:
     srv.handler = srv.trickle(0.05)
     t0 = time.perf_counter()
     r = summarizer(srv).summarize(build_summary_request(conversation()), timeout_s=0.6)
-    assert 0.5 < time.perf_counter() - t0 < 2.0
+    assert 0.5 < time.perf_counter() - t0 < 4.0
     assert not r.ok and r.failure == "timeout after 0.6 s"
 
 
@@ -314,9 +314,9 @@ def test_cancel_from_another_thread(srv: ScriptedServer) -> None:
     threading.Timer(0.3, cancel.set).start()
     t0 = time.perf_counter()
     r = summarizer(srv).summarize(build_summary_request(conversation()), cancel=cancel, timeout_s=10)
-    assert time.perf_counter() - t0 < 1.5
+    assert time.perf_counter() - t0 < 4.0  # not the 10 s timeout
     assert not r.ok and r.failure == "cancelled"
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 5
     while srv.disconnects == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert srv.disconnects == 1  # the stream was closed, so the server stops generating

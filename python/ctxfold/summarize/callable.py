@@ -58,8 +58,7 @@ class CallableSummarizer:
         return "eos"
 
     def _cutter(self, request: SummaryRequest) -> StreamCutter:
-        return StreamCutter(request.max_tokens, counter=self._counter,
-                            limit_reason="room" if request.limit_reason == "room" else "token_cap")
+        return StreamCutter(request.max_tokens, counter=self._counter, limit_reason=request.limit_reason)
 
     def summarize(
         self,

@@ -147,8 +147,7 @@ class OpenAICompatibleSummarizer:
         limit_s = self._timeout_s if timeout_s is None else timeout_s
         if request.max_tokens < 1:
             return failed(self.name, "no room left for a summary (max_tokens is 0)", 0.0)
-        cutter = StreamCutter(request.max_tokens, counter=self._counter,
-                              limit_reason="room" if request.limit_reason == "room" else "token_cap")
+        cutter = StreamCutter(request.max_tokens, counter=self._counter, limit_reason=request.limit_reason)
 
         async def work() -> str | None:
             await self._stream(request, cutter, on_token)
