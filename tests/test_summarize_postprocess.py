@@ -317,3 +317,32 @@ def test_chunked_falls_back_on_failure_and_on_a_tiny_window(deepseek: DeepSeekCo
     assert deepseek.count(r.text) <= 512
     r = ChunkedSummarizer(ExtractiveSummarizer(), window_tokens=600).summarize(build_summary_request(msgs))
     assert r.ok and r.primary_failure is not None and "tokens per chunk" in r.primary_failure
+
+
+_ids = st.sampled_from(["a", "b", "c", "d"])
+_any_message = st.one_of(
+    st.builds(Message, role=st.just(Role.USER), content=st.text(max_size=5)),
+    st.builds(Message, role=st.just(Role.ASSISTANT), content=st.text(max_size=5),
+              tool_calls=st.lists(st.builds(ToolCall, id=_ids, name=st.just("bash"), arguments=st.just("{}")),
+                                  max_size=3, unique_by=lambda c: c.id).map(tuple)),
+    st.builds(Message, role=st.just(Role.TOOL), content=st.text(max_size=5), tool_call_id=st.one_of(st.none(), _ids)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_any_message, max_size=12), st.integers(min_value=0, max_value=12))
+def test_rendered_request_is_always_protocol_valid(msgs: list[Message], bottom: int) -> None:
+    """Whatever BOTTOM cuts, every tool message answers a call of the assistant message just before its run
+    of results, and every call gets exactly one result: what OpenAI's own endpoint insists on."""
+    req = build_summary_request(msgs, min(bottom, len(msgs)))
+    out = req.to_openai()["messages"]
+    waiting: list[str] = []
+    for m in out:
+        if m["role"] == "tool":
+            assert m["tool_call_id"] in waiting
+            waiting.remove(m["tool_call_id"])
+            continue
+        assert waiting == []  # every call answered before anything else is said
+        if m["role"] == "assistant":
+            waiting = [c["id"] for c in m.get("tool_calls", [])]
+    assert waiting == [] and out[-1]["role"] == "user"
