@@ -402,8 +402,12 @@ def test_cap_cut_by_us_and_by_the_server(srv: ScriptedServer) -> None:
         (["the same line again\n" * 40], "summary is a repetition loop"),
         (["next step: run tests. " * 60], "summary is a repetition loop"),
         (["</think>"], "empty summary"),
+        # Gemma 3 270M (base) at a 64-token cap, verbatim: it parrots the last assistant message.
+        (["The output is 344; the division truncates. I will use round(). mendatang\nで購入\n" * 3],
+         "summary is a repetition loop"),
     ],
-    ids=["no-content", "whitespace", "reasoning-only", "markup-only", "line-loop", "phrase-loop", "boundary-first"],
+    ids=["no-content", "whitespace", "reasoning-only", "markup-only", "line-loop", "phrase-loop", "boundary-first",
+         "short-loop"],
 )
 def test_garbage_answers_are_failures(srv: ScriptedServer, pieces: list[str], reason: str) -> None:
     srv.handler = srv.stream_pieces(pieces)

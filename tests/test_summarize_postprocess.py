@@ -184,6 +184,8 @@ def test_garbage_reason_accepts_real_summaries() -> None:
     assert garbage_reason(real) is None
     assert garbage_reason("Short but fine summary text.") is None
     assert garbage_reason("- item\n" * 3 + "done with all of it now") is None
+    assert garbage_reason("- status: not run yet\n" * 3 + "Goal: port the parser to Rust; tests in tests/parser "
+                          "cover the grammar; next: run cargo test and fix the two known failures.") is None
 
 
 # ---- callable, fallback, chunked ----------------------------------------------------------------

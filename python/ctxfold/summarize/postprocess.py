@@ -224,6 +224,15 @@ def garbage_reason(text: str) -> str | None:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if len(lines) >= 10 and len(set(lines)) / len(lines) < 0.3:
         return f"summary is a repetition loop ({len(set(lines))} distinct lines of {len(lines)})"
+    # A short loop (too short to compress much): one substantial line said three times or more that makes up
+    # most of the text. Seen from a real small model that parroted the transcript's last message.
+    counts: dict[str, int] = {}
+    for ln in lines:
+        if len(ln) >= 15:
+            counts[ln] = counts.get(ln, 0) + 1
+    repeated_chars = sum(len(ln) * n for ln, n in counts.items() if n >= 3)
+    if repeated_chars * 2 >= len(text.strip()) and repeated_chars:
+        return "summary is a repetition loop (the same line three times or more)"
     return None
 
 
