@@ -141,6 +141,7 @@ def plot_replay(entries: Sequence[Mapping[str, Any]], path: str | Path, *, conte
                               label="compaction attempted, not applied"))
     suffix = f" ({n} of {len(entries)} conversations, the most compacted)" if n < len(entries) else ""
     fig.suptitle(title + suffix, fontsize=12)
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(3, len(handles)), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(2 if ncols == 1 else 3, len(handles)), fontsize=8,
+               frameon=False)
     fig.savefig(str(path), dpi=110)
     return n
