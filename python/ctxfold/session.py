@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxfold.archive.store import LocalBackend
 from ctxfold.codec import (
     decode_conversation_header,
     decode_message,
@@ -68,36 +69,12 @@ class ResumedState:
     torn_lines: int = 0  # lines ignored because a write was cut off
 
 
-def _atomic_write(path: Path, data: bytes, *, durable: bool) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Session:
     """The directory of one conversation. Not thread-safe: the compactor that owns it serialises access."""
 
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
         self.root = Path(root)
-        self.durable = durable  # fsync every event and dump; off for replays and benchmarks
+        self.durable = durable  # fsync every event (dumps are always durable); off for replays and benchmarks
         self._fd: int | None = None
         self._num_originals = 0
         self._seq = 0
@@ -139,20 +116,19 @@ class Session:
         The name carries a sequence number, a UTC stamp and random bits, so two dumps in the same
         second (or from two processes) never overwrite each other.
         """
-        self.history_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         existing = sum(1 for _ in self.history_dir.glob("*.jsonl"))
         path = self.history_dir / f"{existing:06d}-{stamp}-{secrets.token_hex(4)}.jsonl"
         lines = [json.dumps({"type": "header", "conversation": encode_conversation_header(conversation)},
                             ensure_ascii=False)]
         lines.extend(json.dumps(encode_message(m), ensure_ascii=False) for m in messages)
-        _atomic_write(path, ("\n".join(lines) + "\n").encode(), durable=self.durable)
+        LocalBackend(self.history_dir).write_atomic(path.name, ("\n".join(lines) + "\n").encode())
         return path
 
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
                  state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
         """Log a rewrite of the view. The view entries must refer to originals already logged."""
-        entries = []
+        entries: list[dict[str, Any]] = []
         for e in view:
             if e.origin >= self._num_originals:
                 raise ValueError(f"view entry refers to original {e.origin}, but only {self._num_originals} are logged")

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_OK
-    except Exception as exc:
+    except Exception as exc:  # the one place errors become exit codes
         if getattr(args, "debug", False):
             raise
         code = _exit_code(exc)
