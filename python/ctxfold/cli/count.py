@@ -71,6 +71,7 @@ class CountReport:
     message_tokens: list[int] = field(default_factory=list)  # per message, as the request renders it
     roles: list[str] = field(default_factory=list)  # per message
     ids: list[str] = field(default_factory=list)  # per message
+    previews: list[str] = field(default_factory=list)  # per message: the start of its text, for the listing
     requests: list[tuple[int, int, int | None]] = field(default_factory=list)  # (message index, predicted, recorded)
 
     @property
@@ -130,7 +131,14 @@ def count_conversation(conv: Conversation, counter: Any, template: Any, *, label
         report.message_tokens.append(compactor.accounting.message_tokens(m))
         report.roles.append(m.role.value)
         report.ids.append(m.id)
+        report.previews.append(m.text[:200] or (f"[{len(m.tool_calls)} tool call(s): "
+                                               f"{', '.join(c.name for c in m.tool_calls)}]" if m.tool_calls else ""))
     return report
+
+
+def _preview(text: str, width: int = 60) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
 def _diff(p: int, r: int | None) -> tuple[str, str]:
@@ -164,8 +172,9 @@ def render(reports: Sequence[CountReport], counter_name: str, exact: bool, templ
         if len(reports) == 1:
             roles = r.by_role()
             out.append(f"{r.label} ({r.format}, {len(r.message_tokens)} messages, {len(r.requests)} requests)\n")
-            rows = [[role + (" + tools" if role == "system" else ""), roles[role]["messages"], roles[role]["tokens"]]
-                    for role in _ROLES]
+            # The system prompt and tools are the conversation's header, not messages.
+            rows = [[role + (" + tools" if role == "system" else ""),
+                     "-" if role == "system" else roles[role]["messages"], roles[role]["tokens"]] for role in _ROLES]
             out.append(table(["role", "messages", "tokens"], rows,
                              total=["total", len(r.message_tokens), r.total_tokens]))
             cmp = r.compared()
@@ -177,9 +186,10 @@ def render(reports: Sequence[CountReport], counter_name: str, exact: bool, templ
                            f"{'' if requests else ' (--requests lists them)'}\n")
         if messages:
             out.append(f"\n{r.label}: messages\n")
-            out.append(table(["#", "role", "id", "tokens"], [[i, role, mid, n] for i, (mid, role, n) in
-                                                             enumerate(zip(r.ids, r.roles, r.message_tokens,
-                                                                           strict=True))], align="rllr"))
+            out.append(table(["#", "role", "id", "tokens", "text"],
+                             [[i, role, mid, n, _preview(text)] for i, (mid, role, n, text) in
+                              enumerate(zip(r.ids, r.roles, r.message_tokens, r.previews, strict=True))],
+                             align="rllrl"))
         if requests:
             out.append(f"\n{r.label}: requests\n")
             out.append(table(["request", "message", "predicted", "recorded", "diff", "diff %"],
