@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import queue
+import signal
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -284,6 +285,9 @@ _QUEUE: Any = None
 def _init_worker(q: Any) -> None:
     global _QUEUE
     _QUEUE = q
+    # Ctrl-C reaches the whole process group; the parent alone handles it (one message, no worker
+    # tracebacks) and cancels what has not started.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _QueueObserver:
@@ -427,26 +431,25 @@ def _run_pool(jobs: Sequence[Job], settings: Settings, term: Terminal, progress:
     entries: dict[str, dict[str, Any]] = {}
     # Longest first, so one long conversation does not start last and run alone.
     order = sorted(jobs, key=lambda j: -sum(len(m.text) for m in j.conversation.messages))
-    with ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker, initargs=(q,)) as pool:
+    pool = ProcessPoolExecutor(num_workers, mp_context=ctx, initializer=_init_worker, initargs=(q,))
+    try:
         futures: dict[Future[dict[str, Any]], Job] = {pool.submit(_worker_replay, j, settings): j for j in order}
         pending = set(futures)
-        try:
-            while pending:
-                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
-                _drain(q, term, progress)
-                for f in done:
-                    job = futures[f]
-                    try:
-                        entry = f.result()
-                    except Exception as exc:
-                        raise _ReplayFailed(job, exc) from exc
-                    entries[job.label] = entry
-                    progress.finish(job.label, entry["requests"])
+        while pending:
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
             _drain(q, term, progress)
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            raise
+            for f in done:
+                job = futures[f]
+                try:
+                    entry = f.result()
+                except Exception as exc:
+                    raise _ReplayFailed(job, exc) from exc
+                entries[job.label] = entry
+                progress.finish(job.label, entry["requests"])
+        _drain(q, term, progress)
+    finally:
+        # On an error or Ctrl-C nothing new starts; running replays end on their own (seconds).
+        pool.shutdown(wait=True, cancel_futures=True)
     return [entries[j.label] for j in jobs]
 
 
