@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -23,7 +24,12 @@ if TYPE_CHECKING:
 DEFAULT_TOKENIZER = "estimate:deepseek-v4"
 DEFAULT_CONTEXT_TOKENS = 16384
 
+# Raw, so the examples in each epilog keep their layout; descriptions are wrapped with wrap().
 FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def wrap(text: str, width: int = 78) -> str:
+    return textwrap.fill(text, width)
 
 
 # -- option types: a bad value is a usage error (exit 2) that names the option ---------------------------

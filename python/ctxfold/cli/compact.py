@@ -24,6 +24,7 @@ from ctxfold.cli._common import (
     tokens,
     unique_labels,
     with_auto_reserve,
+    wrap,
     write_output,
 )
 
@@ -47,8 +48,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
     p: argparse.ArgumentParser = sub.add_parser(
         "compact", help="compact each conversation of a trace once (a manual compaction) and write it out",
-        description="Run one manual compaction (always a summary pass, as /compact does) on every conversation "
-        "in a trace file and write the compacted conversations.",
+        description=wrap("Run one manual compaction (always a summary pass, as /compact does) on every conversation "
+        "in a trace file and write the compacted conversations."),
         epilog=EPILOG, formatter_class=FORMATTER)
     p.add_argument("file", metavar="FILE", help="a trace file in any format the importers read")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write ('-' for stdout)")

@@ -20,6 +20,7 @@ from ctxfold.cli._common import (
     table,
     tokens,
     unique_labels,
+    wrap,
     write_output,
 )
 from ctxfold.messages import Conversation, Role
@@ -44,9 +45,9 @@ _ROLES = ("system", "user", "assistant", "tool")
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "count", help="count tokens of a trace: per message, by role, per request against the recorded usage",
-        description="Count the tokens of every conversation in a trace file: by role and in total, and for "
+        description=wrap("Count the tokens of every conversation in a trace file: by role and in total, and for "
         "each model request (each assistant turn) the predicted prompt tokens beside the provider's own "
-        "figure where the trace records one.",
+        "figure where the trace records one."),
         epilog=EPILOG, formatter_class=FORMATTER)
     p.add_argument("file", metavar="FILE", help="a trace file in any format the importers read")
     add_format_option(p)

@@ -43,6 +43,7 @@ from ctxfold.cli._common import (
     tokens,
     unique_labels,
     with_auto_reserve,
+    wrap,
     write_output,
 )
 from ctxfold.messages import Conversation, Role
@@ -77,10 +78,10 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "replay", help="replay recorded agent traces through a compaction policy and report what it did",
-        description="Replay recorded agent conversations through ctxfold's compactor: progress, a COMPACTING "
+        description=wrap("Replay recorded agent conversations through ctxfold's compactor: progress, a COMPACTING "
         "line for every compaction with its reason, the summary as it is written, and a table of what "
         "happened. Traces in every format the importers read (OpenAI, Anthropic, Claude Code, tau-bench, "
-        "SWE-agent, OpenHands, mini-swe-agent).",
+        "SWE-agent, OpenHands, mini-swe-agent)."),
         epilog=EPILOG, formatter_class=FORMATTER)
     p.add_argument("traces", nargs="*", metavar="TRACE", help="trace files (JSON or JSONL); a file may hold "
                    "many conversations")
@@ -118,16 +119,18 @@ class Settings:
     template: str | None  # chat template spec, None for plain text
     summarizer: str | None  # None or "extractive": the extractive summarizer; else an endpoint URL
     model: str | None  # model name for an endpoint
-    page_size_tokens: int
+    page_size_tokens: int  # KV page size the reuse figures round down to
     auto_reserve: bool  # reply reserve from each conversation's longest answer (default_reply_reserve)
     session_root: str | None  # keep sessions here, one directory per conversation
 
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    label: str
-    file: str
-    format: str
+    """One conversation to replay."""
+
+    label: str  # unique among the command's conversations: table row, session directory name
+    file: str  # the trace file as named on the command line
+    format: str  # the importer that read it
     conversation: Conversation
 
 

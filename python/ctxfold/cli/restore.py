@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxfold.cli import EXIT_INPUT, EXIT_OK, CommandError
-from ctxfold.cli._common import FORMATTER, write_output
+from ctxfold.cli._common import FORMATTER, wrap, write_output
 
 EPILOG = """examples:
   ctxfold restore sessions/demo -o original.json
@@ -27,8 +27,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
     p: argparse.ArgumentParser = sub.add_parser(
         "restore", help="rebuild the original conversation from a session directory",
-        description="Rebuild the full original conversation from a session directory (its event log), "
-        "undoing every compaction, and write it out.", epilog=EPILOG, formatter_class=FORMATTER)
+        description=wrap("Rebuild the full original conversation from a session directory (its event log), "
+        "undoing every compaction, and write it out."), epilog=EPILOG, formatter_class=FORMATTER)
     p.add_argument("session_dir", metavar="SESSION_DIR", help="a session directory (holds events.jsonl)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write ('-' for stdout)")
     p.add_argument("--to", choices=EXPORT_FORMATS, default="openai", dest="output_format",
