@@ -71,9 +71,10 @@ def add_counting_options(p: argparse.ArgumentParser) -> None:
                    help="token counter: a tokenizer by name (deepseek-v4, qwen3, mistral, o200k_base, "
                    "cl100k_base), a tokenizer.json or SentencePiece .model file, estimate:NAME (the "
                    f"calibrated estimator), or chars4 (default: {DEFAULT_TOKENIZER})")
-    p.add_argument("--template", metavar="SPEC",
-                   help="chat template used to count requests (a name or a file); default: plain message "
-                   "text without template tokens")
+    p.add_argument("--template", metavar="NAME",
+                   help="chat template the requests are rendered with, for exact counts: deepseek-v3.2 (the "
+                   "hosted DeepSeek API), deepseek-v4, chatml (qwen3), mistral-v7; default: message text "
+                   "alone, without template tokens")
 
 
 def add_policy_options(p: argparse.ArgumentParser) -> None:
@@ -152,11 +153,12 @@ def load_counter(spec: str) -> TokenCounter:
 
 
 def load_template(spec: str | None) -> Any:
+    """The chat template preset named ``spec`` (None: plain text, no template tokens)."""
     if spec is None:
         return None
-    from ctxfold.templates import load_template as load
+    from ctxfold.templates import get_template
 
-    return load(spec)
+    return get_template(spec)
 
 
 def build_config(args: argparse.Namespace, *, default_context_tokens: int | None) -> CompactConfig:

@@ -23,7 +23,7 @@ from ctxfold.cli._common import (
     wrap,
     write_output,
 )
-from ctxfold.messages import Conversation, Role
+from ctxfold.messages import Conversation, Message, Role
 
 EPILOG = """examples:
   ctxfold count session.jsonl                           estimator, by role
@@ -68,7 +68,7 @@ class CountReport:
     conversation: str
     source: str
     format: str
-    fixed_tokens: int  # system prompt and tool definitions
+    fixed_tokens: int  # tokens outside any message: BOS, system prompt, tool definitions, generation prompt
     message_tokens: list[int] = field(default_factory=list)  # per message, as the request renders it
     roles: list[str] = field(default_factory=list)  # per message
     ids: list[str] = field(default_factory=list)  # per message
@@ -113,28 +113,32 @@ def _mean_abs_pct(pairs: Sequence[tuple[int, int]]) -> float | None:
 
 def count_conversation(conv: Conversation, counter: Any, template: Any, *, label: str = "",
                        format: str = "") -> CountReport:
-    """Counts through the same request accounting the compactor uses (so a count and a replay agree):
-    a compactor with no window and no passes, fed the recording message by message."""
-    from ctxfold.compactor import Compactor
-    from ctxfold.config import CompactConfig
+    """Counts through the request accounting the compactor uses (so a count and a replay agree). Each
+    request's prompt is counted when it is sent; per-message tokens as the final request renders them
+    (a message's framing can depend on what follows it)."""
+    from ctxfold.accounting import RequestAccounting
 
-    config = CompactConfig.from_mapping({"reply_reserve_tokens": 0, "minor": {"enabled": False}})
-    head = Conversation([], id=conv.id, system=conv.system, tools=conv.tools, source_format=conv.source_format,
-                        source=conv.source, meta=conv.meta)
-    compactor = Compactor(head, config=config, counter=counter, template=template)
-    report = CountReport(label=label or conv.id, conversation=conv.id, source=conv.source, format=format,
-                         fixed_tokens=compactor.accounting.fixed_tokens)
+    accounting = RequestAccounting(counter, template)
+    accounting.reset(Conversation([], id=conv.id, system=conv.system, tools=conv.tools))
+    requests = []
     for i, m in enumerate(conv.messages):
         if m.role is Role.ASSISTANT:
             recorded = m.usage.prompt_tokens if m.usage is not None else None
-            report.requests.append((i, compactor.occupancy_tokens(), recorded))
-        compactor.append(m)
-        report.message_tokens.append(compactor.accounting.message_tokens(m))
-        report.roles.append(m.role.value)
-        report.ids.append(m.id)
-        report.previews.append(m.text[:200] or (f"[{len(m.tool_calls)} tool call(s): "
-                                               f"{', '.join(c.name for c in m.tool_calls)}]" if m.tool_calls else ""))
-    return report
+            requests.append((i, accounting.total_tokens, recorded))
+        accounting.append(m)
+    return CountReport(
+        label=label or conv.id, conversation=conv.id, source=conv.source, format=format,
+        fixed_tokens=accounting.fixed_tokens, message_tokens=[int(n) for n in accounting.tokens()],
+        roles=[m.role.value for m in conv.messages], ids=[m.id for m in conv.messages],
+        previews=[_preview_text(m) for m in conv.messages], requests=requests)
+
+
+def _preview_text(m: Message) -> str:
+    if m.text:
+        return m.text[:200]
+    if m.tool_calls:
+        return f"[{len(m.tool_calls)} tool call(s): {', '.join(c.name for c in m.tool_calls)}]"
+    return ""
 
 
 def _preview(text: str, width: int = 60) -> str:
