@@ -3,17 +3,21 @@ the real traces, its reports checked against the library's own figures."""
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
 import os
 import pty
+import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -228,6 +232,70 @@ def test_no_color_means_no_escape_codes_even_on_a_terminal() -> None:
     assert code == 0
     assert "\x1b" not in screen
     assert "COMPACTING" in screen and "replay [" in screen
+
+
+# -- a model writes the summaries: a real OpenAI-compatible endpoint on loopback ---------------------------
+
+SUMMARY = "## Goals\n- stop negative stock levels\n## Files\n- inventory/store.py\n## Next steps\n- rerun the tests\n"
+
+
+class _ChatCompletions(http.server.BaseHTTPRequestHandler):
+    """/v1/chat/completions, streamed as server-sent events, the way vLLM and llama.cpp answer."""
+
+    requests: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(body)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for k in range(0, len(SUMMARY), 7):  # a few characters per event, like tokens
+            chunk = {"choices": [{"index": 0, "delta": {"content": SUMMARY[k:k + 7]}, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.write(b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n')
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ChatCompletions)
+    _ChatCompletions.requests = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+@needs_replay
+def test_summaries_from_an_endpoint_stream_into_the_replay(endpoint: str) -> None:
+    proc = ctxfold("replay", "--demo", "--summarizer", endpoint, "--model", "tiny-summarizer", "--json", "-",
+                   "--summary-lines", "100")
+    assert proc.returncode == 0, proc.stderr
+    (entry,) = json.loads(proc.stdout)["conversations"]
+    summaries = [e for e in entry["events"] if e["kind"] == "summary" and e["applied"]]
+    assert summaries and all(e["summarizer"] == "openai:tiny-summarizer" for e in summaries)
+    assert not any(e["summary_fallback"] for e in summaries)
+    assert len(_ChatCompletions.requests) == len(summaries)
+    assert all(r["model"] == "tiny-summarizer" and r["stream"] for r in _ChatCompletions.requests)
+    assert "- stop negative stock levels\n## Files\n- inventory/store.py" in proc.stderr  # streamed as written
+
+
+@needs_replay
+def test_an_unreachable_endpoint_falls_back_to_the_extractive_summary() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = ctxfold("replay", "--demo", "--summarizer", f"http://127.0.0.1:{port}/v1", "--model", "m", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    (entry,) = json.loads(proc.stdout)["conversations"]
+    summaries = [e for e in entry["events"] if e["kind"] == "summary" and e["applied"]]
+    assert summaries and all(e["summary_fallback"] and e["summarizer"] == "extractive" for e in summaries)
+    assert "(extractive fallback)" in proc.stderr
 
 
 # -- problems and errors --------------------------------------------------------------------------------------

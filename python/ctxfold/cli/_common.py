@@ -109,25 +109,14 @@ def check_summarizer_args(args: argparse.Namespace) -> None:
         raise CommandError("--model is for --summarizer URL; the extractive summarizer needs no model", EXIT_USAGE)
 
 
-def make_summarizer(spec: str | None, model: str | None, config: CompactConfig, counter: Any) -> Any:
-    """None (the compactor's extractive default) or the endpoint's summarizer: ``spec`` is None (the
-    config decides), "extractive", or the endpoint's base URL."""
-    if spec in (None, "extractive"):
-        if spec is None and config.summarizer.kind == "openai":
-            from ctxfold.summarize import OpenAICompatibleSummarizer
-
-            return OpenAICompatibleSummarizer.from_config(config, counter=counter)
+def make_summarizer(config: CompactConfig, counter: Any) -> Any:
+    """The summarizer ``config.summarizer`` asks for, built by ctxfold.summarize; None for the extractive
+    one, which is the compactor's own default (so a replay here and replay_conversation agree)."""
+    if config.summarizer.kind == "extractive":
         return None
-    from ctxfold.summarize import OpenAICompatibleSummarizer
+    from ctxfold.summarize import make_summarizer as make
 
-    model = model or os.environ.get("CTXFOLD_SUMMARY_MODEL")
-    assert model is not None  # check_summarizer_args
-    api_key = os.environ.get(config.summarizer.api_key_env) or config.summarizer.api_key
-    return OpenAICompatibleSummarizer(spec, model, api_key=api_key, counter=counter,
-                                      temperature=config.summarizer.temperature,
-                                      send_tools=config.summarizer.send_tools,
-                                      connect_timeout_s=config.summarizer.connect_timeout_s,
-                                      timeout_s=config.summary.timeout_s, extra_body=config.summarizer.extra_body)
+    return make(config, counter=counter)
 
 
 def reply_reserve_config(config: CompactConfig, explicit: int | None) -> tuple[CompactConfig, bool]:
@@ -176,6 +165,12 @@ def build_config(args: argparse.Namespace, *, default_context_tokens: int | None
         config = CompactConfig.from_mapping(overrides)
     if config.context_tokens is None and default_context_tokens is not None:
         config = replace(config, context_tokens=default_context_tokens)
+    spec = getattr(args, "summarizer", None)
+    if spec == "extractive":
+        config = replace(config, summarizer=replace(config.summarizer, kind="extractive"))
+    elif spec is not None:  # an endpoint URL (check_summarizer_args ran)
+        config = replace(config, summarizer=replace(config.summarizer, kind="openai", base_url=spec,
+                                                    model=args.model or config.summarizer.model))
     return config
 
 

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = with_auto_reserve(config, conv, counter) if auto_reserve else config
         session_dir = None if args.session_dir is None else Path(args.session_dir) / label
         compactor = Compactor(conv, config=cfg, counter=counter, template=template,
-                              summarizer=make_summarizer(args.summarizer, args.model, cfg, counter),
+                              summarizer=make_summarizer(cfg, counter),
                               session_dir=session_dir, page_size_tokens=args.page_size)
         try:
             event = compactor.compact_now(args.reason)

@@ -117,8 +117,6 @@ class Settings:
     config: CompactConfig
     tokenizer: str  # counter spec for load_counter
     template: str | None  # chat template spec, None for plain text
-    summarizer: str | None  # None or "extractive": the extractive summarizer; else an endpoint URL
-    model: str | None  # model name for an endpoint
     page_size_tokens: int  # KV page size the reuse figures round down to
     auto_reserve: bool  # reply reserve from each conversation's longest answer (default_reply_reserve)
     session_root: str | None  # keep sessions here, one directory per conversation
@@ -148,7 +146,7 @@ def replay_one(job: Job, settings: Settings, observer: Any = None,
     report = replay_conversation(
         job.conversation, config=config, session_dir=session_dir, observer=observer, on_request=on_request,
         counter=counter, template=template,
-        summarizer=make_summarizer(settings.summarizer, settings.model, config, counter),
+        summarizer=make_summarizer(config, counter),
         page_size_tokens=settings.page_size_tokens,
     )
     entry = {"label": job.label, "file": job.file, "format": job.format, **report.to_json()}
@@ -381,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
 
     config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
     settings = Settings(config=config, tokenizer=args.tokenizer, template=args.template,
-                        summarizer=args.summarizer, model=args.model, page_size_tokens=args.page_size,
+                        page_size_tokens=args.page_size,
                         auto_reserve=auto_reserve, session_root=args.session_dir)
 
     num_workers = min(args.jobs or _cpus(), len(jobs))
@@ -392,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
             f"file{'s' if len(args.traces) != 1 else ''}")
         term.line(f"ctxfold replay: {what}, {total_requests} requests; ctx {tokens(config.context_tokens)} "
                   f"tokens, policy {config.policy}, counter {getattr(counter, 'name', args.tokenizer)}, "
-                  f"summarizer {args.summarizer or config.summarizer.kind}"
+                  f"summarizer {config.summarizer.kind}"
                   + (f", {num_workers} processes" if num_workers > 1 else ""))
     progress = Progress(term, total_requests, len(jobs))
     t0 = time.perf_counter()
@@ -559,7 +557,8 @@ def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, set
             "ctxfold_version": __version__,
             "settings": {"context_tokens": config.context_tokens, "policy": config.policy,
                          "tokenizer": settings.tokenizer, "template": settings.template,
-                         "summarizer": settings.summarizer or config.summarizer.kind, "model": settings.model,
+                         "summarizer": config.summarizer.kind, "summarizer_url": config.summarizer.base_url,
+                         "model": config.summarizer.model,
                          "page_size_tokens": settings.page_size_tokens,
                          "reply_reserve_tokens": "per conversation" if settings.auto_reserve
                          else config.reply_reserve(), "jobs": args.jobs, "trigger_lines": trigger_lines(config)},
