@@ -402,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         term.clear_status()
     wall_s = time.perf_counter() - t0
-    return _finish(args, term, config, settings, entries, wall_s)
+    return _finish(args, term, config, settings, entries, wall_s, num_workers)
 
 
 def _run_here(jobs: Sequence[Job], settings: Settings, term: Terminal, progress: Progress,
@@ -546,7 +546,7 @@ def trigger_lines(config: CompactConfig) -> dict[str, int]:
 
 
 def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, settings: Settings,
-            entries: list[dict[str, Any]], wall_s: float) -> int:
+            entries: list[dict[str, Any]], wall_s: float, num_workers: int) -> int:
     from ctxfold import __version__
 
     if args.json != "-":
@@ -561,7 +561,7 @@ def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, set
                          "model": config.summarizer.model,
                          "page_size_tokens": settings.page_size_tokens,
                          "reply_reserve_tokens": "per conversation" if settings.auto_reserve
-                         else config.reply_reserve(), "jobs": args.jobs, "trigger_lines": trigger_lines(config)},
+                         else config.reply_reserve(), "processes": num_workers, "trigger_lines": trigger_lines(config)},
             "wall_seconds": round(wall_s, 3),
             "total": totals(entries),
             "conversations": entries,
