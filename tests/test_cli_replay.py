@@ -382,6 +382,20 @@ def test_count_and_replay_count_requests_the_same_way(traces_dir: Path) -> None:
 
 
 @needs_counting
+def test_lenient_skips_malformed_records_with_a_warning(tmp_path: Path) -> None:
+    trace = tmp_path / "torn.jsonl"
+    trace.write_text('{"role": "user", "content": "hi"}\n{"role": "assistant", "content": \n'
+                     '{"role": "assistant", "content": "hello"}\n')
+    strict = ctxfold("count", str(trace))
+    assert strict.returncode == 3 and "line 2: invalid JSON" in strict.stderr
+    lenient = ctxfold("count", str(trace), "--lenient", "--json", "-")
+    assert lenient.returncode == 0
+    (line,) = lenient.stderr.strip().splitlines()
+    assert line.startswith(f"ctxfold: warning: {trace}: skipped 1 malformed record (first: ")
+    assert [m["role"] for m in json.loads(lenient.stdout)["conversations"][0]["messages"]] == ["user", "assistant"]
+
+
+@needs_counting
 def test_count_of_a_file_of_many_conversations(traces_dir: Path) -> None:
     trace = traces_dir / "openhands" / "multi_swe_bench_output.jsonl"
     proc = ctxfold("count", str(trace))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -99,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ctxfold: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        # The reader went away (| head): point stdout at devnull so the exit-time flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except Exception as exc:  # the one place errors become exit codes
         if getattr(args, "debug", False):

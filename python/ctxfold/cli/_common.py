@@ -64,6 +64,8 @@ def add_format_option(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--format", choices=FORMATS, metavar="NAME",
                    help=f"read the input as this trace format instead of detecting it ({', '.join(FORMATS)})")
+    p.add_argument("--lenient", action="store_true", help="skip malformed records of a trace (counted on "
+                   "stderr) instead of stopping at the first one")
 
 
 def add_counting_options(p: argparse.ArgumentParser) -> None:
@@ -184,9 +186,11 @@ class Loaded:
     conversations: list[Conversation]
 
 
-def load_traces(paths: Sequence[str], format: str | None = None) -> list[Loaded]:
+def load_traces(paths: Sequence[str], format: str | None = None, *, lenient: bool = False,
+                warn: Callable[[str], None] | None = None) -> list[Loaded]:
     """Every conversation of every file, in order. A missing or malformed file is an input error
-    naming the file (and the line, for a malformed record)."""
+    naming the file (and the line, for a malformed record); with ``lenient`` bad records are skipped
+    and ``warn`` hears how many, and the first."""
     from ctxfold.formats import read_path
 
     out = []
@@ -197,11 +201,19 @@ def load_traces(paths: Sequence[str], format: str | None = None) -> list[Loaded]
         if p.is_dir():
             raise CommandError(f"{path}: is a directory; name the trace files in it (e.g. {path}/*.json)",
                                EXIT_INPUT)
-        report = read_path(p, format)
+        report = read_path(p, format, lenient=lenient)
+        if report.skipped and warn is not None:
+            warn(f"{path}: skipped {len(report.skipped)} malformed record{'s' if len(report.skipped) != 1 else ''}"
+                 f" (first: {report.skipped[0]})")
         if not report.conversations:
             raise FormatError("no conversation in this file", source=path)
         out.append(Loaded(path, report.format, report.conversations))
     return out
+
+
+def warn(text: str) -> None:
+    """A warning: one line on stderr, shown even with --quiet."""
+    print(f"ctxfold: warning: {text}", file=sys.stderr)
 
 
 def unique_labels(conversations: Sequence[Conversation]) -> list[str]:

@@ -23,6 +23,7 @@ from ctxfold.cli._common import (
     reply_reserve_config,
     tokens,
     unique_labels,
+    warn,
     with_auto_reserve,
     wrap,
     write_output,
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     term = Terminal(quiet=args.quiet)
     config = build_config(args, default_context_tokens=DEFAULT_CONTEXT_TOKENS)
     config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
-    loaded = load_traces([args.file], args.format)
+    loaded = load_traces([args.file], args.format, lenient=args.lenient, warn=warn)
     from ctxfold.compactor import Compactor
 
     counter = load_counter(args.tokenizer)

@@ -20,6 +20,7 @@ from ctxfold.cli._common import (
     table,
     tokens,
     unique_labels,
+    warn,
     wrap,
     write_output,
 )
@@ -204,7 +205,7 @@ def render(reports: Sequence[CountReport], counter_name: str, exact: bool, templ
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded: list[Loaded] = load_traces([args.file], args.format)
+    loaded: list[Loaded] = load_traces([args.file], args.format, lenient=args.lenient, warn=warn)
     counter = load_counter(args.tokenizer)
     template = load_template(args.template)
     convs = [c for f in loaded for c in f.conversations]

@@ -42,6 +42,7 @@ from ctxfold.cli._common import (
     table,
     tokens,
     unique_labels,
+    warn,
     with_auto_reserve,
     wrap,
     write_output,
@@ -361,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
 
         jobs.append(Job("demo", "(built in)", "builtin", demo_conversation()))
     else:
-        loaded = load_traces(args.traces, args.format)
+        loaded = load_traces(args.traces, args.format, lenient=args.lenient, warn=warn)
         convs = [(f, c) for f in loaded for c in f.conversations]
         labels = unique_labels([c for _, c in convs])
         jobs = [Job(label, f.path, f.format, c) for label, (f, c) in zip(labels, convs, strict=True)]
