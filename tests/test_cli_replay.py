@@ -110,7 +110,9 @@ _TIMING_KEYS = ("seconds", "seconds_in_ctxfold")
 @needs_replay
 @pytest.mark.slow
 def test_replay_report_matches_the_library(all_traces_report: dict[str, Any], traces_dir: Path) -> None:
-    """replay_conversation on the same conversations, with the same settings, gives the same figures."""
+    """replay_conversation on the same conversations, with the same settings, gives the same figures,
+    to the token: a replay's figures depend on the recording and the settings alone (not on the clock,
+    random names or which process ran it)."""
     from ctxfold.config import CompactConfig
     from ctxfold.counting import load_counter
     from ctxfold.replay import default_reply_reserve, replay_conversation
