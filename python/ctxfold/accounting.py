@@ -31,7 +31,7 @@ import numpy.typing as npt
 from ctxfold import _core
 from ctxfold.counting import TokenCounter
 from ctxfold.ledger import SegmentFlag, message_flags
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.templates import (
     ChatTemplate,
     Reasoning,
@@ -105,7 +105,7 @@ class RequestAccounting:
         self._messages: list[Message] = []
         self._last_user = -1
         self._system: str | None = None
-        self._tools: tuple[object, ...] = ()
+        self._tools: tuple[ToolSpec, ...] = ()
         self._keep_all = False
         self._prefix: Segment = ()
         self.prefix_tokens = 0
@@ -115,9 +115,7 @@ class RequestAccounting:
 
     # -- header (system prompt and tools) -----------------------------------------------------------
 
-    def _set_header(self, system: str | None, tools: Sequence[object]) -> None:
-        from ctxfold.messages import ToolSpec
-
+    def _set_header(self, system: str | None, tools: Sequence[ToolSpec]) -> None:
         specs = tuple(t for t in tools if isinstance(t, ToolSpec))
         self._system, self._tools = system, specs
         self._keep_all = self.renderer.keeps_all_reasoning(bool(specs))
@@ -175,7 +173,7 @@ class RequestAccounting:
         msgs = [*self._messages, message]
         last_user = last_user_index(msgs)
         seg = self.renderer.message(msgs, len(msgs) - 1, last_user=last_user,
-                                    keep_all_reasoning=self._keep_all, opts=self.options)
+                                    keep_all_reasoning=self._keep_all, opts=self.options, tools=self._tools)
         tail = self._tail_before(msgs, len(msgs) - 1, {}, last_user) if _leading_text(seg) else None
         return self._count_segments([seg], [tail])[0]
 
@@ -264,8 +262,8 @@ class RequestAccounting:
         rendered: dict[int, Segment] = {}
         segs: list[Segment] = [prefix]
         tails: list[str | None] = [None]
-        saved = self._keep_all
-        self._keep_all = keep_all
+        saved = self._keep_all, self._tools
+        self._keep_all, self._tools = keep_all, tuple(header.tools)
         try:
             for i in range(len(msgs)):
                 seg = self._render(msgs, i, last_user, rendered)
@@ -274,7 +272,7 @@ class RequestAccounting:
             segs.append(self.renderer.suffix(msgs, last_user=last_user, keep_all_reasoning=keep_all, opts=self.options))
             tails.append(None)
         finally:
-            self._keep_all = saved
+            self._keep_all, self._tools = saved
         return int(sum(self._count_segments(segs, tails)))
 
     # -- internals ----------------------------------------------------------------------------------
@@ -283,7 +281,7 @@ class RequestAccounting:
         seg = rendered.get(i)
         if seg is None:
             seg = self.renderer.message(msgs, i, last_user=last_user, keep_all_reasoning=self._keep_all,
-                                        opts=self.options)
+                                        opts=self.options, tools=self._tools)
             rendered[i] = seg
         return seg
 

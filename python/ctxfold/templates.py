@@ -13,7 +13,7 @@ sum of their counts is its count (see :func:`count_segments` for text that joins
 
 Presets: ``deepseek-v3.2`` (the DSML template the hosted DeepSeek API renders with; reproduces its
 recorded prompt_tokens exactly), ``deepseek-v4`` (the V4 encoding: ``<tool_result>`` inside user
-turns, ``tool_calls`` DSML blocks), ``chatml`` (Qwen3), ``mistral`` (v3/v7 control tokens).
+turns, ``tool_calls`` DSML blocks), ``chatml`` (Qwen3), ``mistral-v7`` (Mistral instruct v7 control tokens).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class Arguments(StrEnum):
     """How tool-call arguments are written."""
 
     RAW = "raw"  # the recorded JSON string, verbatim
+    JSON = "json"  # parsed and written again with json.dumps defaults (Mistral)
     DSML = "dsml"  # one DSML <parameter> per top-level key (DeepSeek)
 
 
@@ -64,19 +65,22 @@ class ChatTemplate:
     system_and_tools: str = ""  # replaces `system` when there are both a system text and tools
     tools: str = "{schemas}"  # the tools block; {schemas}: the tool schemas as JSON
     tool_schema_separator: str = "\n"  # between two schemas
+    tools_with_last_user: bool = False  # the tools block goes before the last user message (Mistral v7)
+    json_ascii: bool = False  # JSON written with non-ASCII escaped (json.dumps defaults: Mistral)
     openai_tool_shape: bool = False  # schemas as {"type": "function", "function": {...}} (Qwen3)
     user: str = "{content}"  # a user message
     assistant_open: str = ""  # before an assistant message that follows a user or tool message
     assistant: str = "{reasoning}{content}{tool_calls}"  # an assistant message
     reasoning: str = "{reasoning}"  # kept reasoning, inside {reasoning} of `assistant`
+    strip_newlines_around_reasoning: bool = False  # kept reasoning stripped of \n, content of leading \n
     tool_calls: str = "{calls}"  # the calls of one message; {calls}: the calls joined
-    tool_call: str = "{name}:{arguments}"  # one call
+    tool_call: str = "{name}:{arguments}"  # one call; {id} is the call's id
     tool_call_separator: str = "\n"
     tool_calls_after_content: str = ""  # between content and the calls when there is content
     arguments: Arguments = Arguments.RAW
     dsml_parameter: str = '<{DSML}parameter name="{key}" string="{is_str}">{value}</{DSML}parameter>'
     results_open: str = ""  # before the first tool result of a run of results
-    result: str = "{content}"  # one tool result
+    result: str = "{content}"  # one tool result; {id} is the id of the call it answers
     result_separator: str = ""  # between two results of one run
     results_close: str = ""  # after the last result of a run
     generation_prompt: str = ""  # the end of every request: where the model starts writing
@@ -158,6 +162,10 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _json_default(value: Any) -> str:
+    return json.dumps(value)
+
+
 def tool_schema(tool: ToolSpec) -> dict[str, Any]:
     """The OpenAI function shape of a tool definition."""
     d: dict[str, Any] = {"name": tool.name}
@@ -185,25 +193,33 @@ class Renderer:
         k = self.template.keep_reasoning
         return k is Reasoning.WITH_TOOLS and has_tools
 
+    def tools_block(self, tools: Sequence[ToolSpec]) -> list[Part]:
+        t = self.template
+        if not tools:
+            return []
+        shaped = [
+            {"type": "function", "function": tool_schema(x)} if t.openai_tool_shape else tool_schema(x) for x in tools
+        ]
+        dump = _json_default if t.json_ascii else _json
+        return self._f.parts(t.tools, schemas=t.tool_schema_separator.join(dump(x) for x in shaped))
+
     def prefix(self, system: str | None, tools: Sequence[ToolSpec]) -> Segment:
         t = self.template
-        tools_block: list[Part] = []
-        if tools:
-            shaped = [
-                {"type": "function", "function": tool_schema(x)} if t.openai_tool_shape else tool_schema(x)
-                for x in tools
-            ]
-            schemas = t.tool_schema_separator.join(_json(x) for x in shaped)
-            tools_block = self._f.parts(t.tools, schemas=schemas)
-        if system is None and not tools:
+        tools_block = [] if t.tools_with_last_user else self.tools_block(tools)
+        if system is None and not tools_block:
             return tuple(self._f.parts(t.begin))
-        pattern = t.system_and_tools if (system and tools and t.system_and_tools) else t.system
+        pattern = t.system_and_tools if (system and tools_block and t.system_and_tools) else t.system
         return tuple(_merge(self._f.parts(t.begin) + self._f.parts(pattern, system=system or "", tools=tools_block)))
 
     def _arguments(self, call: ToolCall) -> list[Part]:
         t = self.template
         if t.arguments is Arguments.RAW:
             return [call.arguments]
+        if t.arguments is Arguments.JSON:
+            try:
+                return [_json_default(json.loads(call.arguments))]
+            except ValueError:
+                return [call.arguments]
         try:
             args = json.loads(call.arguments) if call.arguments.strip() else {}
         except ValueError:
@@ -228,7 +244,7 @@ class Renderer:
         for i, c in enumerate(calls):
             if i:
                 rendered.extend(self._f.parts(t.tool_call_separator))
-            rendered.extend(self._f.parts(t.tool_call, name=c.name, arguments=self._arguments(c)))
+            rendered.extend(self._f.parts(t.tool_call, name=c.name, arguments=self._arguments(c), id=c.id))
         return self._f.parts(t.tool_calls, calls=_merge(rendered))
 
     def message(
@@ -239,6 +255,7 @@ class Renderer:
         last_user: int,
         keep_all_reasoning: bool,
         opts: RenderOptions,
+        tools: Sequence[ToolSpec] = (),
     ) -> Segment:
         """The segment of ``messages[index]``; depends on its neighbours' roles and ``last_user``
         (the index of the last user message, -1 when none)."""
@@ -251,13 +268,15 @@ class Renderer:
         if m.role is Role.USER or m.role is Role.SYSTEM:
             # A system message inside the conversation is framed as a user message: the templates
             # here have no mid-conversation system role.
-            parts = self._f.parts(t.user, content=m.text, think=self._think(opts, keep_all_reasoning or at_turn))
+            if t.tools_with_last_user and index == last_user:
+                parts += self.tools_block(tools)
+            parts += self._f.parts(t.user, content=m.text, think=self._think(opts, keep_all_reasoning or at_turn))
         elif m.role is Role.TOOL:
             if prev is not Role.TOOL:
                 parts += self._f.parts(t.results_open)
             else:
                 parts += self._f.parts(t.result_separator)
-            parts += self._f.parts(t.result, content=m.text)
+            parts += self._f.parts(t.result, content=m.text, id=m.tool_call_id or "")
             if nxt is not Role.TOOL:
                 parts += self._f.parts(t.results_close, think=self._think(opts, keep_all_reasoning or at_turn))
         else:
@@ -268,14 +287,18 @@ class Renderer:
             wanted = opts.thinking if t.think_open else bool(m.reasoning)
             keep = t.keep_reasoning is not Reasoning.NEVER and wanted and (keep_all_reasoning or index > last_user)
             reasoning: list[Part] = []
+            content = m.text
             if keep:
-                reasoning = self._f.parts(t.reasoning, reasoning=m.reasoning or "")
+                text = m.reasoning or ""
+                if t.strip_newlines_around_reasoning:
+                    text, content = text.strip("\n"), content.lstrip("\n")
+                reasoning = self._f.parts(t.reasoning, reasoning=text)
             calls: list[Part] = []
             if m.tool_calls:
                 calls = self._calls(m.tool_calls)
-                if m.text:
+                if content:
                     calls = self._f.parts(t.tool_calls_after_content) + calls
-            parts += self._f.parts(t.assistant, reasoning=reasoning, content=m.text, tool_calls=calls)
+            parts += self._f.parts(t.assistant, reasoning=reasoning, content=content, tool_calls=calls)
         return tuple(_merge(parts))
 
     def suffix(self, messages: Sequence[Message], *, last_user: int, keep_all_reasoning: bool,
@@ -291,7 +314,7 @@ class Renderer:
         last_user = last_user_index(msgs)
         keep_all = self.keeps_all_reasoning(bool(conversation.tools))
         segs = tuple(
-            self.message(msgs, i, last_user=last_user, keep_all_reasoning=keep_all, opts=opts)
+            self.message(msgs, i, last_user=last_user, keep_all_reasoning=keep_all, opts=opts, tools=conversation.tools)
             for i in range(len(msgs))
         )
         return RenderedRequest(
@@ -418,6 +441,7 @@ CHATML_QWEN3 = ChatTemplate(
     user="{IM_START}user\n{content}{IM_END}\n",
     assistant="{IM_START}assistant\n{reasoning}{content}{tool_calls}{IM_END}\n",
     reasoning="<think>\n{reasoning}\n</think>\n\n",
+    strip_newlines_around_reasoning=True,
     tool_calls="{calls}",
     tool_call='<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>',
     tool_calls_after_content="\n",
@@ -440,33 +464,39 @@ _MISTRAL_SPECIALS = {
     "END_AVAILABLE_TOOLS": ("[/AVAILABLE_TOOLS]", 7),
     "TOOL_RESULTS": ("[TOOL_RESULTS]", 8),
     "END_TOOL_RESULTS": ("[/TOOL_RESULTS]", 9),
-    "SYSTEM_PROMPT": ("[SYSTEM_PROMPT]", 17),
-    "END_SYSTEM_PROMPT": ("[/SYSTEM_PROMPT]", 18),
+    "SYSTEM_PROMPT": ("[SYSTEM_PROMPT]", 16),
+    "END_SYSTEM_PROMPT": ("[/SYSTEM_PROMPT]", 17),
+    "TOOL_CONTENT": ("[TOOL_CONTENT]", 18),
 }
 
-MISTRAL = ChatTemplate(
-    name="mistral",
+MISTRAL_V7 = ChatTemplate(
+    name="mistral-v7",
     specials=_MISTRAL_SPECIALS,
     begin="{BOS}",
-    system="{SYSTEM_PROMPT}{system}{END_SYSTEM_PROMPT}{tools}",
+    system="{SYSTEM_PROMPT}{system}{END_SYSTEM_PROMPT}",
     tools="{AVAILABLE_TOOLS}[{schemas}]{END_AVAILABLE_TOOLS}",
     tool_schema_separator=", ",
+    tools_with_last_user=True,
+    openai_tool_shape=True,
     user="{INST}{content}{END_INST}",
     assistant="{content}{tool_calls}{EOS}",
     tool_calls="{TOOL_CALLS}[{calls}]",
-    tool_call='{{"name": "{name}", "arguments": {arguments}}}',
+    tool_call='{{"name": "{name}", "arguments": {arguments}, "id": "{id}"}}',
     tool_call_separator=", ",
-    result="{TOOL_RESULTS}{content}{END_TOOL_RESULTS}",
+    arguments=Arguments.JSON,
+    json_ascii=True,
+    result="{TOOL_RESULTS}{id}{TOOL_CONTENT}{content}{END_TOOL_RESULTS}",
     keep_reasoning=Reasoning.NEVER,
-    description="Mistral instruct control tokens (v7 layout: [SYSTEM_PROMPT], [AVAILABLE_TOOLS] once "
-    "after the system prompt, [TOOL_CALLS], [TOOL_RESULTS]); text runs are encoded one by one, as "
-    "mistral-common does.",
+    description="Mistral instruct v7 (SentencePiece, mistral_instruct_tokenizer_241114.model.v7): "
+    "[SYSTEM_PROMPT], [AVAILABLE_TOOLS] before the last user turn, [TOOL_CALLS] JSON with ids, "
+    "[TOOL_RESULTS] id [TOOL_CONTENT] content; each text run encoded on its own, as mistral-common does.",
 )
 
 PRESETS: dict[str, ChatTemplate] = {
-    t.name: t for t in (DEEPSEEK_V32, DEEPSEEK_V4, CHATML_QWEN3, MISTRAL)
+    t.name: t for t in (DEEPSEEK_V32, DEEPSEEK_V4, CHATML_QWEN3, MISTRAL_V7)
 }
 PRESETS["qwen3"] = CHATML_QWEN3
+PRESETS["mistral"] = MISTRAL_V7
 
 
 def get_template(name: str) -> ChatTemplate:
