@@ -90,8 +90,8 @@ class Message:
 
     @property
     def is_user_turn(self) -> bool:
-        """A real user turn: a user message that is neither a queued insert nor a resume message."""
-        return self.role is Role.USER and not self.queued and not self.resume
+        """A real user turn: a user message that is not a queued insert, a resume message or a summary."""
+        return self.role is Role.USER and not (self.queued or self.resume or self.summary)
 
     @property
     def is_tool_result(self) -> bool:

@@ -1,0 +1,85 @@
+"""Minor compaction: bulky tool outputs move to a content-addressed archive the model can still read.
+
+- :mod:`ctxfold.archive.store`: the per-conversation store (local directory or fsspec URL).
+- :mod:`ctxfold.archive.marker`: the one-line marker that replaces an archived output.
+- :mod:`ctxfold.archive.passes`: the turn-start pass, the mid-turn stage, the hard trigger's last
+  resort, and the byte-exact restore.
+- :mod:`ctxfold.archive.recall`: the ``read_archive`` tool.
+"""
+
+from __future__ import annotations
+
+from ctxfold.archive.marker import MARKER_PREFIX, Marker, fold_preview, is_marker, make_marker, parse_marker
+from ctxfold.archive.passes import (
+    ArchivedOutput,
+    ArchiveParams,
+    ArchivePass,
+    ArchiveReport,
+    OversizedResult,
+    archive_mid_turn,
+    archive_oversized,
+    archive_turn_start,
+    is_archived_text,
+    restore,
+    turn_start_cutoff,
+)
+from ctxfold.archive.recall import (
+    DEFAULT_LIMIT_CHARS,
+    MAX_LIMIT_CHARS,
+    READ_ARCHIVE,
+    ArchiveSlice,
+    answer_read_archive,
+    read_archive,
+    read_archive_tool_anthropic,
+    read_archive_tool_openai,
+    read_archive_tool_spec,
+    read_slice,
+)
+from ctxfold.archive.store import (
+    ArchiveId,
+    ArchiveStore,
+    Backend,
+    FsspecBackend,
+    LocalBackend,
+    check_id,
+    content_id,
+    is_valid_id,
+)
+
+__all__ = [
+    "DEFAULT_LIMIT_CHARS",
+    "MARKER_PREFIX",
+    "MAX_LIMIT_CHARS",
+    "READ_ARCHIVE",
+    "ArchiveId",
+    "ArchiveParams",
+    "ArchivePass",
+    "ArchiveReport",
+    "ArchiveSlice",
+    "ArchiveStore",
+    "ArchivedOutput",
+    "Backend",
+    "FsspecBackend",
+    "LocalBackend",
+    "Marker",
+    "OversizedResult",
+    "answer_read_archive",
+    "archive_mid_turn",
+    "archive_oversized",
+    "archive_turn_start",
+    "check_id",
+    "content_id",
+    "fold_preview",
+    "is_archived_text",
+    "is_marker",
+    "is_valid_id",
+    "make_marker",
+    "parse_marker",
+    "read_archive",
+    "read_archive_tool_anthropic",
+    "read_archive_tool_openai",
+    "read_archive_tool_spec",
+    "read_slice",
+    "restore",
+    "turn_start_cutoff",
+]

@@ -1,0 +1,376 @@
+"""The minor compaction passes: archive bulky tool outputs, leave a marker, restore exactly.
+
+Every pass takes a message list and returns a new one (messages are immutable; untouched ones are the
+same objects) plus a report. An archived message keeps its id, role, tool_call_id, name, is_error and
+extra; only its content changes, so tool calls and results stay paired.
+
+The order is fixed: decide on sizes first (the marker's length is known without hashing), write the
+archive, and only once the write is durable put the marker in the conversation. A failed write leaves
+the output inline and is reported; a crash at any point leaves the original output or a marker whose
+archive is readable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from ctxfold.archive.marker import (
+    MARKER_PREFIX,
+    fold_preview,
+    make_marker,
+    make_oversized_notice,
+    marker_chars,
+    parse_marker,
+)
+from ctxfold.archive.store import ArchiveStore
+from ctxfold.errors import ArchiveError, ConfigError, IntegrityError
+from ctxfold.messages import Content, ContentPart, Message, Role
+
+Stage = Literal["turn_start", "mid_turn", "oversized"]
+# Error outputs get twice the preview: the error line is what the model needs to see.
+ERROR_PREVIEW_FACTOR = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveParams:
+    """The minor-compaction knobs (defaults from DESIGN.md)."""
+
+    keep_recent_user_turns: int = 4  # turn start: tool outputs of the newest N real user turns are kept
+    archive_threshold_chars: int = 1000  # turn start: only outputs of at least this many chars are archived
+    archive_preview_chars: int = 1000  # preview kept in the marker (twice this for error outputs)
+    keep_recent_tool_results: int = 5  # mid-turn: the newest N tool outputs are never archived
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"minor.{f.name} = {value!r}: expected an integer >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ArchivedOutput:
+    """One output moved to the archive."""
+
+    index: int  # position of the message in the list
+    message_id: str  # Message.id
+    archive_id: str  # sha256 of the archived text
+    chars_before: int  # length of the archived text
+    chars_after: int  # length of what replaced it (marker, plus the notice when oversized)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveReport:
+    """What one pass did."""
+
+    stage: Stage  # which pass
+    archived: tuple[ArchivedOutput, ...] = ()  # outputs replaced by a marker, in list order
+    left_inline: tuple[str, ...] = ()  # ids of messages that qualified but stayed inline: the write failed
+    error: str | None = None  # why they stayed inline (the store's write failure)
+
+    @property
+    def chars_before(self) -> int:
+        return sum(a.chars_before for a in self.archived)
+
+    @property
+    def chars_after(self) -> int:
+        return sum(a.chars_after for a in self.archived)
+
+    @property
+    def chars_saved(self) -> int:
+        return self.chars_before - self.chars_after
+
+    @property
+    def archive_ids(self) -> frozenset[str]:
+        return frozenset(a.archive_id for a in self.archived)
+
+
+class ArchivePass(NamedTuple):
+    messages: list[Message]  # the new list
+    report: ArchiveReport
+
+
+def preview_chars_for(message: Message, params: ArchiveParams) -> int:
+    return params.archive_preview_chars * (ERROR_PREVIEW_FACTOR if message.is_error else 1)
+
+
+def is_archived_text(text: str, store: ArchiveStore) -> bool:
+    """Whether ``text`` is a marker of this store: marker syntax and an id that resolves here."""
+    if not text.startswith(MARKER_PREFIX):
+        return False
+    marker = parse_marker(text)
+    return marker is not None and store.exists(marker.archive_id)
+
+
+def _content_chars(content: Content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    # Counted the way Message.text joins parts, without building the joined string.
+    texts = [len(p.text) for p in content if p.text is not None]
+    return sum(texts) + max(len(texts) - 1, 0)
+
+
+class _Archiver:
+    """Archives the text units (the string content, or each text part) of chosen messages."""
+
+    def __init__(self, store: ArchiveStore, stage: Stage) -> None:
+        self.store = store
+        self.stage = stage
+        self.archived: list[ArchivedOutput] = []
+        self.left_inline: list[str] = []
+        self.error: ArchiveError | None = None
+
+    def _unit(self, text: str, min_chars: int, preview_chars: int) -> str | None:
+        """The marker for one text unit, or None to keep it."""
+        n = len(text)
+        if n < min_chars or marker_chars(n, preview_chars) >= n:
+            return None  # too small, or the marker would not be shorter (then nothing is written)
+        if is_archived_text(text, self.store):
+            return None  # never archive a marker again
+        archive_id = self.store.put(text)  # raises ArchiveError; the caller keeps the output inline
+        return make_marker(archive_id, text, preview_chars)
+
+    def message(self, index: int, m: Message, min_chars: int, preview_chars: int) -> Message:
+        if self.error is not None:
+            # The store failed earlier in this pass: keep the rest inline rather than retry per output.
+            if _content_chars(m.content) >= min_chars:
+                self.left_inline.append(m.id)
+            return m
+        try:
+            if isinstance(m.content, str):
+                marker = self._unit(m.content, min_chars, preview_chars)
+                if marker is None:
+                    return m
+                self._record(index, m, m.content, marker)
+                return dataclasses.replace(m, content=marker)
+            parts: list[ContentPart] = []
+            changed = False
+            for p in m.content:
+                marker = None if p.text is None else self._unit(p.text, min_chars, preview_chars)
+                if marker is None or p.text is None:
+                    parts.append(p)
+                    continue
+                self._record(index, m, p.text, marker)
+                parts.append(dataclasses.replace(p, text=marker))
+                changed = True
+            return dataclasses.replace(m, content=tuple(parts)) if changed else m
+        except ArchiveError as e:
+            self.error = e
+            self.left_inline.append(m.id)
+            return m
+
+    def _record(self, index: int, m: Message, text: str, marker: str) -> None:
+        aid = marker[len(MARKER_PREFIX) : len(MARKER_PREFIX) + 64]
+        self.archived.append(ArchivedOutput(index, m.id, aid, len(text), len(marker)))
+
+    def report(self) -> ArchiveReport:
+        return ArchiveReport(
+            self.stage,
+            tuple(self.archived),
+            tuple(self.left_inline),
+            None if self.error is None else str(self.error),
+        )
+
+
+def turn_start_cutoff(messages: Sequence[Message], keep_recent_user_turns: int) -> int:
+    """Index of the ``keep_recent_user_turns``-th most recent real user turn; tool outputs before it
+    are old enough to archive. -1 when there are not more than that many real user turns."""
+    seen = 0
+    first_kept = -1
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.role is Role.USER and not m.queued and not m.resume:  # Message.is_user_turn, inlined
+            seen += 1
+            if seen == keep_recent_user_turns:
+                first_kept = i
+            elif seen > keep_recent_user_turns:
+                return len(messages) if keep_recent_user_turns == 0 else first_kept
+    return -1
+
+
+def archive_turn_start(messages: Sequence[Message], store: ArchiveStore, params: ArchiveParams) -> ArchivePass:
+    """Turn start: with more than ``keep_recent_user_turns`` real user turns, archive every tool output
+    of at least ``archive_threshold_chars`` that lies before the newest ``keep_recent_user_turns``
+    turns, where its marker is shorter than it.
+
+    Cheap when there is nothing to do: one backward scan for the cutoff, then a length check per
+    message; only outputs that will be archived are hashed.
+    """
+    out = list(messages)
+    archiver = _Archiver(store, "turn_start")
+    cutoff = turn_start_cutoff(out, params.keep_recent_user_turns)
+    threshold = params.archive_threshold_chars
+    tool = Role.TOOL
+    for i in range(max(cutoff, 0)):
+        m = out[i]
+        if m.role is not tool:
+            continue
+        c = m.content
+        if (len(c) if isinstance(c, str) else _content_chars(c)) < threshold:
+            continue
+        out[i] = archiver.message(i, m, threshold, preview_chars_for(m, params))
+    return ArchivePass(out, archiver.report())
+
+
+def archive_mid_turn(messages: Sequence[Message], store: ArchiveStore, params: ArchiveParams) -> ArchivePass:
+    """Mid-turn archive stage: every tool output but the newest ``keep_recent_tool_results``, where the
+    marker is shorter than the output. The caller decides when (occupancy >= the mid-turn threshold)."""
+    out = list(messages)
+    archiver = _Archiver(store, "mid_turn")
+    tool_indexes = [i for i, m in enumerate(out) if m.role is Role.TOOL]
+    keep = params.keep_recent_tool_results
+    older = tool_indexes[: len(tool_indexes) - keep] if keep else tool_indexes
+    for i in older:
+        out[i] = archiver.message(i, out[i], 0, preview_chars_for(out[i], params))
+    return ArchivePass(out, archiver.report())
+
+
+class OversizedResult(NamedTuple):
+    message: Message  # the marker plus the tool error, or the input unchanged
+    report: ArchiveReport
+    fits: bool  # whether ``message`` is within the limit; False only when archiving failed
+
+
+def archive_oversized(
+    message: Message,
+    store: ArchiveStore,
+    *,
+    max_chars: int | None = None,
+    max_tokens: int | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+    preview_chars: int = 1000,
+    index: int = 0,
+) -> OversizedResult:
+    """The hard trigger's last resort for one tool result that does not fit even after compaction.
+
+    Give the room left as ``max_chars``, or as ``max_tokens`` with ``count_tokens`` (the model's own
+    counter). When the result is larger, each of its text units is archived whole and replaced by its
+    marker and a tool error telling the model to page through it with ``read_archive`` in pieces that
+    fit; the message becomes ``is_error``. A result that fits comes back unchanged.
+    If the archive cannot be written the message comes back unchanged with ``fits=False`` and the
+    error in the report: the caller must not send it as is, and nothing has been dropped.
+    """
+    from ctxfold.archive.recall import MAX_LIMIT_CHARS
+
+    if message.role is not Role.TOOL:
+        raise ValueError(f"message {message.id!r} is a {message.role.value} message, not a tool result")
+    if (max_chars is None) == (max_tokens is None):
+        raise ValueError("give exactly one of max_chars or max_tokens")
+    if max_tokens is not None and count_tokens is None:
+        raise ValueError("max_tokens needs count_tokens, the model's token counter")
+    limit = max_chars if max_chars is not None else max_tokens
+    assert limit is not None
+    if isinstance(limit, bool) or limit <= 0:
+        raise ValueError(f"the size limit must be a positive integer, got {limit!r}")
+
+    text = message.text
+    size: Callable[[str], int] = len if max_chars is not None or count_tokens is None else count_tokens
+
+    total = size(text)
+    if total <= limit:
+        return OversizedResult(message, ArchiveReport("oversized"), True)
+    # Pieces of half the room: a piece plus the answer's header must fit beside the rest of the turn.
+    chars_per_unit = 1.0 if max_chars is not None else len(text) / max(total, 1)
+    piece_chars = max(1, min(MAX_LIMIT_CHARS, int(limit * chars_per_unit / 2)))
+    limit_desc = f"{limit} characters" if max_chars is not None else f"{limit} tokens"
+    preview = preview_chars * (ERROR_PREVIEW_FACTOR if message.is_error else 1)
+
+    def replace_unit(unit: str, archive_id: str, preview_n: int) -> str:
+        notice = make_oversized_notice(
+            archive_id, len(unit), tool_error=message.is_error, limit_desc=limit_desc, piece_chars=piece_chars
+        )
+        return make_marker(archive_id, unit, preview_n) + "\n" + notice
+
+    units = [message.content] if isinstance(message.content, str) else [p.text for p in message.content]
+    try:
+        ids = [None if u is None or len(u) == 0 else store.put(u) for u in units]
+    except ArchiveError as e:
+        rep = ArchiveReport("oversized", left_inline=(message.id,), error=str(e))
+        return OversizedResult(message, rep, False)
+
+    def build(preview_n: int) -> tuple[Content, list[ArchivedOutput]]:
+        done: list[ArchivedOutput] = []
+        new_units: list[str | None] = []
+        for u, aid in zip(units, ids, strict=True):
+            if u is None or aid is None:
+                new_units.append(u)
+                continue
+            r = replace_unit(u, aid, preview_n)
+            done.append(ArchivedOutput(index, message.id, aid, len(u), len(r)))
+            new_units.append(r)
+        if isinstance(message.content, str):
+            return str(new_units[0]), done
+        parts = tuple(
+            p if p.text is None else dataclasses.replace(p, text=t)
+            for p, t in zip(message.content, new_units, strict=True)
+        )
+        return parts, done
+
+    content, done = build(preview)
+    new = dataclasses.replace(message, content=content, is_error=True)
+    if size(new.text) > limit:
+        content, done = build(0)  # drop the preview before giving up on fitting
+        new = dataclasses.replace(message, content=content, is_error=True)
+    report = ArchiveReport("oversized", tuple(done))
+    return OversizedResult(new, report, size(new.text) <= limit)
+
+
+def restore(messages: Sequence[Message], store: ArchiveStore, *, strict: bool = False) -> list[Message]:
+    """The conversation as it was before archiving: every marker whose archive resolves (and matches
+    the marker's size and preview) expanded back to the exact original text; oversized results get
+    their original ``is_error`` back.
+
+    With ``strict``, a tool output with marker syntax that does not resolve raises IntegrityError
+    naming the message and the archive id; otherwise it is left as text (it may be a tool output that
+    only looks like a marker).
+    """
+    out = list(messages)
+    for i, m in enumerate(out):
+        if m.role is not Role.TOOL:
+            continue
+        if isinstance(m.content, str):
+            if not m.content.startswith(MARKER_PREFIX):
+                continue
+            got = _expand(m.content, store, m, strict)
+            if got is not None:
+                out[i] = dataclasses.replace(m, content=got[0], is_error=got[1])
+            continue
+        parts: list[ContentPart] = []
+        is_error = m.is_error
+        changed = False
+        for p in m.content:
+            got = None if p.text is None or not p.text.startswith(MARKER_PREFIX) else _expand(p.text, store, m, strict)
+            if got is None:
+                parts.append(p)
+                continue
+            parts.append(dataclasses.replace(p, text=got[0]))
+            is_error = got[1]
+            changed = True
+        if changed:
+            out[i] = dataclasses.replace(m, content=tuple(parts), is_error=is_error)
+    return out
+
+
+def _expand(text: str, store: ArchiveStore, m: Message, strict: bool) -> tuple[str, bool] | None:
+    marker = parse_marker(text)
+    if marker is None:
+        return None
+    problem = None
+    original = ""
+    if not store.exists(marker.archive_id):
+        problem = "is not in the archive"
+    else:
+        try:
+            original = store.get(marker.archive_id)
+        except (KeyError, ArchiveError, IntegrityError) as e:
+            problem = f"cannot be read: {e}"
+        else:
+            if len(original) != marker.chars or fold_preview(original, len(marker.preview)) != marker.preview:
+                problem = "does not match the marker's size and preview"
+    if problem is not None:
+        if strict:
+            raise IntegrityError(f"message {m.id!r}: archive {marker.archive_id} {problem} ({store.location})")
+        return None
+    return original, (marker.tool_error if marker.oversized else m.is_error)

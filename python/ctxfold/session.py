@@ -1,0 +1,283 @@
+"""Sessions: one directory per conversation, so compaction is durable and lossless.
+
+Layout::
+
+    <session_dir>/
+      events.jsonl          append-only event log (header, appended messages, views, state)
+      history/NNNNNN-<stamp>-<rand>.jsonl   full-history dumps, written before every rewrite
+      archive/              the archive store of archived tool outputs (ctxfold.archive)
+
+The event log is the source of truth. Every original message is logged once, in order, as it is
+appended; a compaction logs the new view as references to those originals plus the messages it
+wrote (summary, markers, resume instruction). So:
+
+- restore = the originals in log order: the full history, byte for byte, through any number of
+  compactions;
+- resume = the last view plus every original appended after it, and the last saved state.
+
+Each event is one line written by a single ``write`` on an ``O_APPEND`` descriptor and fsynced
+(unless ``durable=False``). A process killed mid-write leaves at most one torn last line, which
+resume ignores and the next append cuts off, so a session is always the old view or the new one,
+never a mix. History dumps are written whole to a temporary name and renamed into place before the
+view event that points at them is logged (write-ahead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ctxfold.archive.store import LocalBackend
+from ctxfold.codec import (
+    decode_conversation_header,
+    decode_message,
+    encode_conversation_header,
+    encode_message,
+)
+from ctxfold.errors import FormatError
+from ctxfold.messages import Conversation, Message
+
+EVENTS_FILE = "events.jsonl"
+HISTORY_DIR = "history"
+ARCHIVE_DIR = "archive"
+LOG_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ViewEntry:
+    """One message of a view: an original by its index in the log, or a message compaction wrote."""
+
+    origin: int  # index of the original message this entry shows (or stands for), -1 for synthetic ones
+    message: Message | None = None  # None: the original itself, unchanged
+
+
+@dataclass(slots=True)
+class ResumedState:
+    """What :meth:`Session.load` returns."""
+
+    conversation: Conversation  # header of the conversation with its current view as messages
+    originals: list[Message]  # every message ever appended, in order
+    view_origins: list[int]  # per view message: its original's index, -1 for synthetic messages
+    state: dict[str, Any] = field(default_factory=dict)  # compactor state saved with the last event
+    num_compactions: int = 0
+    torn_lines: int = 0  # lines ignored because a write was cut off
+
+
+class Session:
+    """The directory of one conversation. Not thread-safe: the compactor that owns it serialises access."""
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+        self.root = Path(root)
+        self.durable = durable  # fsync every event (dumps are always durable); off for replays and benchmarks
+        self._fd: int | None = None
+        self._num_originals = 0
+        self._seq = 0
+
+    # -- paths ------------------------------------------------------------------------------------
+    @property
+    def events_path(self) -> Path:
+        return self.root / EVENTS_FILE
+
+    @property
+    def history_dir(self) -> Path:
+        return self.root / HISTORY_DIR
+
+    @property
+    def archive_dir(self) -> Path:
+        return self.root / ARCHIVE_DIR
+
+    def exists(self) -> bool:
+        return self.events_path.is_file()
+
+    # -- writing ----------------------------------------------------------------------------------
+    def create(self, conversation: Conversation) -> None:
+        """Start a new session for ``conversation`` (its header; messages are appended one by one)."""
+        if self.exists():
+            raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with Session.load()")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._write_event({"type": "header", "version": LOG_VERSION,
+                           "conversation": encode_conversation_header(conversation)})
+
+    def append_messages(self, messages: Iterable[Message]) -> None:
+        """Log original messages, in order. One event per message."""
+        for m in messages:
+            self._write_event({"type": "append", "index": self._num_originals, "message": encode_message(m)})
+            self._num_originals += 1
+
+    def write_history_dump(self, messages: Sequence[Message], conversation: Conversation) -> Path:
+        """Write the full history as JSONL under history/ (atomically) and return its path.
+
+        The name carries a sequence number, a UTC stamp and random bits, so two dumps in the same
+        second (or from two processes) never overwrite each other.
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        existing = sum(1 for _ in self.history_dir.glob("*.jsonl"))
+        path = self.history_dir / f"{existing:06d}-{stamp}-{secrets.token_hex(4)}.jsonl"
+        lines = [json.dumps({"type": "header", "conversation": encode_conversation_header(conversation)},
+                            ensure_ascii=False)]
+        lines.extend(json.dumps(encode_message(m), ensure_ascii=False) for m in messages)
+        LocalBackend(self.history_dir).write_atomic(path.name, ("\n".join(lines) + "\n").encode())
+        return path
+
+    def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
+                 state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
+        """Log a rewrite of the view. The view entries must refer to originals already logged."""
+        entries = []
+        for e in view:
+            if e.origin >= self._num_originals:
+                raise ValueError(f"view entry refers to original {e.origin}, but only {self._num_originals} are logged")
+            if e.message is None:
+                entries.append({"ref": e.origin})
+            else:
+                entries.append({"origin": e.origin, "message": encode_message(e.message)})
+        self._write_event({
+            "type": "view", "kind": kind, "reason": reason,
+            "dump": dump.relative_to(self.root).as_posix() if dump is not None else None,
+            "view": entries, "state": state, "figures": figures or {},
+        })
+
+    def log_state(self, state: dict[str, Any]) -> None:
+        """Log compactor state (breaker, occupancy) that changed without a rewrite."""
+        self._write_event({"type": "state", "state": state})
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._cut_torn_tail()
+            self._fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return self._fd
+
+    def _cut_torn_tail(self) -> None:
+        """Drop a last line cut off by a crash so the next event starts on a line of its own."""
+        try:
+            with open(self.events_path, "rb+") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                if size == 0:
+                    return
+                f.seek(size - 1)
+                if f.read(1) == b"\n":
+                    return
+                # Walk back to the previous newline; the events are small, read the tail in blocks.
+                pos = size
+                while pos > 0:
+                    step = min(65536, pos)
+                    f.seek(pos - step)
+                    block = f.read(step)
+                    nl = block.rfind(b"\n")
+                    if nl >= 0:
+                        f.truncate(pos - step + nl + 1)
+                        return
+                    pos -= step
+                f.truncate(0)
+        except FileNotFoundError:
+            return
+
+    def _write_event(self, event: dict[str, Any]) -> None:
+        event = {"seq": self._seq, **event}
+        data = (json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        fd = self._open()
+        written = os.write(fd, data)
+        if written != len(data):  # a short write on a full disk: cut it so the log stays line-clean
+            self.close()
+            self._cut_torn_tail()
+            raise OSError(f"{self.events_path}: short write ({written} of {len(data)} bytes); disk full?")
+        if self.durable:
+            os.fsync(fd)
+        self._seq += 1
+
+    # -- reading ----------------------------------------------------------------------------------
+    def iter_events(self) -> Iterator[tuple[int, dict[str, Any] | None]]:
+        """(line number, event) for each line; event None for a torn last line."""
+        with open(self.events_path, "rb") as f:
+            lines = f.read().split(b"\n")
+        last = len(lines) - 1  # after the final "\n" comes an empty string; anything else is torn
+        for i, raw in enumerate(lines):
+            if i == last:
+                if raw:
+                    yield i + 1, None
+                return
+            try:
+                yield i + 1, json.loads(raw)
+            except ValueError as exc:
+                raise FormatError(f"corrupt event log line: {exc}", source=str(self.events_path),
+                                  location=f"line {i + 1}") from exc
+
+    def load(self) -> ResumedState:
+        """Read the log: the current view, every original, and the last saved state."""
+        if not self.exists():
+            raise FileNotFoundError(f"{self.events_path}: no session here (expected {EVENTS_FILE})")
+        header: dict[str, Any] | None = None
+        originals: list[Message] = []
+        view: list[ViewEntry] | None = None  # None: no rewrite yet, the view is every original
+        view_len_at = 0  # originals logged when the last view was written
+        state: dict[str, Any] = {}
+        compactions = 0
+        torn = 0
+        seq = 0
+        for line, event in self.iter_events():
+            if event is None:
+                torn += 1
+                continue
+            seq = int(event.get("seq", seq)) + 1
+            kind = event.get("type")
+            where = f"line {line}"
+            if kind == "header":
+                header = event["conversation"]
+            elif kind == "append":
+                originals.append(decode_message(event["message"], where=f"{self.events_path}, {where}"))
+            elif kind == "view":
+                view = []
+                for e in event["view"]:
+                    if "ref" in e:
+                        view.append(ViewEntry(origin=int(e["ref"])))
+                    else:
+                        view.append(ViewEntry(origin=int(e["origin"]),
+                                              message=decode_message(e["message"], where=where)))
+                view_len_at = len(originals)
+                state = dict(event.get("state") or {})
+                compactions += 1
+            elif kind == "state":
+                state = dict(event.get("state") or {})
+            else:
+                raise FormatError(f"unknown event type {kind!r}", source=str(self.events_path), location=where)
+        if header is None:
+            raise FormatError("event log has no header", source=str(self.events_path), location="line 1")
+        entries = view if view is not None else [ViewEntry(origin=i) for i in range(len(originals))]
+        if view is not None:
+            entries = entries + [ViewEntry(origin=i) for i in range(view_len_at, len(originals))]
+        messages = [originals[e.origin] if e.message is None else e.message for e in entries]
+        self._num_originals = len(originals)
+        self._seq = seq
+        return ResumedState(
+            conversation=decode_conversation_header(header, messages),
+            originals=originals,
+            view_origins=[e.origin for e in entries],
+            state=state,
+            num_compactions=compactions,
+            torn_lines=torn,
+        )
+
+    def restore(self) -> Conversation:
+        """The full original conversation, as it was appended, through any number of compactions."""
+        resumed = self.load()
+        conv = resumed.conversation
+        conv.messages = resumed.originals
+        return conv

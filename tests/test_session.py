@@ -1,0 +1,144 @@
+"""Session log: restore through rewrites, resume after a torn write, collision-free dumps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ctxfold.codec import decode_message, encode_message
+from ctxfold.errors import FormatError
+from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
+from ctxfold.session import Session, ViewEntry
+
+
+def _conversation() -> Conversation:
+    msgs = [
+        Message(Role.USER, "fix the bug in parser.py", id="u1"),
+        Message(Role.ASSISTANT, "", id="a1", tool_calls=(ToolCall("c1", "bash", '{"cmd": "cat parser.py"}'),),
+                reasoning="look first", usage=Usage(100, 20, 64)),
+        Message(Role.TOOL, "x" * 5000, id="t1", tool_call_id="c1", name="bash"),
+        Message(Role.ASSISTANT, (ContentPart("text", "done"), ContentPart("image", data={"url": "u"})), id="a2"),
+    ]
+    return Conversation(msgs, id="conv", system="be brief", tools=(ToolSpec("bash", "run", {"type": "object"}),))
+
+
+def test_codec_round_trips_every_field() -> None:
+    for m in _conversation().messages + [Message(Role.USER, "q", queued=True), Message(Role.USER, "r", resume=True)]:
+        assert decode_message(json.loads(json.dumps(encode_message(m)))) == m
+
+
+def test_restore_and_resume_through_rewrites(tmp_path: Path) -> None:
+    conv = _conversation()
+    s = Session(tmp_path / "s", durable=False)
+    s.create(conv)
+    s.append_messages(conv.messages[:3])
+    dump = s.write_history_dump(conv.messages[:3], conv)
+    summary = Message(Role.USER, "summary", id="sum1", summary=True)
+    s.log_view([ViewEntry(-1, summary), ViewEntry(2)], kind="summary", reason="test", dump=dump,
+               state={"failures": 1})
+    s.append_messages(conv.messages[3:])
+    s.close()
+
+    resumed = Session(tmp_path / "s").load()
+    assert resumed.conversation.messages == [summary, conv.messages[2], conv.messages[3]]
+    assert resumed.view_origins == [-1, 2, 3]
+    assert resumed.state == {"failures": 1}
+    assert resumed.num_compactions == 1
+    restored = Session(tmp_path / "s").restore()
+    assert restored.messages == conv.messages
+    assert restored.system == conv.system and restored.tools == conv.tools
+    lines = dump.read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0])["type"] == "header"
+
+
+def test_history_dumps_never_collide(tmp_path: Path) -> None:
+    conv = _conversation()
+    s = Session(tmp_path, durable=False)
+    paths = {s.write_history_dump(conv.messages, conv) for _ in range(50)}
+    assert len(paths) == 50
+    assert sorted(p.name for p in (tmp_path / "history").iterdir()) == sorted(p.name for p in paths)
+
+
+def test_torn_last_line_is_ignored_and_cut(tmp_path: Path) -> None:
+    conv = _conversation()
+    s = Session(tmp_path, durable=False)
+    s.create(conv)
+    s.append_messages(conv.messages[:2])
+    s.close()
+    with open(s.events_path, "ab") as f:
+        f.write(b'{"seq": 3, "type": "append", "mess')  # a write cut off by a crash
+    resumed = Session(tmp_path).load()
+    assert resumed.torn_lines == 1
+    assert resumed.originals == conv.messages[:2]
+    s2 = Session(tmp_path, durable=False)
+    s2.load()
+    s2.append_messages(conv.messages[2:])
+    s2.close()
+    assert Session(tmp_path).restore().messages == conv.messages
+
+
+def test_corrupt_middle_line_names_the_line(tmp_path: Path) -> None:
+    conv = _conversation()
+    s = Session(tmp_path, durable=False)
+    s.create(conv)
+    s.close()
+    with open(s.events_path, "ab") as f:
+        f.write(b"not json\n")
+    with pytest.raises(FormatError, match="line 2"):
+        Session(tmp_path).load()
+
+
+def test_missing_session_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no session here"):
+        Session(tmp_path / "nope").load()
+
+
+def test_kill_at_any_point_leaves_old_or_new_view(tmp_path: Path) -> None:
+    """SIGKILL a writer at many points; every survivor resumes to a consistent view."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from ctxfold.messages import Conversation, Message, Role
+        from ctxfold.session import Session, ViewEntry
+        root = sys.argv[1]
+        s = Session(root)
+        conv = Conversation([], id="k")
+        s.create(conv)
+        n = 0
+        for round in range(10_000):
+            batch = [Message(Role.USER, f"m{n + i} " + "y" * 2000, id=f"m{n + i}") for i in range(3)]
+            s.append_messages(batch)
+            n += 3
+            dump = s.write_history_dump(batch, conv)
+            s.log_view([ViewEntry(-1, Message(Role.USER, f"sum{round}", summary=True)), ViewEntry(n - 1)],
+                       kind="summary", reason="r", dump=dump, state={"round": round})
+            print(round, flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for trial in range(6):
+        root = tmp_path / f"s{trial}"
+        proc = subprocess.Popen([sys.executable, "-c", script, str(root)], stdout=subprocess.PIPE, env=env)
+        assert proc.stdout is not None
+        for _ in range(2 + trial * 3):  # let it get a few rounds in, a different number each trial
+            proc.stdout.readline()
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        resumed = Session(root).load()
+        view = resumed.conversation.messages
+        round_ = resumed.state.get("round", -1)
+        # The view is exactly the one logged last, plus originals appended after it.
+        if round_ >= 0:
+            assert view[0].text == f"sum{round_}"
+            assert view[1].id == f"m{3 * round_ + 2}"
+            assert [m.id for m in view[2:]] == [m.id for m in resumed.originals[3 * round_ + 3:]]
+        assert [m.id for m in resumed.originals] == [f"m{i}" for i in range(len(resumed.originals))]
+        for d in root.glob("history/*.jsonl"):
+            assert d.read_text().endswith("\n")  # no partial dump is ever visible under its final name
