@@ -29,7 +29,7 @@ EXIT_ENVIRONMENT = 4
 EXIT_INTERNAL = 5
 
 # Subcommand modules, in the order `ctxfold --help` lists them.
-COMMANDS: tuple[str, ...] = ()
+COMMANDS: tuple[str, ...] = ("calibrate",)
 
 EPILOG = """exit codes: 0 success, 1 problem found (overflow, orphan, failed check), 2 usage error,
 3 input error (missing or malformed file), 4 environment error (tokenizer, package or endpoint
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_OK
-    except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
+    except Exception as exc:
         if getattr(args, "debug", False):
             raise
         code = _exit_code(exc)
