@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -90,6 +91,41 @@ def _first_bad(texts: Sequence[str]) -> None:
 
 # --- exact counters -----------------------------------------------------------------------------
 
+# Where a long text may be cut without changing its count under byte-level BPE with a GPT-style
+# pre-tokenizer (tiktoken, DeepSeek, Qwen): after a newline that is followed by an ASCII letter. No
+# pre-token of those regexes contains a newline followed by a letter (newline runs end before
+# letters; letter runs take at most one leading non-newline character), so the pre-tokens, and
+# with them the BPE merges, are the same on both sides of such a cut. The tests check it on real
+# text. SentencePiece adds a prefix space at the start of each encode, so it is never cut.
+_SAFE_CUT = re.compile(r"\n(?=[A-Za-z])")
+LONG_TEXT_CHARS = 1 << 20  # texts longer than this are counted in pieces, in parallel, in bounded memory
+_PIECES_PER_BATCH = 16
+
+
+def split_for_counting(text: str, max_chars: int = LONG_TEXT_CHARS) -> list[str]:
+    """``text`` cut at safe points into pieces of roughly ``max_chars/2 .. max_chars`` characters
+    (longer where no safe point exists); joined, they give ``text`` back."""
+    if len(text) <= max_chars:
+        return [text]
+    pieces: list[str] = []
+    start = 0
+    while len(text) - start > max_chars:
+        m = _SAFE_CUT.search(text, start + max_chars // 2)
+        if m is None:
+            break
+        pieces.append(text[start : m.end()])
+        start = m.end()
+    pieces.append(text[start:])
+    return pieces
+
+
+def _count_long(text: str, count_batch: Any, max_chars: int) -> int:
+    pieces = split_for_counting(text, max_chars)
+    total = 0
+    for k in range(0, len(pieces), _PIECES_PER_BATCH):
+        total += int(count_batch(pieces[k : k + _PIECES_PER_BATCH]).sum())
+    return total
+
 
 class HFTokenizerCounter:
     """A Hugging Face ``tokenizers`` tokenizer from a ``tokenizer.json``; no special tokens added.
@@ -119,6 +155,8 @@ class HFTokenizerCounter:
             ) from None
         self.path = p
         self.name = name or p.parent.name or p.stem
+        # Byte-level BPE tokenizers (all tokenizer.json files here) take safe cuts; see split_for_counting.
+        self.long_text_chars = LONG_TEXT_CHARS
 
     @property
     def tokenizer(self) -> Any:
@@ -132,20 +170,28 @@ class HFTokenizerCounter:
 
     def count(self, text: Text) -> int:
         s = as_text(text)
+        if len(s) > self.long_text_chars:
+            _check_encodable(s, "text")
+            return _count_long(s, self._count_plain, self.long_text_chars)
         try:
             return len(self._tk.encode(s, add_special_tokens=False))
         except TypeError:
             _check_encodable(s, "text")
             raise
 
-    def count_batch(self, texts: Sequence[Text]) -> npt.NDArray[np.int64]:
-        ts = _texts(texts)
+    def _count_plain(self, ts: list[str]) -> npt.NDArray[np.int64]:
         try:
             encs = self._tk.encode_batch(ts, add_special_tokens=False)
         except TypeError:
             _first_bad(ts)
             raise
         return np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
+
+    def count_batch(self, texts: Sequence[Text]) -> npt.NDArray[np.int64]:
+        ts = _texts(texts)
+        if any(len(t) > self.long_text_chars for t in ts):
+            return np.fromiter((self.count(t) for t in ts), dtype=np.int64, count=len(ts))
+        return self._count_plain(ts)
 
     def __repr__(self) -> str:
         return f"HFTokenizerCounter({self.name!r}, path={str(self.path)!r})"
@@ -294,6 +340,7 @@ class TiktokenCounter:
                     os.environ["TIKTOKEN_CACHE_DIR"] = old
         self.name = encoding
         self.num_threads = num_threads
+        self.long_text_chars = LONG_TEXT_CHARS
 
     @property
     def encoding(self) -> Any:
@@ -303,13 +350,20 @@ class TiktokenCounter:
     def count(self, text: Text) -> int:
         s = as_text(text)
         _check_encodable(s, "text")
+        if len(s) > self.long_text_chars:
+            return _count_long(s, self._count_plain, self.long_text_chars)
         return len(self._enc.encode_ordinary(s))
+
+    def _count_plain(self, ts: list[str]) -> npt.NDArray[np.int64]:
+        ids = self._enc.encode_ordinary_batch(ts, num_threads=self.num_threads)
+        return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
 
     def count_batch(self, texts: Sequence[Text]) -> npt.NDArray[np.int64]:
         ts = _texts(texts)
         _first_bad(ts)
-        ids = self._enc.encode_ordinary_batch(ts, num_threads=self.num_threads)
-        return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        if any(len(t) > self.long_text_chars for t in ts):
+            return np.fromiter((self.count(t) for t in ts), dtype=np.int64, count=len(ts))
+        return self._count_plain(ts)
 
     def __repr__(self) -> str:
         return f"TiktokenCounter({self.name!r})"
@@ -528,8 +582,8 @@ def _load(spec: str) -> TokenCounter:
         models = _mistral_models()
         if version not in models:
             raise TokenizerError(
-                f"no Mistral SentencePiece model {version!r} in mistral-common; available: "
-                f"{', '.join('mistral-' + v for v in models)}"
+                f"no Mistral SentencePiece model for {spec!r} in mistral-common; available: "
+                f"{', '.join('mistral-' + v for v in sorted(models))}"
             )
         path = _package_file("mistral_common", "data", models[version], what=f"mistral-{version}")
         return SentencePieceCounter(path, f"mistral-{version}")
