@@ -66,7 +66,7 @@ class ChatTemplate:
     tools: str = "{schemas}"  # the tools block; {schemas}: the tool schemas as JSON
     tool_schema_separator: str = "\n"  # between two schemas
     tools_with_last_user: bool = False  # the tools block goes before the last user message (Mistral v7)
-    json_ascii: bool = False  # JSON written with non-ASCII escaped (json.dumps defaults: Mistral)
+    json_ascii: bool = False  # JSON written with non-ASCII escaped (\uXXXX) instead of as is
     openai_tool_shape: bool = False  # schemas as {"type": "function", "function": {...}} (Qwen3)
     user: str = "{content}"  # a user message
     assistant_open: str = ""  # before an assistant message that follows a user or tool message
@@ -217,7 +217,7 @@ class Renderer:
             return [call.arguments]
         if t.arguments is Arguments.JSON:
             try:
-                return [_json_default(json.loads(call.arguments))]
+                return [(_json_default if t.json_ascii else _json)(json.loads(call.arguments))]
             except ValueError:
                 return [call.arguments]
         try:
@@ -484,7 +484,6 @@ MISTRAL_V7 = ChatTemplate(
     tool_call='{{"name": "{name}", "arguments": {arguments}, "id": "{id}"}}',
     tool_call_separator=", ",
     arguments=Arguments.JSON,
-    json_ascii=True,
     result="{TOOL_RESULTS}{id}{TOOL_CONTENT}{content}{END_TOOL_RESULTS}",
     keep_reasoning=Reasoning.NEVER,
     description="Mistral instruct v7 (SentencePiece, mistral_instruct_tokenizer_241114.model.v7): "
