@@ -31,25 +31,12 @@ from ctxfold.templates import (
     get_template,
     segment_text,
 )
-
-# The one tool mini-swe-agent (tool-call mode) offers the model; the trajectories do not record it.
-MINI_SWE_AGENT_BASH = ToolSpec(
-    name="bash",
-    description="Execute a bash command",
-    parameters={
-        "type": "object",
-        "properties": {"command": {"type": "string", "description": "The bash command to execute"}},
-        "required": ["command"],
-    },
-)
+from deepseek_traces import MINI_SWE_AGENT_BASH
+from deepseek_traces import deepseek_runs as _deepseek_runs
 
 
 def deepseek_runs(traces_dir: Path) -> list[tuple[str, Conversation, bool]]:
-    runs = []
-    for path in sorted((traces_dir / "deepseek_sample").glob("*/*.traj.json")):
-        conv = formats.load(path)[0]
-        conv.tools = (MINI_SWE_AGENT_BASH,)
-        runs.append((f"{path.parent.name}/{path.name}", conv, "reasoner" in path.parent.name))
+    runs = _deepseek_runs(traces_dir)
     assert len(runs) == 4
     return runs
 

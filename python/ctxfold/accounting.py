@@ -217,10 +217,10 @@ class RequestAccounting:
         last_user = last_user_index(new)
         start = max(d - 1, 0)  # the previous message's framing can depend on what follows it
         if last_user != self._last_user:
-            # Thinking markers and kept reasoning depend on where the last user turn is.
-            for x in (self._last_user, last_user):
-                if 0 <= x < start:
-                    start = x
+            # Thinking markers and kept reasoning depend on where the last user turn is: every
+            # message from the earlier of the two positions on may render differently (from the
+            # start when there was no user message).
+            start = min(start, max(min(self._last_user, last_user), 0))
         rendered: dict[int, Segment] = {}
         segs: list[Segment] = []
         tails: list[str | None] = []
