@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import TRACES_DIR
 from ctxfold import formats
 from ctxfold.accounting import PLAIN, RequestAccounting
 from ctxfold.counting import Text, load_counter
 from ctxfold.ledger import SegmentFlag, message_flags
 from ctxfold.messages import Conversation, Message, Role, ToolCall
 from ctxfold.templates import CHATML_QWEN3, DEEPSEEK_V32, Renderer, RenderOptions
-from conftest import TRACES_DIR
 from deepseek_traces import MINI_SWE_AGENT_BASH
 
 
