@@ -22,6 +22,7 @@ Thread safety: none; one accountant per conversation, used by its owner.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,6 +131,7 @@ class RequestAccounting:
             self._set_header(header.system, header.tools)
             if keep_all != self._keep_all:  # reasoning rules changed: every message re-renders
                 self._messages = []
+                self._last_user = -1
                 self.ledger.truncate(0)
         return self.sync(header.messages if messages is None else messages)
 
@@ -209,12 +211,19 @@ class RequestAccounting:
         new = list(messages)
         old = self._messages
         n = min(len(old), len(new))
-        d = 0
-        while d < n and (old[d] is new[d] or old[d] == new[d]):
-            d += 1
+        if all(map(operator.is_, old[:n], new[:n])):  # the agent-loop case, at C speed
+            d = n
+        else:
+            d = 0
+            while d < n and (old[d] is new[d] or old[d] == new[d]):
+                d += 1
         if d == len(old) == len(new):
             return self.total_tokens
-        last_user = last_user_index(new)
+        if d == len(old):  # only appended: the last user turn is the old one or a new one
+            grown = last_user_index(new[d:])
+            last_user = d + grown if grown >= 0 else self._last_user
+        else:
+            last_user = last_user_index(new)
         start = max(d - 1, 0)  # the previous message's framing can depend on what follows it
         if last_user != self._last_user:
             # Thinking markers and kept reasoning depend on where the last user turn is: every
@@ -229,8 +238,7 @@ class RequestAccounting:
             segs.append(seg)
             tails.append(self._tail_before(new, i, rendered, last_user) if _leading_text(seg) else None)
         counts = self._count_segments(segs, tails)
-        groups = self.ledger.group_starts()
-        prev_group = int(groups[start - 1]) if start > 0 else -1
+        prev_group = int(self.ledger.group_starts()[start - 1]) if start > 0 else -1
         group_start = np.empty(len(segs), dtype=np.int64)
         flags = np.empty(len(segs), dtype=np.uint32)
         keys = np.empty(len(segs), dtype=np.uint64)

@@ -355,6 +355,10 @@ class TiktokenCounter:
         return len(self._enc.encode_ordinary(s))
 
     def _count_plain(self, ts: list[str]) -> npt.NDArray[np.int64]:
+        if len(ts) < 4 or sum(map(len, ts)) < 65536:
+            # encode_ordinary_batch starts a thread pool per call: for the few new messages of an
+            # incremental count, that costs more than the encoding itself.
+            return np.fromiter((len(self._enc.encode_ordinary(t)) for t in ts), dtype=np.int64, count=len(ts))
         ids = self._enc.encode_ordinary_batch(ts, num_threads=self.num_threads)
         return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
 

@@ -127,12 +127,13 @@ class _Formatter:
     def __init__(self, template: ChatTemplate) -> None:
         self.t = template
         self.ids = {k: v[1] for k, v in template.specials.items()}
+        self._cache: dict[str, list[tuple[str, str | None]]] = {}
 
     def parts(self, pattern: str, **values: Any) -> list[Part]:
         # Control-token fields are resolved from the pattern itself, never from substituted text,
         # so message content can not be taken for a control token.
         out: list[Part] = []
-        for literal, name, _spec, _conv in string.Formatter().parse(pattern):
+        for literal, name in self._parsed(pattern):
             if literal:
                 out.append(literal)
             if name is None:
@@ -146,6 +147,14 @@ class _Formatter:
             else:
                 out.append(str(v))
         return _merge([p for p in out if p != ""])
+
+    def _parsed(self, pattern: str) -> list[tuple[str, str | None]]:
+        # Parsed once per pattern: rendering is on the path of every request.
+        hit = self._cache.get(pattern)
+        if hit is None:
+            hit = [(lit, name) for lit, name, _spec, _conv in string.Formatter().parse(pattern)]
+            self._cache[pattern] = hit
+        return hit
 
 
 def _merge(parts: Sequence[Part]) -> list[Part]:
