@@ -48,5 +48,7 @@ def message_flags(m: Message) -> SegmentFlag:
     if m.reasoning:
         f |= SegmentFlag.THINKING
     if m.summary:
-        f |= SegmentFlag.SUMMARY
+        # A summary belongs to the fixed prefix of a compacted view: a later tail never reaches
+        # back into it, since the next summary covers it.
+        f |= SegmentFlag.SUMMARY | SegmentFlag.SYSTEM
     return f
