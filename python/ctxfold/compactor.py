@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -336,7 +336,6 @@ class Compactor:
 
     def _summary_pass(self, *, trigger: str, reason: str, mid_turn: bool, manual: bool = False,
                       queued: Sequence[Message] = ()) -> CompactionEvent:
-        cfg = self.config
         ctx = self.context_tokens
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
