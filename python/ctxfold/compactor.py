@@ -390,7 +390,10 @@ class Compactor:
         new_origins.append(-1)
         new_view.extend(self.view[tail.start:])
         new_origins.extend(self.view_origins[tail.start:])
-        if mid_turn:
+        last = new_view[-1]
+        if mid_turn and not (last.role is Role.ASSISTANT and last.tool_calls):
+            # The hidden instruction makes the model resume after the summary. Not after a call in
+            # flight (the hard trigger's case): its result comes next and must follow its call.
             new_view.append(resume_message(len(self.events)))
             new_origins.append(-1)
 
