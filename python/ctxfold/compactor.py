@@ -33,11 +33,13 @@ from typing import Any, Protocol
 from ctxfold.accounting import RequestAccounting
 from ctxfold.archive import (
     ArchiveParams,
+    ArchivePass,
     ArchiveStore,
     MemoryBackend,
     archive_mid_turn,
     archive_oversized,
     archive_turn_start,
+    turn_start_cutoff,
 )
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
@@ -167,6 +169,8 @@ class Compactor:
         self.events: list[CompactionEvent] = []
         self._turn = _TurnState()
         self._pending: list[Message] = []  # appended since the last request (decides turn start vs continuation)
+        self._archive_watermark = 0  # view index before which the turn-start pass has judged every output
+        self._archive_params = ArchiveParams.from_config(self.config.minor)
 
         self.session: Session | None = None
         if session_dir is not None:
@@ -315,14 +319,21 @@ class Compactor:
     # -- passes -------------------------------------------------------------------------------------
     def _archive_pass(self, *, stage: str, trigger: str, reason: str) -> CompactionEvent | None:
         t0 = time.perf_counter()
-        params = ArchiveParams(
-            keep_recent_user_turns=self.config.minor.keep_recent_user_turns,
-            archive_threshold_chars=self.config.minor.archive_threshold,
-            archive_preview_chars=self.config.minor.archive_preview_chars,
-            keep_recent_tool_results=self.config.minor.keep_recent_tool_results,
-        )
-        run = archive_turn_start if stage == "turn_start" else archive_mid_turn
-        result = run(self.view, self.store, params)
+        params = self._archive_params
+        if stage == "turn_start":
+            # Outputs before the previous cutoff were judged at an earlier turn start (archived, or
+            # too small): scan only what the window slid past since, so a turn start with nothing
+            # to do costs a backward scan over the kept turns, not the whole conversation.
+            cutoff = turn_start_cutoff(self.view, params.keep_recent_user_turns)
+            lo = self._archive_watermark
+            if cutoff <= lo:
+                return None
+            part = archive_turn_start(self.view[lo:], self.store, params, count_tokens=self.counter.count)
+            if part.report.error is None:
+                self._archive_watermark = cutoff
+            result = ArchivePass(self.view[:lo] + part.messages if part.report.archived else self.view, part.report)
+        else:
+            result = archive_mid_turn(self.view, self.store, params, count_tokens=self.counter.count)
         report = result.report
         if not report.archived and report.error is None:
             return None  # nothing to do: no event, no log line
@@ -554,6 +565,8 @@ class Compactor:
         self._pending.extend(messages)
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
+        if len(view) != len(self.view):
+            self._archive_watermark = 0  # a summary rebuild: positions moved
         self.view = view
         self.view_origins = origins
         self.accounting.reset(self.header, view)
