@@ -367,6 +367,10 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
                 str(ctx),
                 "--json",
                 str(out),
+                "--tokenizer",
+                "deepseek-v4",
+                "--template",
+                "deepseek-v4",
                 "--quiet",
                 "--jobs",
                 str(os.cpu_count() or 1),
@@ -377,7 +381,7 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
             except subprocess.TimeoutExpired:
                 why = f"took more than {REPLAY_TIMEOUT_S} s"
             if not out.is_file():
-                rows.append([f"{ctx:,}", "replay failed: " + why[:200], *[""] * 6])
+                rows.append([f"{ctx:,}", "replay failed: " + why[:200], *[""] * 8])
                 continue
             total = json.loads(out.read_text(encoding="utf-8"))["total"]
             kinds = total.get("compactions") or {}
@@ -390,37 +394,51 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
                 [
                     f"{ctx:,}",
                     total.get("conversations", ""),
+                    total.get("requests", ""),
                     ", ".join(f"{k} {v}" for k, v in kinds.items()) or "0",
                     f"{prefilled:,}",
                     f"{prefilled / n:,.0f}" if n else "-",
                     fmt_pct(reused / (reused + prefilled)) if reused + prefilled else "-",
                     total.get("orphans", ""),
                     total.get("overflows", ""),
+                    _per_request_ms(total),
                 ]
             )
     return {
         "title": title,
         "status": "ok",
         "intro": (
-            "`ctxfold replay` of every trace file with the default policy and the extractive summarizer; "
-            "KV figures from each compaction's plan (page size 16)."
+            "`ctxfold replay` of every trace file with the default policy (ds4 and Datus triggers), the "
+            "extractive summarizer, the DeepSeek V4 tokenizer and chat template (exact counts); KV figures "
+            "from each compaction's plan at a page size of 16 tokens. Tokens prefilled again: what an "
+            "exact-prefix engine computes after the rewrites; KV reused share: reused / (reused + prefilled). "
+            "ctxfold time: seconds inside ctxfold (counting, policy, passes, plans) per model request."
         ),
         "tables": [
             {
                 "headers": [
                     "context",
                     "conversations",
+                    "requests",
                     "compactions",
                     "tokens prefilled again",
                     "per compaction (all kinds)",
                     "KV reused share",
                     "orphans",
                     "overflows",
+                    "ctxfold time per request",
                 ],
                 "rows": rows,
             }
         ],
     }
+
+
+def _per_request_ms(total: dict[str, Any]) -> str:
+    requests, seconds = total.get("requests"), total.get("seconds_in_ctxfold")
+    if not isinstance(requests, int) or not isinstance(seconds, int | float) or requests <= 0:
+        return "-"
+    return f"{1000 * seconds / requests:.2f} ms"
 
 
 def compute(traces_dir: Path) -> dict[str, Any]:
