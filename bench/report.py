@@ -18,6 +18,7 @@ How each benchmark is read (the convention of bench/README.md):
 - ``extra_info["nbytes"]``: input bytes; adds a MB/s column.
 - ``extra_info["note"]``: a line printed under the group.
 - ``extra_info["target_s"]``: the median this entry must stay under; the page says met or missed.
+- any other ``extra_info`` key: shown in the group's table as a recorded figure ("MB/s 612").
 """
 
 from __future__ import annotations
@@ -148,6 +149,24 @@ def fmt_ratio(baseline_s: float, entry_s: float) -> str:
     return f"{1 / r:.3g}x slower"
 
 
+# extra_info keys the page reads itself; any other key is shown as a recorded figure.
+RESERVED_KEYS = frozenset({"role", "method", "baseline", "size", "size_unit", "nbytes", "note", "target_s"})
+
+
+def fmt_figures(e: Entry) -> str:
+    """What a benchmark recorded beyond its timing (extra_info keys the page does not read itself)."""
+    out = []
+    for k, v in e.extra.items():
+        if k in RESERVED_KEYS:
+            continue
+        if isinstance(v, float):
+            v = f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        elif isinstance(v, int):
+            v = f"{v:,}"
+        out.append(f"{k} {v}")
+    return "; ".join(out)
+
+
 def fmt_target(e: Entry) -> str:
     if not e.target_s:
         return ""
@@ -198,6 +217,8 @@ def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
     has_target = any(e.target_s for e in entries)
     headers = ["method", "role", "median", "IQR", "rounds"] + (["MB/s"] if has_mbs else [])
     headers += ["target"] if has_target else []
+    has_figures = any(fmt_figures(e) for e in entries)
+    headers += ["recorded"] if has_figures else []
     headers += [f"vs {b.method}" for b in base]
     rows = []
     for e in order:
@@ -206,6 +227,8 @@ def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
             row.append(f"{e.nbytes / e.median_s / 1e6:,.0f}" if e.nbytes else "")
         if has_target:
             row.append(fmt_target(e))
+        if has_figures:
+            row.append(fmt_figures(e))
         for b in base:
             row.append(fmt_ratio(b.median_s, e.median_s) if e.role == "ctxfold" else "")
         rows.append(row)

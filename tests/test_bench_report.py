@@ -171,3 +171,16 @@ def test_targets_and_the_glance_table(report: ModuleType, tmp_path: Path) -> Non
     assert (
         "| prefix | `prefix` | 800 us | `prefix_numpy` 400 us: 2x slower | <= 500 us: **missed** |" in glance
     )
+
+
+def test_other_extra_info_is_shown_as_recorded_figures(report: ModuleType, tmp_path: Path) -> None:
+    results = write_run(
+        tmp_path,
+        [
+            bench("test_estimate", "estimate", 1e-3, **{"MB/s": 612.345, "texts": 6214}),
+            bench("test_chars4", "estimate", 5e-4),
+        ],
+    )
+    page = report.render(results, tmp_path / "docs" / "benchmarks.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `estimate` "))
+    assert "MB/s 612; texts 6,214" in row
