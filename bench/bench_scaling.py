@@ -134,7 +134,7 @@ def test_scaling_estimator(benchmark: Any, num_tokens: int) -> None:
         role="ctxfold",
         size=t.num_tokens,
         unit="tokens",
-        baseline=TOKENIZERS_DIRECT,
+        baseline=[TOKENIZERS_DIRECT, "chars/4"],
         nbytes=t.nbytes,
     )
     counts = benchmark(_core.estimate_batch, t.texts, coef)
@@ -254,7 +254,7 @@ def test_scaling_segment_tail(benchmark: Any, num_messages: int) -> None:
         role="ctxfold",
         size=num_messages,
         unit="messages",
-        baseline="trim_messages start_on=human",
+        baseline=["trim_messages start_on=human", "numpy suffix scan"],
     )
     result = benchmark(tail.select_tail, t.tokens, t.flags, t.groups, budget_tokens=SEGMENT_BUDGET_TOKENS)
     assert result.num_tokens <= SEGMENT_BUDGET_TOKENS

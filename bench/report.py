@@ -11,8 +11,8 @@ How each benchmark is read (the convention of bench/README.md):
   ``BASELINE_HINTS`` is a baseline and anything else is ctxfold.
 - ``extra_info["method"]``: the label in tables and plots (default: the test name without
   ``test_`` and its parameters).
-- ``extra_info["baseline"]``: on a ctxfold entry, the method (or test name) of its headline
-  baseline, whose ratio column comes first; every baseline of the group gets a ratio column.
+- ``extra_info["baseline"]``: on a ctxfold entry, the method (or test name) of the baseline it is
+  compared with, or a list of them; without it, every baseline of its group.
 - ``extra_info["size"]`` and ``["size_unit"]``: a scaling point; a group with sizes is drawn as a
   log-log plot with a fitted slope per method.
 - ``extra_info["nbytes"]``: input bytes; adds a MB/s column.
@@ -146,7 +146,7 @@ def fmt_ratio(baseline_s: float, entry_s: float) -> str:
         return f"**{r:,.0f}x faster**"
     if r >= 1:
         return f"**{r:.3g}x faster**" if r >= 1.5 else f"{r:.2f}x faster"
-    return f"{1 / r:.3g}x slower"
+    return f"{1 / r:,.0f}x slower" if 1 / r >= 100 else f"{1 / r:.3g}x slower"
 
 
 # extra_info keys the page reads itself; any other key is shown as a recorded figure.
@@ -201,18 +201,29 @@ def _matches(entry: Entry, wanted: str) -> bool:
     return entry.method.lower() == w or w in entry.name.lower() or w == _base_name(entry.name).lower()
 
 
+def _named(entry: Entry) -> list[str]:
+    value = entry.baseline
+    if isinstance(value, list | tuple):
+        return [str(v) for v in value]
+    return [str(value)] if value else []
+
+
 def baselines_for(entry: Entry, baselines: Sequence[Entry]) -> list[Entry]:
-    """Every baseline of the group, the one a ctxfold entry names (its headline ratio) first."""
-    named = [b for b in baselines if entry.baseline and _matches(b, str(entry.baseline))]
-    return named + [b for b in baselines if b not in named]
+    """The baselines a ctxfold entry is compared with: the ones it names, in its order; every
+    baseline of the group when it names none (or none of its names is in this run)."""
+    out: list[Entry] = []
+    for name in _named(entry):
+        out += [b for b in baselines if _matches(b, name) and b not in out]
+    return out or list(baselines)
 
 
 def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
     order = sorted(entries, key=lambda e: (e.role != "ctxfold", e.median_s))
     base = [e for e in order if e.role == "baseline"]
     first = next((e for e in order if e.role == "ctxfold" and e.baseline), None)
-    if first is not None:
-        base = baselines_for(first, base)
+    if first is not None:  # the columns of the baselines named first, in the order named
+        named = baselines_for(first, base)
+        base = named + [b for b in base if b not in named]
     has_mbs = any(e.nbytes for e in entries)
     has_target = any(e.target_s for e in entries)
     headers = ["method", "role", "median", "IQR", "rounds"] + (["MB/s"] if has_mbs else [])
@@ -229,8 +240,9 @@ def render_plain_group(group: str, entries: list[Entry]) -> list[str]:
             row.append(fmt_target(e))
         if has_figures:
             row.append(fmt_figures(e))
+        wanted = baselines_for(e, base) if e.role == "ctxfold" else []
         for b in base:
-            row.append(fmt_ratio(b.median_s, e.median_s) if e.role == "ctxfold" else "")
+            row.append(fmt_ratio(b.median_s, e.median_s) if b in wanted else "")
         rows.append(row)
     lines = md_table(headers, rows)
     if not base:
@@ -320,10 +332,8 @@ def render_scaling_group(group: str, entries: list[Entry], plot_dir: Path | None
     for m in names:
         first = methods[m][0]
         if first.role == "ctxfold":
-            named = [
-                b for b in baseline_names if first.baseline and _matches(methods[b][0], str(first.baseline))
-            ]
-            ratio_cols += [(m, b) for b in named + [b for b in baseline_names if b not in named]]
+            wanted = baselines_for(first, [methods[b][0] for b in baseline_names])
+            ratio_cols += [(m, b.method) for b in wanted]
     headers = [unit] + [f"`{m}`" for m in names] + [f"{m} vs {b}" for m, b in ratio_cols]
     rows = []
     for s in ordered:
