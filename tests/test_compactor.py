@@ -197,11 +197,12 @@ def test_mid_turn_archive_stage_then_summary_stage(counter: TokenCounter, tmp_pa
     c.append(request)
     c.before_request()
     kinds: list[str] = []
+    typed = Message(Role.USER, "and keep the public API stable", id="typed", queued=True)
     for k in range(60):
         a = call("read", path=f"store/part{k}.py")
         c.append(a)
         c.append_tool_result(result(a, readme_lines(k * 50, 40)))
-        event = c.before_request()
+        event = c.before_request(queued=[typed] if k == 1 else ())
         if event is not None:
             kinds.append(event.kind)
             if event.kind == "archive":
@@ -212,7 +213,8 @@ def test_mid_turn_archive_stage_then_summary_stage(counter: TokenCounter, tmp_pa
             if event.kind == "summary":
                 assert event.trigger == "mid_turn"
                 assert c.view[0] is request  # the turn's request stays verbatim, first
-                assert c.view[1].summary
+                assert c.view[1].id == "typed"  # then what the user typed while the turn ran
+                assert c.view[2].summary
                 assert c.view[-1].resume  # ends with the hidden continue instruction
                 break
         assert_sound(c)

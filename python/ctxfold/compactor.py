@@ -138,7 +138,7 @@ class _TurnState:
     number: int = 0  # real user turns seen
     failures: int = 0  # consecutive failed compactions in this turn
     gave_up: bool = False  # automatic passes stopped for the rest of this turn
-    request_index: int = -1  # view index of this turn's request (the user message that started it)
+    request: Message | None = None  # the user message that started this turn (found in the view by identity)
 
 
 class Compactor:
@@ -391,8 +391,8 @@ class Compactor:
         besides = int(tokens[bottom:].sum()) + sum(self.accounting.message_tokens(m) for m in queued)
         if mid_turn:
             besides += self.accounting.message_tokens(resume_message(0))
-            if 0 <= self._turn.request_index < bottom:
-                besides += int(tokens[self._turn.request_index])
+            if 0 <= (r := self._request_index()) < bottom:
+                besides += int(tokens[r])
         budget, room = self._tail_budget(summary.text, besides)
         # Keep at least half of what lies before BOTTOM for the summary to replace: a tail that takes
         # it all would make the rebuilt view larger than the old one (ds4 grows the transcript so).
@@ -414,10 +414,13 @@ class Compactor:
         )
         new_view: list[Message] = []
         new_origins: list[int] = []
-        if mid_turn and 0 <= self._turn.request_index < tail.start:
-            # Mid-turn the turn's own request stays verbatim ahead of the summary (Datus).
-            new_view.append(self.view[self._turn.request_index])
-            new_origins.append(self.view_origins[self._turn.request_index])
+        request_index = self._request_index()
+        if mid_turn and 0 <= request_index < tail.start:
+            # Mid-turn the turn's own request and the messages the user typed while it ran stay
+            # verbatim ahead of the summary (Datus).
+            keep = [request_index] + [i for i in range(request_index + 1, tail.start) if self.view[i].queued]
+            new_view.extend(self.view[i] for i in keep)
+            new_origins.extend(self.view_origins[i] for i in keep)
         new_view.append(summary_msg)
         new_origins.append(-1)
         new_view.extend(self.view[tail.start:])
@@ -437,8 +440,6 @@ class Compactor:
                                 timings, summary=summary, dump=dump, give_up=True)
         old_view = self.view
         self._rewrite(new_view, new_origins)
-        if mid_turn:
-            self._turn.request_index = 0 if new_view[0] is not summary_msg else -1
         kv = self._kv_figures(old_view, new_view)
         timings["total"] = time.perf_counter() - t0
         event = CompactionEvent(
@@ -560,7 +561,7 @@ class Compactor:
             self.view.append(m)
             self.view_origins.append(first + k)
             if m.is_user_turn:
-                self._turn.request_index = len(self.view) - 1
+                self._turn.request = m
         self.accounting.sync(self.view)
         self._pending.extend(messages)
 
@@ -586,15 +587,25 @@ class Compactor:
         return KvPlanFigures(tokens_reused=reused, tokens_to_prefill=self.accounting.total_tokens - reused,
                              tokens_shift_reusable=shiftable)
 
+    def _request_index(self) -> int:
+        """View index of this turn's request, -1 when it is not in the view (summarized away)."""
+        request = self._turn.request
+        if request is not None:
+            for i in range(len(self.view) - 1, -1, -1):
+                if self.view[i] is request:
+                    return i
+        return -1
+
     def _state(self) -> dict[str, Any]:
         return {"turn": self._turn.number, "failures": self._turn.failures, "gave_up": self._turn.gave_up,
-                "request_index": self._turn.request_index, "occupancy_tokens": self.occupancy_tokens(),
+                "request_index": self._request_index(), "occupancy_tokens": self.occupancy_tokens(),
                 "compactions": len(self.events)}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self._turn = _TurnState(number=int(state.get("turn", 0)), failures=int(state.get("failures", 0)),
                                 gave_up=bool(state.get("gave_up", False)),
-                                request_index=int(state.get("request_index", -1)))
+                                request=self.view[r] if 0 <= (r := int(state.get("request_index", -1))) < len(self.view)
+                                else None)
 
     def _log_view(self, event: CompactionEvent) -> None:
         if self.session is None:
