@@ -323,7 +323,14 @@ class RequestAccounting:
 
     def _tail_before(self, msgs: Sequence[Message], i: int, rendered: dict[int, Segment], last_user: int,
                      prefix: Segment | None = None) -> str | None:
-        """The text run that segment ``i`` continues: the text after the last control token before it."""
+        """The text run that segment ``i`` continues: the text after the last control token before it.
+
+        None for a template without control tokens (plain texts): there every message is counted on
+        its own, as "count the texts" means; joining would make the whole conversation one run and
+        every append cost a walk back to its start.
+        """
+        if not self.template.specials:
+            return None
         runs: list[str] = []
         j = i - 1
         while j >= -1:

@@ -485,7 +485,7 @@ class Compactor:
             try:
                 result = FallbackSummarizer(primary, self._extractive).summarize(
                     request, on_token=self.observer.summary_token, timeout_s=cfg.summary.timeout_s)
-            except Exception as exc:  # a summarizer outside the protocol's contract must not stop compaction
+            except Exception as exc:  # noqa: BLE001 - a summarizer outside the contract must not stop compaction
                 failure = f"{self.summarizer.name} raised {type(exc).__name__}: {exc}"
             else:
                 failure = result.primary_failure
