@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scripted_server import ScriptedServer
 
 from ctxfold.archive import is_marker, restore
 from ctxfold.compactor import AsyncCompactor, CompactionEvent, Compactor
@@ -25,6 +24,7 @@ from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.session import Session
 from ctxfold.summarize import CallableSummarizer, OpenAICompatibleSummarizer, SummaryRequest
 from ctxfold.templates import get_template
+from scripted_server import ScriptedServer
 
 SYSTEM = "You are a coding agent working in a repository. Use the tools; read before you edit."
 TOOLS = (ToolSpec("read", "read lines of a file", {"type": "object", "properties": {
