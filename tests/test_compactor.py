@@ -447,3 +447,29 @@ def test_async_variant(counter: TokenCounter) -> None:
         return await ac.compact_now()
 
     assert asyncio.run(main()).applied
+
+
+# -- the KV plan over token ids ------------------------------------------------------------------------------
+
+def test_token_level_kv_plan_agrees_with_the_accounting(counter: TokenCounter) -> None:
+    config = CompactConfig.preset("both", context_tokens=100_000)
+    c = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v3.2"),
+                  kv_plan="tokens", page_size_tokens=16)
+    seg = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v3.2"))
+    for comp in (c, seg):
+        for k in range(6):
+            comp.append(user(f"q{k}"), Message(Role.ASSISTANT, readme_lines(k * 100, 50), id=f"a{k}"))
+            comp.before_request()
+    exact, approx = c.compact_now().kv, seg.compact_now().kv
+    assert exact is not None and approx is not None and exact.exact and not approx.exact
+    # The ids a server would tokenize add up to what the accounting counted, message by message.
+    assert exact.tokens_reused + exact.tokens_to_prefill == c.accounting.total_tokens
+    assert exact.tokens_reused % 16 == 0 and exact.tokens_reused >= c.accounting.prefix_tokens - 16
+    assert exact.tokens_to_prefill == approx.tokens_to_prefill
+    assert exact.tokens_shift_reusable > 0  # the verbatim tail could be moved by a shifting engine
+
+
+def test_token_level_kv_plan_needs_a_tokenizer() -> None:
+    with pytest.raises(ValueError, match="kv_plan='tokens' needs a tokenizer.json counter"):
+        Compactor(header(), counter=load_counter("estimate:deepseek-v4"), template=get_template("deepseek-v3.2"),
+                  kv_plan="tokens")

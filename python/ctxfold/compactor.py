@@ -30,6 +30,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from ctxfold.accounting import RequestAccounting
 from ctxfold.archive import (
     ArchiveParams,
@@ -43,6 +46,7 @@ from ctxfold.archive import (
 )
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
+from ctxfold.kvplan import plan_kv_resync
 from ctxfold.ledger import SegmentFlag
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session, ViewEntry
@@ -155,6 +159,7 @@ class Compactor:
         session_dir: str | Path | None = None,
         durable: bool = True,
         page_size_tokens: int = 16,
+        kv_plan: str = "segments",
         observer: Observer | None = None,
     ) -> None:
         self.config = config if config is not None else CompactConfig()
@@ -164,6 +169,15 @@ class Compactor:
         self._extractive = ExtractiveSummarizer(counter=self.counter)
         self.observer: Observer = observer if observer is not None else NullObserver()
         self.page_size_tokens = page_size_tokens
+        if kv_plan not in ("segments", "tokens"):
+            raise ValueError(f"kv_plan must be 'segments' or 'tokens', got {kv_plan!r}")
+        if kv_plan == "tokens" and (getattr(self.counter, "tokenizer", None) is None or template is None):
+            raise ValueError("kv_plan='tokens' needs a tokenizer.json counter (it encodes the rendered requests) "
+                             "and a chat template")
+        # "tokens": render both requests, encode them, and plan over the ids (exact, with the spans a
+        # shifting engine can move; costs two encodes of the request per compaction). "segments":
+        # the same figures from per-message counts, free, without shift spans.
+        self.kv_plan = kv_plan
         self._lock = threading.RLock()
         self.header = replace(conversation, messages=[])
         self.events: list[CompactionEvent] = []
@@ -573,9 +587,14 @@ class Compactor:
         self.accounting.reset(self.header, view)
 
     def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:
-        """Reuse of the engine's prefix cache across a rewrite, over per-message counts: the exact
-        common prefix (page-aligned), what must be prefilled again, and what a position-shifting
-        engine could move instead (verbatim messages found again after the divergence: approximate)."""
+        """Reuse of the engine's KV cache across a rewrite: the exact common prefix (page-aligned),
+        what must be prefilled again, and what a position-shifting engine could move instead
+        (verbatim spans found again after the divergence: approximate)."""
+        if self.kv_plan == "tokens":
+            plan = plan_kv_resync(self._request_ids(old), self._request_ids(new),
+                                  page_size_tokens=self.page_size_tokens, min_shift_tokens=MIN_SHIFT_TOKENS)
+            return KvPlanFigures(tokens_reused=plan.reuse_tokens, tokens_to_prefill=plan.prefill_tokens,
+                                 tokens_shift_reusable=plan.shifted_tokens, exact=True)
         new_tokens = self.accounting.tokens()
         k = 0
         while k < min(len(old), len(new)) and old[k] is new[k]:
@@ -586,6 +605,13 @@ class Compactor:
         shiftable = int(sum(int(new_tokens[i]) for i in range(k, len(new)) if id(new[i]) in old_ids))
         return KvPlanFigures(tokens_reused=reused, tokens_to_prefill=self.accounting.total_tokens - reused,
                              tokens_shift_reusable=shiftable)
+
+    def _request_ids(self, messages: Sequence[Message]) -> npt.NDArray[np.int32]:
+        """The token ids of the request for ``messages``, as a server would tokenize the prompt."""
+        rendered = self.accounting.renderer.render(replace(self.header, messages=list(messages)),
+                                                   self.accounting.options)
+        tokenizer = self.counter.tokenizer  # type: ignore[attr-defined]
+        return np.asarray(tokenizer.encode(rendered.text(), add_special_tokens=False).ids, dtype=np.int32)
 
     def _request_index(self) -> int:
         """View index of this turn's request, -1 when it is not in the view (summarized away)."""
@@ -633,7 +659,8 @@ class _Summary:
     fallback_from: str | None  # why the configured summarizer was not used, when the extractive one stood in
 
 
-SUMMARY_FRAME_TOKENS = 64  # the frame around a summary, an upper bound for every tokenizer we ship
+SUMMARY_FRAME_TOKENS = 64
+MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)  # the frame around a summary, an upper bound for every tokenizer we ship
 
 
 def frame_summary(summary: str, history_path: str | None) -> str:
