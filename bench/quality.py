@@ -371,6 +371,8 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
                 "deepseek-v4",
                 "--template",
                 "deepseek-v4",
+                "--kv-plan",
+                "tokens",
                 "--quiet",
                 "--jobs",
                 str(os.cpu_count() or 1),
@@ -381,11 +383,18 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
             except subprocess.TimeoutExpired:
                 why = f"took more than {REPLAY_TIMEOUT_S} s"
             if not out.is_file():
-                rows.append([f"{ctx:,}", "replay failed: " + why[:200], *[""] * 8])
+                rows.append([f"{ctx:,}", "replay failed: " + why[:200], *[""] * 10])
                 continue
-            total = json.loads(out.read_text(encoding="utf-8"))["total"]
+            doc = json.loads(out.read_text(encoding="utf-8"))
+            total = doc["total"]
             kinds = total.get("compactions") or {}
-            n = sum(int(v or 0) for v in kinds.values())
+            # Only rewrites carry a KV plan (an archive pass keeps the prefix up to its first marker).
+            per_rewrite = [
+                int(e["kv_tokens_prefilled"])
+                for c in doc.get("conversations", [])
+                for e in c.get("events", [])
+                if e.get("kv_tokens_prefilled") is not None
+            ]
             reused, prefilled = (
                 int(total.get("kv_tokens_reused") or 0),
                 int(total.get("kv_tokens_prefilled") or 0),
@@ -396,8 +405,10 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
                     total.get("conversations", ""),
                     total.get("requests", ""),
                     ", ".join(f"{k} {v}" for k, v in kinds.items()) or "0",
+                    len(per_rewrite),
                     f"{prefilled:,}",
-                    f"{prefilled / n:,.0f}" if n else "-",
+                    f"{pct(per_rewrite, 50):,.0f}" if per_rewrite else "-",
+                    f"{pct(per_rewrite, 90):,.0f}" if per_rewrite else "-",
                     fmt_pct(reused / (reused + prefilled)) if reused + prefilled else "-",
                     total.get("orphans", ""),
                     total.get("overflows", ""),
@@ -410,8 +421,9 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
         "intro": (
             "`ctxfold replay` of every trace file with the default policy (ds4 and Datus triggers), the "
             "extractive summarizer, the DeepSeek V4 tokenizer and chat template (exact counts); KV figures "
-            "from each compaction's plan at a page size of 16 tokens. Tokens prefilled again: what an "
-            "exact-prefix engine computes after the rewrites; KV reused share: reused / (reused + prefilled). "
+            "from the token-level plan of each rewrite (summary passes) at a page size of 16 tokens. Tokens "
+            "prefilled again: what an exact-prefix engine computes after a rewrite; KV reused share: "
+            "reused / (reused + prefilled). "
             "ctxfold time: seconds inside ctxfold (counting, policy, passes, plans) per model request."
         ),
         "tables": [
@@ -421,8 +433,10 @@ def section_prefill(traces_dir: Path, env_python: str = sys.executable) -> Secti
                     "conversations",
                     "requests",
                     "compactions",
+                    "rewrites with a KV plan",
                     "tokens prefilled again",
-                    "per compaction (all kinds)",
+                    "per rewrite median",
+                    "p90",
                     "KV reused share",
                     "orphans",
                     "overflows",
