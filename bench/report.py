@@ -283,7 +283,10 @@ def fit_slope(points: Sequence[tuple[float, float]]) -> float | None:
     ys = [math.log10(p[1]) for p in pts]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else None
+    if not sxx:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return 0.0 if abs(slope) < 0.005 else slope  # no "-0.00" on the page
 
 
 def describe_slope(s: float | None) -> str:
