@@ -49,7 +49,14 @@ TOKEN_BUDGET_TOKENS = 50_000
 
 
 def _info(
-    benchmark: Any, *, method: str, role: str, size: int, unit: str, baseline: str | None = None, **more: Any
+    benchmark: Any,
+    *,
+    method: str,
+    role: str,
+    size: int,
+    unit: str,
+    baseline: str | list[str] | None = None,
+    **more: Any,
 ) -> None:
     benchmark.extra_info.update(method=method, role=role, size=size, size_unit=unit, **more)
     if baseline is not None:

@@ -57,7 +57,7 @@ def real_conversations(traces_dir: Path) -> list[Conversation]:
     return out
 
 
-def pct(values: Sequence[float], q: float) -> float:
+def pct(values: Sequence[float] | npt.NDArray[np.float64], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
 
 
@@ -256,7 +256,8 @@ def section_tail(traces_dir: Path) -> Section:
 
 def _abs_rel(est: npt.NDArray[np.int64], exact: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
     keep = exact > 0
-    return np.abs(est[keep] - exact[keep]) / exact[keep]
+    out: npt.NDArray[np.float64] = np.abs(est[keep] - exact[keep]) / exact[keep]
+    return out
 
 
 def section_estimator(traces_dir: Path) -> Section:

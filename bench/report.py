@@ -72,7 +72,7 @@ class Entry:
     median_s: float
     iqr_s: float
     rounds: int
-    baseline: str | None = None  # what a ctxfold entry is compared with
+    baseline: str | list[str] | None = None  # what a ctxfold entry is compared with: a name or names
     size: float | None = None
     size_unit: str = ""
     nbytes: int | None = None
@@ -203,7 +203,7 @@ def _matches(entry: Entry, wanted: str) -> bool:
 
 def _named(entry: Entry) -> list[str]:
     value = entry.baseline
-    if isinstance(value, list | tuple):
+    if isinstance(value, list):
         return [str(v) for v in value]
     return [str(value)] if value else []
 
