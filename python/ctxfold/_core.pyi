@@ -45,5 +45,42 @@ class Ledger:
     def keys(self) -> npt.NDArray[np.uint64]: ...
 
 # --- tail -------------------------------------------------------------------------------------
+RAW_CUT: Final[int]
+NO_TAIL: Final[int]
+MAX_BOUNDARY_KINDS: Final[int]
+
+def select_segment_tail(
+    tokens: npt.NDArray[np.int64],
+    flags: npt.NDArray[np.uint32],
+    group_starts: npt.NDArray[np.int32],
+    bottom: int,
+    budget_tokens: int,
+    min_fill: float,
+) -> tuple[int, int, int]: ...
+def select_segment_tail_ledger(ledger: Ledger, bottom: int, budget_tokens: int, min_fill: float) -> tuple[int, int, int]: ...
+def select_segment_cut(
+    tokens: npt.NDArray[np.int64],
+    flags: npt.NDArray[np.uint32],
+    group_starts: npt.NDArray[np.int32],
+    bottom: int,
+    min_free_tokens: int,
+    min_fill: float,
+) -> tuple[bool, int, int, int]: ...
+def select_token_tail(
+    ids: npt.NDArray[np.int32],
+    bottom: int,
+    floor: int,
+    budget_tokens: int,
+    boundary_ids: npt.NDArray[np.int32],
+    cut_after: npt.NDArray[np.uint8],
+    no_entry: npt.NDArray[np.int64],
+    min_fill: float,
+) -> tuple[int, int, int]: ...
+def align_down_to_page(pos: int, page_size_tokens: int) -> int: ...
+
 
 # --- kvplan -----------------------------------------------------------------------------------
+def common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> int: ...
+def plan_kv_resync(
+    cached: npt.NDArray[np.int32], rebuilt: npt.NDArray[np.int32], page_size_tokens: int, min_shift_tokens: int
+) -> tuple[int, int, int, int, int, int, int, npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...

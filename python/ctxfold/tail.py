@@ -1,0 +1,196 @@
+"""Where the verbatim tail starts: over segments (messages) and over raw token ids.
+
+Both scans run in the C++ core, backward from BOTTOM, and stop as soon as the budget is spent.
+Neither ever returns a start that orphans a tool result, splits a tool call from its results or
+enters a thinking block, and neither wastes the budget to start on a preferred kind of boundary:
+a preferred start is taken only while it keeps at least ``min_fill`` of the tokens the best legal
+start would keep (``min_fill=0`` is the strict order: a user turn whenever one fits).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ctxfold import _core
+from ctxfold._arrays import as_view
+
+#: A preferred boundary must keep at least this share of what the best legal cut keeps.
+DEFAULT_MIN_FILL = 0.9
+
+
+class TailRule(enum.IntEnum):
+    """Which rule chose a segment-level cut (values shared with the C++ core)."""
+
+    NONE = 0  # nothing fits: no tail
+    USER_TURN = 1  # the start of a real user turn
+    ASSISTANT_TURN = 2  # the start of an assistant turn (text, tool calls or thinking)
+    GROUP_START = 3  # any other segment that starts an atomic group
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentTail:
+    """The tail [start, bottom) of a segment table."""
+
+    start: int  # first segment of the tail; == bottom when nothing fits
+    num_tokens: int  # tokens in segments [start, bottom)
+    rule: TailRule  # which rule chose the start
+
+    @property
+    def found(self) -> bool:
+        return self.rule is not TailRule.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCut:
+    """The newest cut that frees enough: segments [floor, cut) go, [cut, bottom) stay."""
+
+    found: bool  # False: dropping everything above the system prefix frees too little
+    cut: int  # first kept segment; == bottom when everything above the system prefix goes
+    freed_tokens: int  # tokens in [floor, cut), floor being the end of the system prefix
+    rule: TailRule  # kind of segment at `cut`; NONE when cut == bottom or not found
+
+
+def _bottom(bottom: int | None, n: int) -> int:
+    return n if bottom is None else bottom
+
+
+def select_tail(
+    tokens: Any,
+    flags: Any,
+    group_starts: Any,
+    *,
+    budget_tokens: int,
+    bottom: int | None = None,
+    min_fill: float = DEFAULT_MIN_FILL,
+) -> SegmentTail:
+    """The verbatim tail of segments [.., bottom) within ``budget_tokens``.
+
+    tokens: int64[n] per-segment token counts; flags: uint32[n] ``SegmentFlag`` bits;
+    group_starts: int32[n], the first segment of each segment's atomic group. numpy arrays or CPU
+    tensors are read in place. bottom defaults to n. O(segments inside the budget).
+    Raises ValueError on bad arrays or arguments, IndexError when bottom is out of [0, n].
+    """
+    t = as_view(tokens, np.int64, "tokens")
+    start, num, rule = _core.select_segment_tail(
+        t,
+        as_view(flags, np.uint32, "flags"),
+        as_view(group_starts, np.int32, "group_starts"),
+        _bottom(bottom, len(t)),
+        budget_tokens,
+        min_fill,
+    )
+    return SegmentTail(start, num, TailRule(rule))
+
+
+def select_tail_from_ledger(
+    ledger: _core.Ledger, *, budget_tokens: int, bottom: int | None = None, min_fill: float = DEFAULT_MIN_FILL
+) -> SegmentTail:
+    """As :func:`select_tail`, over a Ledger's own arrays (nothing copied)."""
+    start, num, rule = _core.select_segment_tail_ledger(ledger, _bottom(bottom, len(ledger)), budget_tokens, min_fill)
+    return SegmentTail(start, num, TailRule(rule))
+
+
+def select_cut(
+    tokens: Any,
+    flags: Any,
+    group_starts: Any,
+    *,
+    min_free_tokens: int,
+    bottom: int | None = None,
+    min_fill: float = DEFAULT_MIN_FILL,
+) -> SegmentCut:
+    """The newest legal cut freeing at least ``min_free_tokens`` above the system prefix.
+
+    Same arrays and legality as :func:`select_tail`; the rule order and ``min_fill`` apply to the
+    tail that remains. O(bottom).
+    """
+    t = as_view(tokens, np.int64, "tokens")
+    found, cut, freed, rule = _core.select_segment_cut(
+        t,
+        as_view(flags, np.uint32, "flags"),
+        as_view(group_starts, np.int32, "group_starts"),
+        _bottom(bottom, len(t)),
+        min_free_tokens,
+        min_fill,
+    )
+    return SegmentCut(found, cut, freed, TailRule(rule))
+
+
+# ---- token level -------------------------------------------------------------------------------
+
+#: ``TokenTail.rule`` when no boundary lay within the budget and a raw index was returned.
+RAW_CUT: int = _core.RAW_CUT
+#: ``TokenTail.rule`` when not even a raw cut fits (zero budget, or a no-entry span covers it all).
+NO_TAIL: int = _core.NO_TAIL
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """One kind of chat boundary in token space."""
+
+    token_id: int  # the marker's token id, e.g. DeepSeek V4 <｜User｜> = 128803
+    cut_after: bool = False  # True: the tail starts after the marker (EOS ends a message)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTail:
+    """The tail ids[start:bottom] of a token buffer."""
+
+    start: int  # first token of the tail; == bottom when rule == NO_TAIL
+    num_tokens: int  # bottom - start
+    rule: int  # >= 0: index of the boundary kind that chose the cut; RAW_CUT; NO_TAIL
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.rule >= 0
+
+
+def select_token_tail(
+    ids: Any,
+    *,
+    budget_tokens: int,
+    boundaries: Sequence[Boundary | int],
+    bottom: int | None = None,
+    floor: int = 0,
+    no_entry: Any = None,
+    min_fill: float = DEFAULT_MIN_FILL,
+) -> TokenTail:
+    """The verbatim tail of ids[floor:bottom] within ``budget_tokens``, cut at a chat boundary.
+
+    ids: int32[n] token ids (numpy or CPU tensor, read in place). boundaries: kinds in order of
+    preference (an int is a marker the tail starts with). floor: end of the system prefix.
+    no_entry: spans no cut may fall strictly inside (tool calls, thinking), as int64[m, 2] or a
+    flat int64[2m] of sorted, disjoint [begin, end) pairs. A raw index is returned only when no
+    boundary lies within the budget, and never inside a no-entry span.
+    O(tokens inside the budget). Raises ValueError on bad input, IndexError on out-of-range positions.
+    """
+    v = as_view(ids, np.int32, "ids")
+    kinds = [b if isinstance(b, Boundary) else Boundary(int(b)) for b in boundaries]
+    if not kinds:
+        raise ValueError("boundaries: give at least one boundary token id")
+    if not all(-(2**31) <= k.token_id < 2**31 for k in kinds):
+        raise ValueError("boundaries: token ids must fit int32")
+    boundary_ids = np.fromiter((k.token_id for k in kinds), dtype=np.int32, count=len(kinds))
+    cut_after = np.fromiter((k.cut_after for k in kinds), dtype=np.uint8, count=len(kinds))
+    spans: npt.NDArray[Any]
+    if no_entry is None:
+        spans = np.zeros(0, np.int64)
+    else:
+        spans = as_view(no_entry, np.int64, "no_entry")
+        if spans.ndim == 2 and spans.shape[1] == 2 and spans.flags.c_contiguous:
+            spans = spans.reshape(-1)  # a view: the flat layout the core reads
+    start, num, rule = _core.select_token_tail(
+        v, _bottom(bottom, len(v)), floor, budget_tokens, boundary_ids, cut_after, spans, min_fill
+    )
+    return TokenTail(start, num, rule)
+
+
+def align_down_to_page(pos: int, page_size_tokens: int) -> int:
+    """``pos`` rounded down to a multiple of the engine's KV page size (vLLM blocks: 16 tokens)."""
+    return _core.align_down_to_page(pos, page_size_tokens)
