@@ -5,7 +5,14 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ctxfold import _core
-from ctxfold.errors import ArchiveError, ConfigError, CtxfoldError, FormatError, IntegrityError, TokenizerError
+from ctxfold.errors import (
+    ArchiveError,
+    ConfigError,
+    CtxfoldError,
+    FormatError,
+    IntegrityError,
+    TokenizerError,
+)
 from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
 
 try:

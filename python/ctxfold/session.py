@@ -128,7 +128,7 @@ class Session:
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
                  state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
         """Log a rewrite of the view. The view entries must refer to originals already logged."""
-        entries = []
+        entries: list[dict[str, Any]] = []
         for e in view:
             if e.origin >= self._num_originals:
                 raise ValueError(f"view entry refers to original {e.origin}, but only {self._num_originals} are logged")

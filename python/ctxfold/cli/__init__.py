@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_OK
-    except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
+    except Exception as exc:  # the one place errors become exit codes
         if getattr(args, "debug", False):
             raise
         code = _exit_code(exc)

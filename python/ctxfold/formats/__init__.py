@@ -96,7 +96,7 @@ def _detect_value(v: Any) -> str | None:
             h = v["history"]
             return "openhands" if h and openhands.looks_like_event(h[0]) else "swe_agent"
         if isinstance(v.get("messages"), list):
-            if "system" in v and not isinstance(v.get("system"), type(None)):
+            if "system" in v and not (v.get("system") is None):
                 return "anthropic"
             return _message_flavor(v["messages"])
         if "role" in v:

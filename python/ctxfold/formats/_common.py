@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from ctxfold.errors import FormatError
-from ctxfold.messages import ContentPart, Content, Message, Role, Usage
+from ctxfold.messages import Content, ContentPart, Message, Role, Usage
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ class Reader:
                 if exc.source is None:  # raised deep down without a place: add ours
                     raise self.error(exc.reason, location) from None
                 raise
-            self.skipped.append(str(exc) if exc.source else f"{location}: {exc.reason}")
+            self.skipped.append(str(exc) if exc.source else f"{self.source}, {location}: {exc.reason}")
             return None
 
     def meta(self) -> dict[str, Any]:
@@ -90,6 +90,8 @@ def parse(data: bytes | str, reader: Reader) -> Document:
     Linear in the input: one ``json.loads`` over the text; a JSONL file costs one more pass.
     """
     text = decode(data, reader)
+    # Only a lenient decode of bad bytes leaves escape surrogates; skip the per-line scan otherwise.
+    maybe_escaped = reader.lenient and isinstance(data, bytes) and _has_surrogate_escape(text)
     stripped = text.lstrip()
     if not stripped:
         raise reader.error("empty input; expected a JSON document or JSON lines")
@@ -120,7 +122,7 @@ def parse(data: bytes | str, reader: Reader) -> Document:
             continue
 
         def one(line: str = line, lineno: int = lineno) -> Any:
-            if _has_surrogate_escape(line):
+            if maybe_escaped and _has_surrogate_escape(line):
                 raise reader.error("invalid UTF-8 in this line; expected UTF-8 text", f"line {lineno}")
             try:
                 return json.loads(line)
@@ -137,7 +139,8 @@ def parse(data: bytes | str, reader: Reader) -> Document:
 
 
 def type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", type(None): "null", bool: "boolean"}.get(
+    return {dict: "object", list: "array", str: "string", type(None): "null", bool: "boolean", int: "number",
+            float: "number"}.get(
         type(value), type(value).__name__
     )
 
@@ -216,8 +219,6 @@ def simple_content(parts: list[ContentPart]) -> Content:
 
 def assign_ids(messages: list[Message], prefix: str) -> list[Message]:
     """Give every message without an id a deterministic one: ``prefix`` + its index."""
-    from dataclasses import replace
-
     return [m if m.id else replace(m, id=f"{prefix}{i}") for i, m in enumerate(messages)]
 
 

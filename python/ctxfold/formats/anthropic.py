@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ctxfold.errors import FormatError
@@ -158,12 +159,12 @@ def load_document(value: Any, reader: Reader, conv_id: str) -> list[Conversation
     locations: list[str] = []
     for i, raw in enumerate(items):
         loc = f"message {i}"
-        got = reader.guard(loc, lambda raw=raw, i=i: messages_from_anthropic(raw, f"m{i}"))
+        got = reader.guard(loc, partial(messages_from_anthropic, raw, f"m{i}"))
         for m in got or []:
             messages.append(m)
             locations.append(loc)
     messages = check_pairing(messages, locations, reader)
-    tools = tuple(t for t in (reader.guard(f"tools[{k}]", lambda t=t, k=k: _tool_spec(t, k))
+    tools = tuple(t for t in (reader.guard(f"tools[{k}]", partial(_tool_spec, t, k))
                               for k, t in enumerate(expect_list(d.get("tools") or [], "'tools'"))) if t is not None)
     rest = {k: v for k, v in d.items() if k not in ("messages", "system", "tools", "id")}
     if system_blocks is not None:

@@ -59,7 +59,8 @@ class _Session:
                    for m in self.messages[self.last_assistant + 1:])
 
     def add(self, rec: dict[str, Any]) -> None:
-        uuid = rec.get("uuid") if isinstance(rec.get("uuid"), str) else ""
+        raw_uuid = rec.get("uuid")
+        uuid = raw_uuid if isinstance(raw_uuid, str) else ""
         if uuid and uuid in self.seen_uuids:  # subagent progress can relay the same record twice
             return
         msg = expect_dict(rec.get("message"), "'message'")
@@ -86,6 +87,8 @@ class _Session:
                     content=simple_content(_parts(prev) + parts),
                     reasoning="\n".join(texts) if texts else None,
                     tool_calls=prev.tool_calls + tuple(calls),
+                    # Each record repeats the response's usage as it stood when written: the last is final.
+                    usage=anthropic_usage(msg.get("usage")) or prev.usage,
                     extra={"claude_code": pcc, **({"anthropic": pan} if pan else {})},
                 )
             else:

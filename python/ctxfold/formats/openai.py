@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 from ctxfold.errors import FormatError
@@ -21,7 +22,17 @@ from ctxfold.formats._common import (
     openai_usage,
     role_of,
 )
-from ctxfold.messages import Content, ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage, as_parts
+from ctxfold.messages import (
+    Content,
+    ContentPart,
+    Conversation,
+    Message,
+    Role,
+    ToolCall,
+    ToolSpec,
+    Usage,
+    as_parts,
+)
 
 NAME = "openai"
 ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT,
@@ -64,7 +75,7 @@ def _usage_in_extra(d: dict[str, Any]) -> Any:
     return None
 
 
-def message_from_openai(raw: Any) -> Message:
+def message_from_openai(raw: Any, default_id: str = "") -> Message:
     """One OpenAI chat message dict -> :class:`Message` (raises FormatError without a location)."""
     d = expect_dict(raw, "message")
     role = role_of(d.get("role"), ROLES)
@@ -100,7 +111,7 @@ def message_from_openai(raw: Any) -> Message:
     return Message(
         role=role,
         content=content,
-        id=mid if isinstance(mid, str) else "",
+        id=mid if isinstance(mid, str) and mid else default_id,
         tool_calls=calls,
         tool_call_id=tool_call_id,
         name=name if isinstance(name, str) else None,
@@ -165,28 +176,26 @@ def conversation_from_messages(
     prefix = f"{where}, " if where else ""
     for i, raw in enumerate(items):
         loc = f"{prefix}message {i}"
-        m = reader.guard(loc, lambda raw=raw: message_from_openai(raw))
+        m = reader.guard(loc, partial(message_from_openai, raw, f"m{i}"))
         if m is not None:
-            messages.append(m if m.id else _with_id(m, f"m{i}"))
+            messages.append(m)
             locations.append(loc)
     if require_pairing:
         messages = check_pairing(messages, locations, reader)
     system = None
-    if messages and messages[0].role is Role.SYSTEM and isinstance(messages[0].content, str) \
-            and not messages[0].extra and messages[0].id == "m0":
-        system = messages.pop(0).content
+    first = messages[0] if messages else None
+    # Only a plain leading system message becomes the prompt; one with an id or kept fields stays a
+    # message so that nothing about it is lost.
+    if first is not None and first.role is Role.SYSTEM and isinstance(first.content, str) \
+            and not first.extra and first.id == "m0":
+        system = first.content
+        messages.pop(0)
     specs = tuple(
-        s for s in (reader.guard(f"{prefix}tools[{k}]", lambda t=t, k=k: _tool_spec(t, k))
+        s for s in (reader.guard(f"{prefix}tools[{k}]", partial(_tool_spec, t, k))
                     for k, t in enumerate(tools)) if s is not None
     )
     return Conversation(messages=assign_ids(messages, "m"), id=conv_id, system=system, tools=specs,
                         source_format=source_format, source=reader.source, meta=dict(meta or {}))
-
-
-def _with_id(m: Message, mid: str) -> Message:
-    from dataclasses import replace
-
-    return replace(m, id=mid)
 
 
 def load_document(value: Any, reader: Reader, conv_id: str, jsonl_lines: Sequence[tuple[int, Any]] | None = None
@@ -204,7 +213,7 @@ def load_document(value: Any, reader: Reader, conv_id: str, jsonl_lines: Sequenc
         msgs = expect_list(value.get("messages"), "'messages'")
         tools = value.get("tools") or []
         rest = {k: v for k, v in value.items() if k not in ("messages", "tools", "id")}
-        cid = value.get("id") if isinstance(value.get("id"), str) else conv_id
+        cid = value["id"] if isinstance(value.get("id"), str) else conv_id
         return [conversation_from_messages(msgs, reader, where="", conv_id=cid, tools=expect_list(tools, "'tools'"),
                                            meta={"openai": rest} if rest else None)]
     return [conversation_from_messages(expect_list(value, "document"), reader, where="", conv_id=conv_id)]

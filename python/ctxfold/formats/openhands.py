@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ctxfold.errors import FormatError
@@ -34,17 +35,21 @@ def _call(e: dict[str, Any], tcm: dict[str, Any]) -> tuple[ToolCall, str, Any, A
     if not isinstance(cid, str):
         raise FormatError("'tool_call_metadata.tool_call_id' is missing or not a string; expected the call id")
     name = str(tcm.get("function_name") or e.get("action"))
-    resp = tcm.get("model_response") if isinstance(tcm.get("model_response"), dict) else {}
+    raw_resp = tcm.get("model_response")
+    resp: dict[str, Any] = raw_resp if isinstance(raw_resp, dict) else {}
     text = ""
     arguments = None
-    choices = resp.get("choices") if isinstance(resp.get("choices"), list) else []
+    raw_choices = resp.get("choices")
+    choices: list[Any] = raw_choices if isinstance(raw_choices, list) else []
     msg = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
     if isinstance(msg, dict):
-        text = msg.get("content") if isinstance(msg.get("content"), str) else ""
+        content = msg.get("content")
+        text = content if isinstance(content, str) else ""
         for c in msg.get("tool_calls") or []:
             if isinstance(c, dict) and c.get("id") == cid and isinstance(c.get("function"), dict):
                 arguments = c["function"].get("arguments")
-    args = e.get("args") if isinstance(e.get("args"), dict) else {}
+    raw_args = e.get("args")
+    args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else {}
     if not text and isinstance(args.get("thought"), str):
         text = args["thought"]
     if not isinstance(arguments, str):
@@ -53,7 +58,8 @@ def _call(e: dict[str, Any], tcm: dict[str, Any]) -> tuple[ToolCall, str, Any, A
 
 
 def _plain_text(e: dict[str, Any]) -> str:
-    args = e.get("args") if isinstance(e.get("args"), dict) else e
+    raw_args = e.get("args")
+    args: dict[str, Any] = raw_args if isinstance(raw_args, dict) else e
     if e.get("action") == "message":
         for k in ("content", "message"):
             if isinstance(args.get(k), str):
@@ -138,13 +144,15 @@ def _conversation(events: list[Any], reader: Reader, where: str, conv_id: str,
     s = _Stream(reader)
     prefix = f"{where}, " if where else ""
     for k, raw in enumerate(events):
-        reader.guard(f"{prefix}event {k}", lambda raw=raw, k=k: s.add(raw, k))
+        reader.guard(f"{prefix}event {k}", partial(s.add, raw, k))
     return Conversation(messages=s.messages, id=conv_id, system=s.system, tools=s.tools, source_format=NAME,
                         source=reader.source, meta={"openhands": meta} if meta else {})
 
 
 def load_document(doc: Document, reader: Reader, conv_id: str) -> list[Conversation]:
-    if not doc.is_jsonl and isinstance(doc.value, list) and all(looks_like_event(v) for v in doc.value[:50]):
+    # A JSON list is one event stream unless its items are runs (objects with a history).
+    if not doc.is_jsonl and isinstance(doc.value, list) and not any(
+            isinstance(v, dict) and "history" in v for v in doc.value[:50]):
         return [_conversation(doc.value, reader, "", conv_id, {})]
     out: list[Conversation] = []
     for where, rec in iter_records(doc):

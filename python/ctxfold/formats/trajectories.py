@@ -8,6 +8,7 @@ so pairing is checked by :func:`ctxfold.integrity.validate`, not enforced here.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ctxfold.errors import FormatError
@@ -78,12 +79,13 @@ def load_swe_agent(value: Any, reader: Reader, conv_id: str) -> list[Conversatio
     history = expect_list(d.get("history"), "'history'")
     messages: list[Message] = []
     for i, raw in enumerate(history):
-        m = reader.guard(f"history[{i}]", lambda raw=raw: _swe_message(raw))
+        m = reader.guard(f"history[{i}]", partial(_swe_message, raw))
         if m is not None:
             messages.append(m if m.id else replace(m, id=f"m{i}"))
     system = None
     if messages and messages[0].role.value == "system" and isinstance(messages[0].content, str):
-        system = messages.pop(0).content
+        system = messages[0].content
+        messages.pop(0)
     meta = {k: v for k, v in d.items() if k in ("info", "environment", "replay_config")}
     return [Conversation(messages=messages, id=conv_id, system=system, source_format=SWE_AGENT,
                          source=reader.source, meta={"swe_agent": meta})]
