@@ -1,0 +1,85 @@
+"""``ctxfold serve --upstream URL``: the compacting OpenAI-compatible proxy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from ctxfold.config import CompactConfig, load_config
+from ctxfold.errors import ConfigError
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from ctxfold.serve.app import DEFAULT_MAX_BODY_BYTES
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="run an OpenAI-compatible proxy that compacts every conversation to fit the upstream's window",
+        description="Accept OpenAI chat.completions requests (streaming and not), keep each conversation as a "
+        "ctxfold session in the data directory, compact it when it nears the window, forward the compacted "
+        "request to the upstream and stream the answer back unchanged. GET /health, GET /metrics (Prometheus).",
+    )
+    p.add_argument("--upstream", required=True, metavar="URL",
+                   help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0: any free port)")
+    p.add_argument("--data-dir", type=Path, default=Path("ctxfold-data"),
+                   help="sessions, history dumps and archives (default ./ctxfold-data)")
+    p.add_argument("--archive-url", metavar="URL",
+                   help="fsspec URL for archives shared by several proxy replicas (s3://bucket/prefix, ...)")
+    p.add_argument("--config", type=Path, metavar="FILE", help="compaction settings (YAML or TOML, agent.compact)")
+    p.add_argument("--context-tokens", type=int, metavar="N", help="the upstream model's context window")
+    p.add_argument("--max-output-tokens", type=int, metavar="N", help="the model's reply cap (sets the reserve)")
+    p.add_argument("--reply-reserve-tokens", type=int, metavar="N", help="tokens kept free for the answer")
+    p.add_argument("--summarizer", choices=("upstream", "extractive"), default="upstream",
+                   help="who writes summaries: the upstream model (default; extractive on failure) or no model")
+    p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="to connect upstream (default 10)")
+    p.add_argument("--read-timeout-s", type=float, default=600.0,
+                   help="longest silence from the upstream before 504 or a cut stream (default 600)")
+    p.add_argument("--max-recall-rounds", type=int, default=4,
+                   help="read_archive rounds the proxy answers within one request (default 4)")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="do not fsync session events (a process crash loses nothing; a machine crash may)")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from ctxfold.serve.app import ProxyConfig
+
+    overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
+                 if getattr(args, k) is not None}
+    compact = load_config(args.config, **overrides) if args.config else CompactConfig.from_mapping(overrides)
+    if not args.upstream.startswith(("http://", "https://")):
+        raise ConfigError(f"--upstream {args.upstream!r} is not an http(s) URL; e.g. http://127.0.0.1:8000/v1")
+    for name in ("max_body_bytes", "max_recall_rounds"):
+        if getattr(args, name) < (1 if name == "max_body_bytes" else 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    return ProxyConfig(
+        upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
+        summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
+        connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
+        max_recall_rounds=args.max_recall_rounds, durable=not args.no_fsync,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ctxfold.serve.app import serve
+
+    config = build_config(args)
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+
+    def ready(url: str) -> None:
+        print(f"ctxfold serve: listening on {url}, forwarding to {config.completions_url}, data in "
+              f"{config.data_dir}", file=sys.stderr, flush=True)
+
+    try:
+        asyncio.run(serve(config, args.host, args.port, ready=ready))
+    except KeyboardInterrupt:
+        pass
+    return 0
