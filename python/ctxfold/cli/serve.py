@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
               f"{config.data_dir}", file=sys.stderr, flush=True)
 
     try:
-        asyncio.run(serve(config, args.host, args.port, ready=ready))
+        asyncio.run(serve(config, args.host, args.port, ready=ready, stop_on_signals=True))
     except KeyboardInterrupt:
         pass
     return 0

@@ -44,14 +44,15 @@ from ctxfold.config import CompactConfig
 from ctxfold.errors import FormatError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
-from ctxfold.messages import Conversation, Message, Role, ToolCall
+from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
     ProxySession,
     SessionStore,
-    fingerprint,
+    fingerprint_wire,
+    match_key,
     session_key,
 )
 from ctxfold.serve.sse import AnswerAssembler, SseReader
@@ -115,14 +116,22 @@ def error_response(status: int, message: str, *, kind: str = "invalid_request_er
 
 @dataclass(slots=True)
 class ParsedRequest:
-    body: dict[str, Any]  # the request object as sent
-    conversation: Conversation  # its system prompt, tools and messages
-    fingerprints: list[bytes]  # of conversation.messages
+    raw: bytes  # the body as sent
+    body: dict[str, Any]  # the request object
+    system: str | None  # the system prompt: a leading plain system message
+    messages: list[dict[str, Any]]  # the chat messages after the system prompt, as sent
+    fingerprints: list[int]  # match_key of each message
     stream: bool
+
+    @property
+    def offset(self) -> int:
+        """Index of messages[0] in the request's own list (1 when a system prompt leads)."""
+        return 1 if self.system is not None else 0
 
 
 def parse_request(raw: bytes) -> ParsedRequest:
-    """Decode and check a chat.completions request body. Raises BadRequest (400) with what and where."""
+    """Decode a chat.completions request body and check its shape. Raises BadRequest (400) with what
+    and where. The messages themselves are checked by :func:`parse_messages` when they are new."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -147,12 +156,35 @@ def parse_request(raw: bytes) -> ParsedRequest:
         if not isinstance(m, dict):
             raise BadRequest(400, f"messages[{i}] must be an object, got {type(m).__name__}", code="invalid_type",
                              param=f"messages[{i}]")
+    first = messages[0]
+    system = None
+    if first.get("role") == "system" and isinstance(first.get("content"), str) and first.keys() <= {"role", "content"}:
+        system = first["content"]
+        messages = messages[1:]
+    return ParsedRequest(raw, body, system, messages, [match_key(m) for m in messages], bool(body.get("stream")))
+
+
+def parse_messages(items: list[dict[str, Any]], first_index: int) -> list[Message]:
+    """Chat message dicts -> messages with ids by position (``m<index in the request>``). BadRequest
+    names the message that is wrong."""
+    out = []
+    for k, d in enumerate(items):
+        try:
+            m = message_from_openai(d)
+        except FormatError as e:
+            raise BadRequest(400, f"messages[{first_index + k}]: {e}", code="invalid_message",
+                             param=f"messages[{first_index + k}]") from None
+        out.append(replace(m, id=f"m{first_index + k}"))
+    return out
+
+
+def parse_tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
     try:
-        conv = conversation_from_messages(messages, Reader(source="request", lenient=False), where="",
-                                          conv_id="request", tools=body.get("tools") or [], require_pairing=False)
+        conv = conversation_from_messages([], Reader(source="request", lenient=False), where="", conv_id="request",
+                                          tools=body.get("tools") or [], require_pairing=False)
     except FormatError as e:
-        raise BadRequest(400, f"invalid chat message: {e}", code="invalid_message", param="messages") from None
-    return ParsedRequest(body, conv, [fingerprint(m) for m in conv.messages], bool(body.get("stream")))
+        raise BadRequest(400, f"invalid tool definition: {e}", code="invalid_tools", param="tools") from None
+    return conv.tools
 
 
 def _to_wire(m: Message) -> dict[str, Any]:
@@ -161,6 +193,14 @@ def _to_wire(m: Message) -> dict[str, Any]:
     out.pop("id", None)
     out.pop("usage", None)
     return out
+
+
+def _max_tokens(m: Message) -> int:
+    """An upper bound of a message's tokens: its UTF-8 bytes (no tokenizer makes a token of less than a
+    byte) plus the template's per-message frame."""
+    n = len(m.text.encode("utf-8", "surrogatepass")) + len((m.reasoning or "").encode("utf-8", "surrogatepass"))
+    n += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) + 16 for c in m.tool_calls)
+    return n + 32
 
 
 def _has_archive_marker(messages: list[Message]) -> bool:
@@ -256,6 +296,14 @@ class ProxyApp:
             if header_key is not None and not (0 < len(header_key) <= MAX_SESSION_KEY_CHARS):
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
                                  code="invalid_session", param=SESSION_HEADER)
+            self.metrics.requests.inc(str(parsed.stream).lower())
+            key = session_key(header_key, parsed.system,
+                              fingerprint_wire(parsed.messages[0]) if parsed.messages else None)
+            model = parsed.body.get("model")
+            if isinstance(model, str):
+                self._models.setdefault(key, model)
+            async with self.sessions.lock(key):
+                resp = await self._handle(request, parsed, key, t0)
         except BadRequest as e:
             self.metrics.bad_requests.inc(e.code)
             self.metrics.responses.inc(str(e.status))
@@ -263,41 +311,87 @@ class ProxyApp:
             if e.status == 413:
                 resp.force_close()  # the rest of the body is not read: the connection cannot be reused
             return resp
-        self.metrics.requests.inc(str(parsed.stream).lower())
-        key = session_key(header_key, parsed.conversation)
-        model = parsed.body.get("model")
-        if isinstance(model, str):
-            self._models.setdefault(key, model)
-        async with self.sessions.lock(key):
-            resp = await self._handle(request, parsed, key, t0)
+        except Exception as e:  # noqa: BLE001 - a bug must cost one request, not the server
+            log.exception("internal error while handling a request")
+            self.metrics.responses.inc("500")
+            return error_response(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); the "
+                                       "conversation's stored messages are unchanged by it", kind="server_error",
+                                  code="internal_error")
         self.metrics.responses.inc(str(resp.status))
         return resp
 
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
-        conv = parsed.conversation
-        session, known = await self.sessions.match(key, conv, parsed.fingerprints)
-        new = conv.messages[known:]
-        events = await asyncio.to_thread(self._ingest, session, new)
+        session = await self.sessions.find(key, parsed.system, parsed.fingerprints)
+        known = len(session.fingerprints) if session is not None else 0
+        new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
+        if session is None:
+            header = Conversation(messages=[], system=parsed.system, tools=parse_tools(parsed.body))
+            session = await self.sessions.create(key, header)
+        if self._inline(session.compactor, new):
+            events = self._ingest(session, new)
+        else:
+            events = await asyncio.to_thread(self._ingest, session, new)
         self._count_events(events)
         c = session.compactor
-        view = c.conversation().messages
         estimate = c.occupancy_tokens() - c.config.reply_reserve()
-        body = dict(parsed.body)
-        body["messages"] = ([{"role": "system", "content": c.header.system}] if c.header.system is not None else []) \
-            + [_to_wire(m) for m in view]
-        tools = list(body.get("tools") or [])
+        view, origins, originals = c.view, c.view_origins, c.originals
+        untouched = len(view) == len(originals) and all(v is o for v, o in zip(view, originals, strict=True))
+        tools = parsed.body.get("tools") or []
         has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
                              for t in tools)
-        if not has_own_recall and (session.inject_recall or tools or _has_archive_marker(view)):
-            session.inject_recall = True
-            body["tools"] = tools + [read_archive_tool_openai()]
+        if not has_own_recall and not session.inject_recall:
+            # Offer the tool once the conversation has archived outputs: from a pass of this request, in
+            # the messages it brought, or (first request after a restart) anywhere in the view.
+            scan = new if session.recall_scanned else view
+            session.recall_scanned = True
+            if tools or _has_archive_marker(scan) or any(e.archived for e in events):
+                session.inject_recall = True
         recall = session.inject_recall and not has_own_recall
+        if untouched and not recall:
+            payload = parsed.raw  # nothing to change: the client's own bytes go upstream
+            body = parsed.body
+        else:
+            body = dict(parsed.body)
+            if untouched:
+                body["messages"] = parsed.body["messages"]
+            else:
+                # Messages the view shows unchanged go out as the client sent them; the rest as ctxfold wrote them.
+                sent = parsed.messages
+                body["messages"] = ([{"role": "system", "content": c.header.system}]
+                                    if c.header.system is not None else []) + [
+                    sent[o] if 0 <= o < len(sent) and m is originals[o] else _to_wire(m)
+                    for m, o in zip(view, origins, strict=True)]
+            if recall:
+                body["tools"] = list(tools) + [read_archive_tool_openai()]
+            payload = _dumps(body)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["Content-Type"] = "application/json"
         if parsed.stream:
-            return await self._forward_stream(request, session, body, headers, recall, estimate)
-        return await self._forward_json(session, body, headers, recall, estimate)
+            return await self._forward_stream(request, session, body, payload, headers, recall, estimate)
+        return await self._forward_json(request, session, body, payload, headers, recall, estimate)
+
+    def _inline(self, c: Compactor, new: list[Message]) -> bool:
+        """Whether appending ``new`` is cheap enough to run on the event loop: no fsync, and no summary
+        can fire. A thread hop costs two context switches, which on a busy machine is most of the
+        latency the proxy adds; a summary (a model call) or an fsync must not block the loop.
+
+        No summary can fire when even an upper bound of the tokens after the append (every byte a
+        token) stays under the lowest trigger line of the configuration.
+        """
+        if self.config.durable:
+            return False
+        cfg = c.config
+        ctx = cfg.context_tokens
+        if ctx is None:
+            return True  # token triggers are off: only the rule-based archive pass can run, no model call
+        lines = [ctx]
+        if cfg.soft.enabled:
+            lines += [ctx * cfg.soft.percent / 100, ctx - cfg.soft.free_threshold_tokens(ctx)]
+        if cfg.major.enabled:
+            lines.append(ctx * cfg.major.token_threshold)
+        bound = c.occupancy_tokens() + sum(_max_tokens(m) for m in new)
+        return bound < min(lines)
 
     def _ingest(self, session: ProxySession, new: list[Message]) -> list[CompactionEvent]:
         """Append the request's new messages and run the automatic passes (in a worker thread)."""
@@ -332,13 +426,13 @@ class ProxyApp:
                 m.summary_fallbacks.inc()
 
     # -- upstream: JSON ------------------------------------------------------------------------------
-    async def _forward_json(self, session: ProxySession, body: dict[str, Any], headers: dict[str, str],
-                            recall: bool, estimate: int) -> web.StreamResponse:
+    async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
+                            headers: dict[str, str], recall: bool, estimate: int) -> web.StreamResponse:
         assert self._client is not None
         rounds = 0
         while True:
             try:
-                async with self._client.post(self.config.completions_url, data=_dumps(body), headers=headers) as up:
+                async with self._client.post(self.config.completions_url, data=payload, headers=headers) as up:
                     raw = await up.read()
                     status, ctype = up.status, up.headers.get("Content-Type", "application/json")
             except Exception as e:  # noqa: BLE001 - every transport failure becomes a 502/504 for the client
@@ -359,9 +453,10 @@ class ProxyApp:
                     (c.get("function") or {}).get("name") == READ_ARCHIVE for c in calls):
                 rounds += 1
                 body = await self._answer_recall(session, body, message)
+                payload = _dumps(body)
                 continue
-            usage = data.get("usage")
-            await self._record(session, message, usage, estimate if rounds == 0 else None)
+            # Recorded before the client has the answer: once it has, the session holds it too.
+            await self._record(session, message, data.get("usage"), estimate if rounds == 0 else None)
             return web.Response(body=raw, status=200, headers={"Content-Type": ctype})
 
     async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any]
@@ -393,7 +488,10 @@ class ProxyApp:
             return
         n = len(c.originals) + (1 if c.header.system is not None else 0)
         m = replace(m, id=f"m{n}")
-        await asyncio.to_thread(c.append, m)
+        if self.config.durable:
+            await asyncio.to_thread(c.append, m)  # fsync off the event loop
+        else:
+            c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop
         session.refresh_fingerprints()
         if estimate and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             self._calibrate(session, usage["prompt_tokens"], estimate)
@@ -422,7 +520,8 @@ class ProxyApp:
 
     # -- upstream: streaming -------------------------------------------------------------------------
     async def _forward_stream(self, request: web.Request, session: ProxySession, body: dict[str, Any],
-                              headers: dict[str, str], recall: bool, estimate: int) -> web.StreamResponse:
+                              payload: bytes, headers: dict[str, str], recall: bool, estimate: int
+                              ) -> web.StreamResponse:
         """Pass the upstream's event stream through byte for byte, reading it on the side.
 
         With the recall tool offered, the first chunks are held until the answer shows what it is: text
@@ -438,7 +537,7 @@ class ProxyApp:
             passing = not recall
             cut: str | None = None
             try:
-                async with self._client.post(self.config.completions_url, data=_dumps(body), headers=headers) as up:
+                async with self._client.post(self.config.completions_url, data=payload, headers=headers) as up:
                     if up.status != 200:
                         raw = await up.read()
                         self.metrics.upstream_errors.inc("status")
@@ -453,8 +552,8 @@ class ProxyApp:
                             "Cache-Control": "no-cache"})
                     try:
                         async for chunk in up.content.iter_any():
-                            for payload in reader.feed(chunk):
-                                answer.add(payload)
+                            for event in reader.feed(chunk):
+                                answer.add(event)
                             if passing:
                                 if not resp.prepared:
                                     await resp.prepare(request)
@@ -471,7 +570,7 @@ class ProxyApp:
                                 held = []
                     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                         cut = f"the upstream stream was cut: {e}"
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
             except Exception as e:  # noqa: BLE001 - connection or timeout before any byte: 502/504
                 if resp is None or not resp.prepared:
@@ -496,13 +595,15 @@ class ProxyApp:
                     and all(n == READ_ARCHIVE for n in answer.call_names())):
                 rounds += 1
                 body = await self._answer_recall(session, body, message)
+                payload = _dumps(body)
                 continue
             if not resp.prepared:
                 await resp.prepare(request)
             for h in held:
                 await resp.write(h)
-            await resp.write_eof()
+            # Recorded before the stream's end: once the client has the whole answer, the session holds it.
             await self._record(session, message, answer.usage, estimate if rounds == 0 else None)
+            await resp.write_eof()
             return resp
 
 
@@ -519,19 +620,28 @@ def _dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
-async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None) -> None:
-    """Run the proxy until cancelled. ``ready`` gets the URL once the port accepts connections."""
+async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,
+                stop_on_signals: bool = False) -> None:
+    """Run the proxy until cancelled (or SIGTERM/SIGINT with ``stop_on_signals``, from the main thread).
+    ``ready`` gets the URL once the port accepts connections. Stopping closes the session logs."""
+    stop = asyncio.Event()
+    if stop_on_signals:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     proxy = ProxyApp(config)
     runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    bound = sockets[0].getsockname()[1] if sockets else port
-    if ready is not None:
-        ready(f"http://{host}:{bound}")
     try:
-        await asyncio.Event().wait()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        bound = sockets[0].getsockname()[1] if sockets else port
+        if ready is not None:
+            ready(f"http://{host}:{bound}")
+        await stop.wait()
     finally:
         await runner.cleanup()

@@ -4,6 +4,7 @@ A chat.completions client sends the whole history with every request. The proxy 
 conversation as a ctxfold session (event log, history dumps, archive) under its data directory:
 
     <data_dir>/sessions/<key digest>/<n>/     one session directory (see ctxfold.session)
+    <data_dir>/sessions/<key digest>/archive/ the archive the key's sessions share (content-addressed)
 
 The key is the ``X-Ctxfold-Session`` header when the client sends one, else a digest of the system
 prompt and the first message. Several sessions can share a key (two conversations that start alike,
@@ -23,44 +24,85 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ctxfold.compactor import Compactor
+from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Conversation, Message
 
 SESSION_HEADER = "X-Ctxfold-Session"
 MAX_SESSION_KEY_CHARS = 200
 
 
-def fingerprint(m: Message) -> bytes:
-    """What the model sees of a message, hashed: role, content, tool calls, the answered call."""
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
+
+
+def fingerprint_wire(d: Mapping[str, Any]) -> bytes:
+    """What the model sees of an OpenAI chat message dict, hashed: role, content, tool calls (id, name,
+    arguments), the call a result answers. Never raises, whatever the types (bad messages are checked
+    elsewhere); ``fingerprint_wire(message_to_openai(m, api=True))`` equals it for the parsed message."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(m.role.value.encode())
-    if isinstance(m.content, str):
-        h.update(b"\x00s" + m.content.encode("utf-8", "surrogatepass"))
-    else:
-        for p in m.content:
-            h.update(b"\x00p" + p.type.encode("utf-8", "surrogatepass"))
-            h.update(b"\x00" + (p.text if p.text is not None else json.dumps(dict(p.data), sort_keys=True))
-                     .encode("utf-8", "surrogatepass"))
-    for c in m.tool_calls:
-        h.update(b"\x00c" + "\x00".join((c.id, c.name, c.arguments)).encode("utf-8", "surrogatepass"))
-    if m.tool_call_id is not None:
-        h.update(b"\x00r" + m.tool_call_id.encode("utf-8", "surrogatepass"))
+    role = d.get("role")
+    h.update(_text("system" if role == "developer" else role).encode("utf-8", "surrogatepass"))
+    content = d.get("content")
+    h.update(b"\x00c" + _text("" if content is None else content).encode("utf-8", "surrogatepass"))
+    calls = d.get("tool_calls")
+    if isinstance(calls, list):
+        for c in calls:
+            fn = c.get("function") if isinstance(c, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
+            parts = (c.get("id") if isinstance(c, dict) else c, fn.get("name"), fn.get("arguments", ""))
+            h.update(b"\x00t" + "\x00".join(_text(x) for x in parts).encode("utf-8", "surrogatepass"))
+    elif calls is not None:
+        h.update(b"\x00T" + _text(calls).encode("utf-8", "surrogatepass"))
+    if role == "tool":
+        h.update(b"\x00r" + _text(d.get("tool_call_id")).encode("utf-8", "surrogatepass"))
     return h.digest()
 
 
-def session_key(header_value: str | None, conversation: Conversation) -> str:
-    """The digest naming a conversation's key directory (hex, 32 chars)."""
+def fingerprint(m: Message) -> bytes:
+    """:func:`fingerprint_wire` of a parsed message."""
+    return fingerprint_wire(message_to_openai(m, api=True))
+
+
+def match_key(d: Mapping[str, Any]) -> int:
+    """A process-local key for prefix matching, hashed on every message of every request, so cheap: the
+    built-in (randomised SipHash) hash of role, text and the answered call for plain messages, of the
+    :func:`fingerprint_wire` digest for the others. Equal for a message dict and its parsed form
+    (:func:`message_match_key`). Not stable across processes: recomputed when sessions are loaded."""
+    content = d.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, str) and not d.get("tool_calls"):
+        role = d.get("role")
+        if isinstance(role, str):
+            try:
+                return hash(("system" if role == "developer" else role, content,
+                             d.get("tool_call_id") if role == "tool" else None))
+            except TypeError:  # an unhashable tool_call_id: a bad message, the slow path names no error either
+                pass
+    return hash(fingerprint_wire(d))
+
+
+def message_match_key(m: Message) -> int:
+    return match_key(message_to_openai(m, api=True))
+
+
+def session_key(header_value: str | None, system: str | None, first: bytes | None) -> str:
+    """The digest naming a conversation's key directory (hex, 32 chars): the header's value, else the
+    system prompt and the fingerprint of the first message."""
     h = hashlib.sha256()
     if header_value is not None:
         h.update(b"header\x00" + header_value.encode("utf-8", "surrogatepass"))
     else:
-        h.update(b"auto\x00" + (conversation.system or "").encode("utf-8", "surrogatepass") + b"\x00")
-        if conversation.messages:
-            h.update(fingerprint(conversation.messages[0]))
+        h.update(b"auto\x00" + (system or "").encode("utf-8", "surrogatepass") + b"\x00")
+        h.update(first or b"")
     return h.hexdigest()[:32]
 
 
@@ -71,15 +113,16 @@ class ProxySession:
     key: str  # the key digest
     path: Path  # the session directory
     compactor: Compactor
-    fingerprints: list[bytes] = field(default_factory=list)  # of compactor.originals, in order
+    fingerprints: list[int] = field(default_factory=list)  # match_key of compactor.originals, in order
     calibration: float = 1.0  # upstream prompt tokens / ctxfold's estimate, smoothed (see ProxyApp)
     inject_recall: bool = False  # sticky: once the tool was offered, keep offering it (stable prompt prefix)
+    recall_scanned: bool = False  # the view was searched for archive markers once since loading
 
     def refresh_fingerprints(self) -> None:
         n = len(self.fingerprints)
-        self.fingerprints.extend(fingerprint(m) for m in self.compactor.originals[n:])
+        self.fingerprints.extend(message_match_key(m) for m in self.compactor.originals[n:])
 
-    def matches(self, system: str | None, fps: list[bytes]) -> bool:
+    def matches(self, system: str | None, fps: list[int]) -> bool:
         n = len(self.fingerprints)
         return self.compactor.header.system == system and n <= len(fps) and self.fingerprints == fps[:n]
 
@@ -109,19 +152,22 @@ class SessionStore:
     def loaded(self) -> list[ProxySession]:
         return [s for v in self._sessions.values() for s in v]
 
-    async def match(self, key: str, conversation: Conversation, fps: list[bytes]) -> tuple[ProxySession, int]:
-        """The session this request continues (a new one if none) and how many of its messages are stored.
-        Call under ``lock(key)``."""
+    async def find(self, key: str, system: str | None, fps: list[int]) -> ProxySession | None:
+        """The stored session whose messages are the longest prefix of ``fps``, or None. Under ``lock(key)``."""
         candidates = self._sessions.get(key)
         if candidates is None:
             candidates = await asyncio.to_thread(self._load_key, key)
             self._sessions[key] = candidates
         best: ProxySession | None = None
         for s in candidates:
-            if s.matches(conversation.system, fps) and (best is None or len(s.fingerprints) > len(best.fingerprints)):
+            if s.matches(system, fps) and (best is None or len(s.fingerprints) > len(best.fingerprints)):
                 best = s
-        if best is not None:
-            return best, len(best.fingerprints)
+        return best
+
+    async def create(self, key: str, conversation: Conversation) -> ProxySession:
+        """A new, empty session for ``conversation``'s system prompt and tools. Under ``lock(key)``,
+        after :meth:`find`."""
+        candidates = self._sessions[key]
         n = len(candidates)
         while (self.root / key / f"{n:04d}").exists():  # a directory left without a log by a crash
             n += 1
@@ -133,7 +179,7 @@ class SessionStore:
         compactor = await asyncio.to_thread(self.make_compactor, header, path)
         s = ProxySession(key, path, compactor)
         candidates.append(s)
-        return s, 0
+        return s
 
     def _load_key(self, key: str) -> list[ProxySession]:
         folder = self.root / key

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from aiohttp import web
 
@@ -72,6 +72,14 @@ def deepseek_counter() -> Callable[[dict[str, Any]], int]:
     return count
 
 
+def is_summary_request(body: dict[str, Any]) -> bool:
+    """A ctxfold summary request: its last message is the compaction contract."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    text = last.get("content")
+    return last.get("role") == "user" and isinstance(text, str) and text.startswith(COMPACTION_MARKER)
+
+
 class ScriptedUpstream:
     """The upstream's behaviour and what it saw. Change the attributes between requests."""
 
@@ -93,6 +101,7 @@ class ScriptedUpstream:
         self.fail_status: int | None = None  # answer this status instead of a completion...
         self.fail_count = 0  # ...this many times
         self.cut_after_chunks: int | None = None  # close a stream after this many chunks (once)
+        self.fail_summaries = False  # answer every summary request with a 500
         self.summary_text = (
             "Goals: finish the user's task. Files: none recorded. Commands: none. Decisions: keep the "
             "verbatim tail. Next steps: continue from the last user message."
@@ -105,9 +114,7 @@ class ScriptedUpstream:
         if isinstance(replay, dict):
             return replay
         messages = body.get("messages") or []
-        last = messages[-1] if messages else {}
-        text = last.get("content") if isinstance(last.get("content"), str) else ""
-        if last.get("role") == "user" and text.startswith(COMPACTION_MARKER):
+        if is_summary_request(body):
             return {"role": "assistant", "content": self.summary_text}
         user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
         utext = user.get("content") if isinstance(user.get("content"), str) else ""
@@ -132,6 +139,9 @@ class ScriptedUpstream:
             self.fail_count -= 1
             return web.json_response({"error": {"message": "scripted failure", "type": "server_error"}},
                                      status=self.fail_status)
+        if self.fail_summaries and is_summary_request(body):
+            return web.json_response({"error": {"message": "scripted summary failure", "type": "server_error"}},
+                                     status=500)
         prompt_tokens = self.count_tokens(body)
         self.prompt_tokens_seen.append(prompt_tokens)
         if self.context_tokens is not None and prompt_tokens > self.context_tokens:
@@ -240,7 +250,7 @@ class BackgroundServer:
         finally:
             await runner.cleanup()
 
-    def __enter__(self) -> BackgroundServer:
+    def __enter__(self) -> Self:
         self._thread.start()
         self._started.wait(30)
         if self._error is not None:
