@@ -116,8 +116,9 @@ class ScriptedUpstream:
         messages = body.get("messages") or []
         if is_summary_request(body):
             return {"role": "assistant", "content": self.summary_text}
-        user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
-        utext = user.get("content") if isinstance(user.get("content"), str) else ""
+        user: dict[str, Any] = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+        content = user.get("content")
+        utext = content if isinstance(content, str) else ""
         return {"role": "assistant", "content": f"echo: {utext[:200]}"}
 
     # -- the app -------------------------------------------------------------------------------------
