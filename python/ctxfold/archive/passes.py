@@ -25,7 +25,8 @@ from ctxfold.archive.marker import (
     marker_chars,
     parse_marker,
 )
-from ctxfold.archive.store import ArchiveStore
+from ctxfold.archive.store import ArchiveStore, content_id
+from ctxfold.config import MinorConfig
 from ctxfold.errors import ArchiveError, ConfigError, IntegrityError
 from ctxfold.messages import Content, ContentPart, Message, Role
 
@@ -49,6 +50,16 @@ class ArchiveParams:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"minor.{f.name} = {value!r}: expected an integer >= 0")
 
+    @classmethod
+    def from_config(cls, minor: MinorConfig) -> ArchiveParams:
+        """The knobs of a validated ``compact.minor`` section."""
+        return cls(
+            keep_recent_user_turns=minor.keep_recent_user_turns,
+            archive_threshold_chars=minor.archive_threshold,
+            archive_preview_chars=minor.archive_preview_chars,
+            keep_recent_tool_results=minor.keep_recent_tool_results,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ArchivedOutput:
@@ -59,6 +70,7 @@ class ArchivedOutput:
     archive_id: str  # sha256 of the archived text
     chars_before: int  # length of the archived text
     chars_after: int  # length of what replaced it (marker, plus the notice when oversized)
+    part: int | None = None  # index of the text part archived; None when the content is a string
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,58 +124,78 @@ def _content_chars(content: Content) -> int:
     return sum(texts) + max(len(texts) - 1, 0)
 
 
+TokenCounter = Callable[[str], int]
+
+
 class _Archiver:
     """Archives the text units (the string content, or each text part) of chosen messages."""
 
-    def __init__(self, store: ArchiveStore, stage: Stage) -> None:
+    def __init__(self, store: ArchiveStore, stage: Stage, count_tokens: TokenCounter | None = None) -> None:
         self.store = store
         self.stage = stage
+        self.count_tokens = count_tokens
         self.archived: list[ArchivedOutput] = []
         self.left_inline: list[str] = []
         self.error: ArchiveError | None = None
 
-    def _unit(self, text: str, min_chars: int, preview_chars: int) -> str | None:
-        """The marker for one text unit, or None to keep it."""
+    def _candidate(self, text: str | None, min_chars: int, preview_chars: int) -> bool:
+        """Whether a text unit would be archived: big enough, shrinks, and not a marker already."""
+        if text is None:
+            return False
         n = len(text)
         if n < min_chars or marker_chars(n, preview_chars) >= n:
-            return None  # too small, or the marker would not be shorter (then nothing is written)
-        if is_archived_text(text, self.store):
-            return None  # never archive a marker again
-        archive_id = self.store.put(text)  # raises ArchiveError; the caller keeps the output inline
+            return False  # too small, or the marker would not be shorter (then nothing is written)
+        return not is_archived_text(text, self.store)  # never archive a marker again
+
+    def _unit(self, text: str, preview_chars: int) -> str | None:
+        """The marker for one candidate unit, or None to keep it. Raises ArchiveError."""
+        if self.count_tokens is not None:
+            # Shorter in chars is not always cheaper in tokens (64 hex chars are ~33 tokens, a preview
+            # of dense text can tokenize worse than the original's tail): check with the real counter
+            # before anything is written.
+            marker = make_marker(content_id(text), text, preview_chars)
+            if self.count_tokens(marker) >= self.count_tokens(text):
+                return None
+        archive_id = self.store.put(text)
         return make_marker(archive_id, text, preview_chars)
 
     def message(self, index: int, m: Message, min_chars: int, preview_chars: int) -> Message:
+        units = [m.content] if isinstance(m.content, str) else [p.text for p in m.content]
+        chosen = [k for k, u in enumerate(units) if self._candidate(u, min_chars, preview_chars)]
+        if not chosen:
+            return m
         if self.error is not None:
             # The store failed earlier in this pass: keep the rest inline rather than retry per output.
-            if _content_chars(m.content) >= min_chars:
-                self.left_inline.append(m.id)
+            self.left_inline.append(m.id)
             return m
+        markers: dict[int, str] = {}
         try:
-            if isinstance(m.content, str):
-                marker = self._unit(m.content, min_chars, preview_chars)
-                if marker is None:
-                    return m
-                self._record(index, m, m.content, marker)
-                return dataclasses.replace(m, content=marker)
-            parts: list[ContentPart] = []
-            changed = False
-            for p in m.content:
-                marker = None if p.text is None else self._unit(p.text, min_chars, preview_chars)
-                if marker is None or p.text is None:
-                    parts.append(p)
-                    continue
-                self._record(index, m, p.text, marker)
-                parts.append(dataclasses.replace(p, text=marker))
-                changed = True
-            return dataclasses.replace(m, content=tuple(parts)) if changed else m
+            for k in chosen:
+                unit = units[k]
+                assert unit is not None  # a candidate has text
+                marker = self._unit(unit, preview_chars)
+                if marker is not None:
+                    markers[k] = marker
         except ArchiveError as e:
+            # Nothing of this message changes, even if some of its parts were written: those files are
+            # complete and content-addressed, so a later pass reuses them instead of writing again.
             self.error = e
             self.left_inline.append(m.id)
             return m
+        for k, marker in markers.items():
+            text = units[k]
+            assert text is not None
+            self._record(index, m, text, marker, None if isinstance(m.content, str) else k)
+        if isinstance(m.content, str):
+            return dataclasses.replace(m, content=markers[0]) if markers else m
+        parts = tuple(
+            dataclasses.replace(p, text=markers[k]) if k in markers else p for k, p in enumerate(m.content)
+        )
+        return dataclasses.replace(m, content=parts) if markers else m
 
-    def _record(self, index: int, m: Message, text: str, marker: str) -> None:
+    def _record(self, index: int, m: Message, text: str, marker: str, part: int | None) -> None:
         aid = marker[len(MARKER_PREFIX) : len(MARKER_PREFIX) + 64]
-        self.archived.append(ArchivedOutput(index, m.id, aid, len(text), len(marker)))
+        self.archived.append(ArchivedOutput(index, m.id, aid, len(text), len(marker), part))
 
     def report(self) -> ArchiveReport:
         return ArchiveReport(
@@ -190,16 +222,23 @@ def turn_start_cutoff(messages: Sequence[Message], keep_recent_user_turns: int) 
     return -1
 
 
-def archive_turn_start(messages: Sequence[Message], store: ArchiveStore, params: ArchiveParams) -> ArchivePass:
+def archive_turn_start(
+    messages: Sequence[Message],
+    store: ArchiveStore,
+    params: ArchiveParams,
+    *,
+    count_tokens: TokenCounter | None = None,
+) -> ArchivePass:
     """Turn start: with more than ``keep_recent_user_turns`` real user turns, archive every tool output
     of at least ``archive_threshold_chars`` that lies before the newest ``keep_recent_user_turns``
-    turns, where its marker is shorter than it.
+    turns, where its marker is shorter than it (and, given the model's ``count_tokens``, has fewer
+    tokens).
 
     Cheap when there is nothing to do: one backward scan for the cutoff, then a length check per
-    message; only outputs that will be archived are hashed.
+    message; only outputs that will be archived are hashed or counted.
     """
     out = list(messages)
-    archiver = _Archiver(store, "turn_start")
+    archiver = _Archiver(store, "turn_start", count_tokens)
     cutoff = turn_start_cutoff(out, params.keep_recent_user_turns)
     threshold = params.archive_threshold_chars
     tool = Role.TOOL
@@ -214,11 +253,18 @@ def archive_turn_start(messages: Sequence[Message], store: ArchiveStore, params:
     return ArchivePass(out, archiver.report())
 
 
-def archive_mid_turn(messages: Sequence[Message], store: ArchiveStore, params: ArchiveParams) -> ArchivePass:
+def archive_mid_turn(
+    messages: Sequence[Message],
+    store: ArchiveStore,
+    params: ArchiveParams,
+    *,
+    count_tokens: TokenCounter | None = None,
+) -> ArchivePass:
     """Mid-turn archive stage: every tool output but the newest ``keep_recent_tool_results``, where the
-    marker is shorter than the output. The caller decides when (occupancy >= the mid-turn threshold)."""
+    marker is shorter than the output (and, given ``count_tokens``, has fewer tokens). The caller
+    decides when (occupancy >= the mid-turn threshold)."""
     out = list(messages)
-    archiver = _Archiver(store, "mid_turn")
+    archiver = _Archiver(store, "mid_turn", count_tokens)
     tool_indexes = [i for i, m in enumerate(out) if m.role is Role.TOOL]
     keep = params.keep_recent_tool_results
     older = tool_indexes[: len(tool_indexes) - keep] if keep else tool_indexes
@@ -293,12 +339,13 @@ def archive_oversized(
     def build(preview_n: int) -> tuple[Content, list[ArchivedOutput]]:
         done: list[ArchivedOutput] = []
         new_units: list[str | None] = []
-        for u, aid in zip(units, ids, strict=True):
+        whole = isinstance(message.content, str)
+        for k, (u, aid) in enumerate(zip(units, ids, strict=True)):
             if u is None or aid is None:
                 new_units.append(u)
                 continue
             r = replace_unit(u, aid, preview_n)
-            done.append(ArchivedOutput(index, message.id, aid, len(u), len(r)))
+            done.append(ArchivedOutput(index, message.id, aid, len(u), len(r), None if whole else k))
             new_units.append(r)
         if isinstance(message.content, str):
             return str(new_units[0]), done
@@ -325,6 +372,9 @@ def restore(messages: Sequence[Message], store: ArchiveStore, *, strict: bool = 
     With ``strict``, a tool output with marker syntax that does not resolve raises IntegrityError
     naming the message and the archive id; otherwise it is left as text (it may be a tool output that
     only looks like a marker).
+
+    The one case this cannot tell apart: a tool output that is, byte for byte, a valid marker of this
+    same archive (a tool that printed one). It is expanded like a marker; the passes never produce it.
     """
     out = list(messages)
     for i, m in enumerate(out):

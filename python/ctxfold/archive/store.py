@@ -24,6 +24,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NewType, Protocol
 
@@ -83,6 +84,32 @@ class Backend(Protocol):
         ...
 
     def names(self) -> Iterator[str]: ...
+
+
+class MemoryBackend:
+    """A dict in this process: for a compactor that keeps no session on disk, and for tests.
+
+    Nothing survives the process, so it is only as lossless as the process lives.
+    """
+
+    def __init__(self) -> None:
+        self.location = "<memory>"
+        self._files: dict[str, bytes] = {}
+
+    def exists(self, name: str) -> bool:
+        return name in self._files
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return self._files[name]
+        except KeyError:
+            raise FileNotFoundError(name) from None
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        self._files[name] = bytes(data)
+
+    def names(self) -> Iterator[str]:
+        return iter(list(self._files))
 
 
 class LocalBackend:
@@ -194,22 +221,36 @@ class FsspecBackend:
         return f"{self.root}/{name}"
 
     def exists(self, name: str) -> bool:
-        return bool(self.fs.exists(self._path(name)))
+        with _as_oserror():
+            return bool(self.fs.exists(self._path(name)))
 
     def read_bytes(self, name: str) -> bytes:
-        data = self.fs.cat_file(self._path(name))
-        return bytes(data)
+        with _as_oserror():
+            return bytes(self.fs.cat_file(self._path(name)))
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(name), data)
+        with _as_oserror():
+            self.fs.pipe_file(self._path(name), data)
 
     def names(self) -> Iterator[str]:
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return
+        with _as_oserror():
+            try:
+                entries = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return
         for entry in entries:
             yield str(entry).rstrip("/").rsplit("/", 1)[-1]
+
+
+@contextmanager
+def _as_oserror() -> Iterator[None]:
+    """Storage clients raise their own errors (botocore, google.api_core); the store handles OSError."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        raise OSError(errno.EIO, f"{type(e).__name__}: {e}") from e
 
 
 def open_backend(location: str | os.PathLike[str], **storage_options: Any) -> Backend:
@@ -252,10 +293,10 @@ class ArchiveStore:
 
     def exists(self, archive_id: str) -> bool:
         """Whether ``archive_id`` is stored here. False (not an error) for a malformed id."""
-        if archive_id in self._known:
-            return True
         if not is_valid_id(archive_id):
             return False
+        if archive_id in self._known:
+            return True
         try:
             found = self.backend.exists(archive_id + _FILE_SUFFIX)
         except OSError:
