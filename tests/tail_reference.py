@@ -55,21 +55,33 @@ def choose(
     users = [i for i in cands if flags[i] & USER_TURN]
     if users and float(tail[min(users)]) >= want:
         return min(users), tail[min(users)], USER_RULE
-    assistants = [i for i in cands if not flags[i] & USER_TURN and flags[i] & (ASSISTANT | TOOL_CALL | THINKING)]
+    assistants = [
+        i for i in cands if not flags[i] & USER_TURN and flags[i] & (ASSISTANT | TOOL_CALL | THINKING)
+    ]
     if assistants and float(tail[min(assistants)]) >= want:
         return min(assistants), tail[min(assistants)], ASSISTANT_RULE
     return best, tail[best], GROUP_RULE
 
 
 def segment_tail(
-    tokens: Sequence[int], flags: Sequence[int], groups: Sequence[int], bottom: int, budget: int, min_fill: float
+    tokens: Sequence[int],
+    flags: Sequence[int],
+    groups: Sequence[int],
+    bottom: int,
+    budget: int,
+    min_fill: float,
 ) -> tuple[int, int, int]:
     cands = [i for i in legal_starts(flags, groups, bottom) if sum(tokens[i:bottom]) <= budget]
     return choose(tokens, flags, cands, bottom, min_fill)
 
 
 def segment_cut(
-    tokens: Sequence[int], flags: Sequence[int], groups: Sequence[int], bottom: int, min_free: int, min_fill: float
+    tokens: Sequence[int],
+    flags: Sequence[int],
+    groups: Sequence[int],
+    bottom: int,
+    min_free: int,
+    min_fill: float,
 ) -> tuple[bool, int, int, int]:
     floor = system_floor(flags, bottom)
     total = sum(tokens[floor:bottom])

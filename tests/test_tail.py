@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -84,7 +86,9 @@ def arrays(t: list[int], f: list[int], g: list[int]) -> tuple[np.ndarray, np.nda
     return np.array(t, np.int64), np.array(f, np.uint32), np.array(g, np.int32)
 
 
-def check_invariants(t: list[int], f: list[int], g: list[int], bottom: int, start: int, num: int, budget: int) -> None:
+def check_invariants(
+    t: list[int], f: list[int], g: list[int], bottom: int, start: int, num: int, budget: int
+) -> None:
     assert num == sum(t[start:bottom]) and num <= budget
     if start < bottom:
         assert not f[start] & ref.TOOL_RESULT, "tail starts with a tool result"
@@ -98,45 +102,65 @@ def check_invariants(t: list[int], f: list[int], g: list[int], bottom: int, star
     data=st.data(),
     min_fill=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
 )
-def test_segment_tail_matches_reference(table: tuple[list[int], list[int], list[int]], data: st.DataObject,
-                                        min_fill: float) -> None:
+def test_segment_tail_matches_reference(
+    table: tuple[list[int], list[int], list[int]], data: st.DataObject, min_fill: float
+) -> None:
     t, f, g = table
     bottom = data.draw(st.integers(0, len(t)))
     # Budgets at the limit (exactly some suffix sum, and one less) as well as random ones.
     suffixes = [sum(t[i:bottom]) for i in range(bottom + 1)]
-    budget = data.draw(st.one_of(st.sampled_from(suffixes), st.sampled_from(suffixes).map(lambda s: max(s - 1, 0)),
-                                 st.integers(0, 400)))
+    budget = data.draw(
+        st.one_of(
+            st.sampled_from(suffixes),
+            st.sampled_from(suffixes).map(lambda s: max(s - 1, 0)),
+            st.integers(0, 400),
+        )
+    )
     want = ref.segment_tail(t, f, g, bottom, budget, min_fill)
     got = select_tail(*arrays(t, f, g), bottom=bottom, budget_tokens=budget, min_fill=min_fill)
     assert (got.start, got.num_tokens, int(got.rule)) == want
     check_invariants(t, f, g, bottom, got.start, got.num_tokens, budget)
     if got.found:  # nothing legal is older and still within budget
-        assert got.start >= min((i for i in ref.legal_starts(f, g, bottom) if sum(t[i:bottom]) <= budget))
+        assert got.start >= min(i for i in ref.legal_starts(f, g, bottom) if sum(t[i:bottom]) <= budget)
 
     ledger = _core.Ledger()
-    ledger.append_batch(np.arange(len(t), dtype=np.uint64), *[np.array(x, np.int64) for x in (t,)],
-                        np.array(f, np.uint32), np.array(g, np.int64))
+    ledger.append_batch(
+        np.arange(len(t), dtype=np.uint64),
+        *[np.array(x, np.int64) for x in (t,)],
+        np.array(f, np.uint32),
+        np.array(g, np.int64),
+    )
     assert select_tail_from_ledger(ledger, bottom=bottom, budget_tokens=budget, min_fill=min_fill) == got
 
 
 @settings(max_examples=300, deadline=None)
-@given(table=st.one_of(conversations(), arbitrary_tables()), data=st.data(), min_fill=st.sampled_from([0.0, 0.9]))
-def test_segment_cut_matches_reference(table: tuple[list[int], list[int], list[int]], data: st.DataObject,
-                                       min_fill: float) -> None:
+@given(
+    table=st.one_of(conversations(), arbitrary_tables()), data=st.data(), min_fill=st.sampled_from([0.0, 0.9])
+)
+def test_segment_cut_matches_reference(
+    table: tuple[list[int], list[int], list[int]], data: st.DataObject, min_fill: float
+) -> None:
     t, f, g = table
     bottom = data.draw(st.integers(0, len(t)))
-    total = sum(t[ref.system_floor(f, bottom):bottom])
+    total = sum(t[ref.system_floor(f, bottom) : bottom])
     min_free = data.draw(st.one_of(st.integers(0, total + 5), st.just(total), st.just(total + 1)))
     got = select_cut(*arrays(t, f, g), bottom=bottom, min_free_tokens=min_free, min_fill=min_fill)
-    assert (got.found, got.cut, got.freed_tokens, int(got.rule)) == ref.segment_cut(t, f, g, bottom, min_free,
-                                                                                       min_fill)
+    assert (got.found, got.cut, got.freed_tokens, int(got.rule)) == ref.segment_cut(
+        t, f, g, bottom, min_free, min_fill
+    )
     if got.found:
         assert got.freed_tokens >= min_free
 
 
 def test_segment_tail_examples() -> None:
-    S, U, A, C, R, T = ref.SYSTEM, ref.USER | ref.USER_TURN, ref.ASSISTANT, ref.ASSISTANT | ref.TOOL_CALL, \
-        ref.TOOL_RESULT, ref.THINKING
+    S, U, A, C, R, T = (
+        ref.SYSTEM,
+        ref.USER | ref.USER_TURN,
+        ref.ASSISTANT,
+        ref.ASSISTANT | ref.TOOL_CALL,
+        ref.TOOL_RESULT,
+        ref.THINKING,
+    )
     # system | user | call + 2 results | assistant | user | thinking+call+result
     t = [100, 10, 5, 50, 50, 20, 10, 30, 5, 5]
     f = [S, U, C, R, R, A, U, T, C, R]
@@ -192,16 +216,24 @@ def test_segment_bad_input_is_a_clear_error() -> None:
 
 
 def test_torch_tensors_cross_without_copies() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
+    from ctxfold._arrays import as_view
+
     t = torch.tensor([5, 5, 5], dtype=torch.int64)
-    f = torch.tensor([ref.USER | ref.USER_TURN, ref.ASSISTANT, ref.USER | ref.USER_TURN], dtype=torch.int32)
+    f = np.array([ref.USER | ref.USER_TURN, ref.ASSISTANT, ref.USER | ref.USER_TURN], np.uint32)
     g = torch.arange(3, dtype=torch.int32)
-    # torch has no uint32 tensors in common use: the flags must be converted once, visibly.
-    r = select_tail(t, f.numpy().astype(np.uint32), g, budget_tokens=10)
+    r = select_tail(t, f, g, budget_tokens=10)
     assert (r.start, r.rule) == (1, TailRule.ASSISTANT_TURN)
+    view = as_view(t, np.int64, "tokens")
+    t[0] = 99  # the numpy view reads the tensor's own memory
+    assert view[0] == 99 and view.dtype == np.int64
     ids = torch.tensor([9, 1, 9, 2, 9], dtype=torch.int32)
     assert select_token_tail(ids, budget_tokens=4, boundaries=[9]).start == 2
-    assert np.shares_memory(np.from_dlpack(ids), np.from_dlpack(ids))
+    with pytest.raises(ValueError, match="ids: expected dtype int32"):
+        select_token_tail(ids.to(torch.int64), budget_tokens=4, boundaries=[9])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        select_token_tail(torch.arange(10, dtype=torch.int32)[::2], budget_tokens=4, boundaries=[9])
 
 
 # ---- token ids -----------------------------------------------------------------------------------
@@ -213,7 +245,9 @@ def token_cases(draw: st.DrawFn) -> tuple:
     ids = draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
     bottom = draw(st.integers(0, n))
     floor = draw(st.integers(0, bottom))
-    budget = draw(st.one_of(st.integers(0, n + 2), st.just(bottom - floor), st.just(max(bottom - floor - 1, 0))))
+    budget = draw(
+        st.one_of(st.integers(0, n + 2), st.just(bottom - floor), st.just(max(bottom - floor - 1, 0)))
+    )
     k = draw(st.integers(1, 3))
     boundary_ids = draw(st.lists(st.integers(3, 6), min_size=k, max_size=k, unique=True))
     cut_after = draw(st.lists(st.booleans(), min_size=k, max_size=k))
@@ -304,3 +338,154 @@ def test_align_down_to_page() -> None:
         align_down_to_page(7, 0)
     with pytest.raises(ValueError, match="position must be >= 0"):
         align_down_to_page(-1, 16)
+
+
+# ---- real traces -------------------------------------------------------------------------------
+
+BUDGETS = range(1_000, 200_001, 500)  # 399 budgets, 1k to 200k tokens
+
+
+@pytest.fixture(scope="module")
+def traces(traces_dir):  # type: ignore[no-untyped-def]
+    import trace_segments
+
+    return trace_segments.load_traces(traces_dir, trace_segments.deepseek_tokenizer())
+
+
+def _orphans(flags: np.ndarray, groups: np.ndarray, start: int, bottom: int) -> int:
+    """Segments of the tail whose group starts before the tail (a result without its call, a
+    split thinking block), plus a tail that opens on a tool result."""
+    n = int(np.count_nonzero(groups[start:bottom] < start))
+    return n + int(start < bottom and bool(flags[start] & ref.TOOL_RESULT))
+
+
+def test_traces_zero_orphans_and_full_budgets(traces) -> None:  # type: ignore[no-untyped-def]
+    utilisation, cutting, best_legal, of_best = [], [], [], []
+    rules: dict[str, int] = {}
+    orphans = 0
+    for tr in traces:
+        n = len(tr.tokens)
+        available = int(tr.tokens[ref.system_floor(tr.flags.tolist(), n) :].sum())
+        for budget in BUDGETS:
+            r = select_tail(tr.tokens, tr.flags, tr.groups, budget_tokens=budget)
+            assert r.num_tokens <= budget
+            orphans += _orphans(tr.flags, tr.groups, r.start, n)
+            rules[r.rule.name] = rules.get(r.rule.name, 0) + 1
+            utilisation.append(r.num_tokens / min(budget, available))
+            if budget < available:  # the tail really has to cut somewhere
+                cutting.append(utilisation[-1])
+                # The largest tail any legal cut keeps: a call and its results are one unit, so a
+                # 2k-token tool result caps what a 2.5k budget can hold, for any message-level cut.
+                best = select_tail(tr.tokens, tr.flags, tr.groups, budget_tokens=budget, min_fill=1.0)
+                of_best.append(r.num_tokens / best.num_tokens if best.num_tokens else 1.0)
+                best_legal.append(best.num_tokens / budget)
+    u, c, b, ob = (np.array(x) for x in (utilisation, cutting, best_legal, of_best))
+    print(
+        f"\nctxfold tail over {len(traces)} traces x {len(BUDGETS)} budgets: orphans={orphans} rules={rules}\n"
+        f"  utilisation, all pairs: min={u.min():.3f} p10={np.percentile(u, 10):.3f} median={np.median(u):.3f}\n"
+        f"  {len(c)} pairs where budget < conversation: utilisation min={c.min():.3f} "
+        f"p10={np.percentile(c, 10):.3f} median={np.median(c):.3f}; the best legal cut's p10="
+        f"{np.percentile(b, 10):.3f}; share of the best legal cut kept: min={ob.min():.3f}"
+    )
+    assert orphans == 0
+    assert np.percentile(u, 10) >= 0.90
+    assert ob.min() >= 0.90  # preferring a user turn never gives up more than 10% of what fits
+
+
+def _langchain_messages(tr) -> list:  # type: ignore[no-untyped-def, type-arg]
+    """The trace as langchain messages, one per ctxfold message (the system prompt first)."""
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+
+    from ctxfold.messages import Role
+
+    out: list = []  # type: ignore[type-arg]
+    if tr.message_of and tr.message_of[0] == -1:
+        out.append(SystemMessage(tr.texts[0], id="system"))
+    for i, m in enumerate(tr.conversation.messages):
+        if m.role is Role.SYSTEM:
+            out.append(SystemMessage(m.text, id=str(i)))
+        elif m.role is Role.USER:
+            out.append(HumanMessage(m.text, id=str(i)))
+        elif m.role is Role.ASSISTANT:
+            calls = []
+            for c in m.tool_calls:
+                args = c.parsed_arguments()
+                calls.append(
+                    {"name": c.name, "args": args if isinstance(args, dict) else {"value": args}, "id": c.id}
+                )
+            out.append(AIMessage(m.text, tool_calls=calls, id=str(i)))
+        else:
+            out.append(ToolMessage(m.text, tool_call_id=m.tool_call_id or f"missing{i}", id=str(i)))
+    return out
+
+
+def _count(count: dict[str, int], messages: list) -> int:  # type: ignore[type-arg]
+    return sum(count[m.id] for m in messages)
+
+
+def test_traces_compare_with_trim_messages(traces) -> None:  # type: ignore[no-untyped-def]
+    """The same data through langchain_core's trim_messages(strategy="last", start_on="human",
+    include_system=True), with the same per-message token counts: it never orphans with start_on,
+    but throws most of the budget away when a whole turn does not fit."""
+    from langchain_core.messages import AIMessage, SystemMessage, ToolMessage, trim_messages
+
+    ours, theirs = [], []
+    ours_cut, theirs_cut = [], []  # pairs where the budget is smaller than the conversation
+    trim_orphans = 0
+    for tr in traces:
+        # Per message, the system prompt (message_of == -1) first, as _langchain_messages orders them.
+        has_prompt = bool(tr.message_of) and tr.message_of[0] == -1
+        per_message = np.zeros(len(tr.conversation.messages) + has_prompt, np.int64)
+        np.add.at(per_message, np.array(tr.message_of, np.int64) + has_prompt, tr.tokens)
+        lc = _langchain_messages(tr)
+        count = {m.id: int(c) for m, c in zip(lc, per_message, strict=True)}
+        system_tokens = sum(count[m.id] for m in lc if isinstance(m, SystemMessage))
+        counter = functools.partial(_count, count)
+        all_call_ids = {c["id"] for m in lc if isinstance(m, AIMessage) for c in m.tool_calls}
+        available = int(per_message.sum()) - system_tokens
+        n = len(tr.tokens)
+        for budget in BUDGETS:
+            kept = trim_messages(
+                lc,
+                max_tokens=budget + system_tokens,
+                token_counter=counter,
+                strategy="last",
+                start_on="human",
+                include_system=True,
+            )
+            body = [m for m in kept if not isinstance(m, SystemMessage)]
+            call_ids = {c["id"] for m in body if isinstance(m, AIMessage) for c in m.tool_calls}
+            # A result whose call is in the conversation but not in the window (some traces carry
+            # results whose call ids match nothing at all: those are not the trimmer's doing).
+            trim_orphans += sum(
+                1
+                for m in body
+                if isinstance(m, ToolMessage)
+                and m.tool_call_id not in call_ids
+                and m.tool_call_id in all_call_ids
+            )
+            theirs.append(sum(count[m.id] for m in body) / min(budget, available))
+            r = select_tail(tr.tokens, tr.flags, tr.groups, budget_tokens=budget)
+            ours.append(r.num_tokens / min(budget, available))
+            if budget < available:
+                ours_cut.append(ours[-1])
+                theirs_cut.append(theirs[-1])
+            if budget >= available:
+                # Every larger budget keeps everything for both: count them without re-running.
+                rest = sum(1 for b in BUDGETS if b > budget)
+                theirs.extend([theirs[-1]] * rest)
+                ours.extend([ours[-1]] * rest)
+                break
+        assert _orphans(tr.flags, tr.groups, r.start, n) == 0
+
+    def stats(x: list[float]) -> str:
+        a = np.array(x)
+        return f"min={a.min():.3f} p10={np.percentile(a, 10):.3f} median={np.median(a):.3f}"
+
+    print(
+        f"\nall {len(ours)} (trace, budget) pairs: ctxfold {stats(ours)}; trim_messages {stats(theirs)}"
+        f"\n{len(ours_cut)} pairs with budget < conversation: ctxfold {stats(ours_cut)}; "
+        f"trim_messages {stats(theirs_cut)}; trim_messages orphans={trim_orphans}"
+    )
+    assert np.percentile(ours, 10) >= 0.90
+    assert np.percentile(ours_cut, 10) > np.percentile(theirs_cut, 10) + 0.5

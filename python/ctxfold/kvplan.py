@@ -96,6 +96,9 @@ def plan_kv_resync(
                 f"block_table: {len(table)} entries cannot map the {cached_pages} pages of {len(c)} cached "
                 f"tokens at {page_size_tokens} tokens a page"
             )
+        if len(table) and int(table[:cached_pages].min(initial=0)) < 0:
+            bad = int(np.flatnonzero(table[:cached_pages] < 0)[0])
+            raise ValueError(f"block_table[{bad}] = {int(table[bad])}: physical block ids must be >= 0")
         kept_blocks, freed_blocks = table[:kept], table[kept:]
     return KvPlan(
         common_prefix_tokens=lcp,

@@ -92,7 +92,9 @@ def select_tail_from_ledger(
     ledger: _core.Ledger, *, budget_tokens: int, bottom: int | None = None, min_fill: float = DEFAULT_MIN_FILL
 ) -> SegmentTail:
     """As :func:`select_tail`, over a Ledger's own arrays (nothing copied)."""
-    start, num, rule = _core.select_segment_tail_ledger(ledger, _bottom(bottom, len(ledger)), budget_tokens, min_fill)
+    start, num, rule = _core.select_segment_tail_ledger(
+        ledger, _bottom(bottom, len(ledger)), budget_tokens, min_fill
+    )
     return SegmentTail(start, num, TailRule(rule))
 
 
@@ -103,12 +105,14 @@ def select_cut(
     *,
     min_free_tokens: int,
     bottom: int | None = None,
-    min_fill: float = DEFAULT_MIN_FILL,
+    min_fill: float = 1.0,
 ) -> SegmentCut:
-    """The newest legal cut freeing at least ``min_free_tokens`` above the system prefix.
+    """The newest legal cut freeing at least ``min_free_tokens`` above the system prefix: the
+    smallest prefix to drop or summarize.
 
-    Same arrays and legality as :func:`select_tail`; the rule order and ``min_fill`` apply to the
-    tail that remains. O(bottom).
+    Same arrays and legality as :func:`select_tail`. With ``min_fill < 1`` the cut may move forward
+    to a preferred boundary (a user turn) while the tail left keeps ``min_fill`` of what the newest
+    legal cut would keep; it then frees more. O(bottom).
     """
     t = as_view(tokens, np.int64, "tokens")
     found, cut, freed, rule = _core.select_segment_cut(

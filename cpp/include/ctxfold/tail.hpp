@@ -86,15 +86,18 @@ void CheckTokenTailArgs(std::span<const int32_t> ids, int64_t bottom, int64_t fl
                         std::span<const int32_t> boundary_ids, std::span<const uint8_t> cut_after,
                         std::span<const int64_t> no_entry, double min_fill);
 
-// The verbatim tail of ids[floor, bottom) within `budget_tokens`, scanning backward from bottom.
-// A cut c (tail = ids[c, bottom)) is a boundary of kind r when ids[c] == boundary_ids[r] (and
-// cut_after[r] == 0: the tail starts with the marker, e.g. <|User|>) or ids[c-1] == boundary_ids[r]
-// (cut_after[r] == 1: the tail starts after it, e.g. EOS); it must lie in [floor, bottom) and not
-// strictly inside a no-entry span (begin < c < end). Ranks are ordered by preference; among cuts in
-// budget, best = the oldest of any kind, and the most preferred kind whose oldest cut keeps
-// >= min_fill * best tokens wins. Only when no boundary fits is a raw cut returned: bottom - budget
-// (or floor), moved forward out of any no-entry span. Preconditions as CheckTokenTailArgs.
-// O(tokens inside the budget * kinds) with a range test that skips ordinary tokens in one compare.
+// The verbatim tail of ids[floor, bottom) within `budget_tokens`: the cuts considered are those a
+// backward scan from bottom meets before the budget is spent. A cut c (tail = ids[c, bottom)) is a
+// boundary of kind r when ids[c] == boundary_ids[r] (cut_after[r] == 0: the tail starts with the
+// marker, e.g. <|User|>) or ids[c-1] == boundary_ids[r] (cut_after[r] == 1: the tail starts after
+// it, e.g. EOS); it must lie in [floor, bottom) and not strictly inside a no-entry span
+// (begin < c < end). Ranks are ordered by preference; among cuts in budget, best = the oldest of
+// any kind, and the most preferred kind whose oldest cut keeps >= min_fill * best tokens wins.
+// Only when no boundary fits is a raw cut returned: bottom - budget (or floor), moved forward out
+// of any no-entry span. Preconditions as CheckTokenTailArgs.
+// Cost: the window is read oldest first in blocks that a vectorised compare skips when they hold
+// no marker, and the read stops at the first most-preferred cut or once no later cut can keep
+// min_fill of the best: O(window) at worst, usually far less; no allocation.
 TokenTail SelectTokenTail(std::span<const int32_t> ids, int64_t bottom, int64_t floor, int64_t budget_tokens,
                           std::span<const int32_t> boundary_ids, std::span<const uint8_t> cut_after,
                           std::span<const int64_t> no_entry, double min_fill);
