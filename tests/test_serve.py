@@ -119,6 +119,23 @@ def test_a_rewritten_history_forks_a_new_session(upstream: tuple[ScriptedUpstrea
     assert sorted(len(Session(p).restore()) for p in sessions) == [4, 4]
 
 
+def test_requests_of_one_conversation_are_served_in_turn(upstream: tuple[ScriptedUpstream, str],
+                                                         proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    up.delay_s = 0.3
+    with httpx.Client() as client:
+        import concurrent.futures
+
+        def send(k: int) -> int:
+            body = chat(("user", f"turn {k}"))
+            return client.post(f"{proxy[1]}/v1/chat/completions", json=body, timeout=30,
+                               headers={"X-Ctxfold-Session": "one"}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(send, range(4))) == [200] * 4
+    assert up.max_in_flight == 1  # the conversation's lock held each request until its answer was stored
+
+
 def test_session_header_separates_identical_openings(upstream: tuple[ScriptedUpstream, str],
                                                      proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
     for key in ("alice", "bob"):
@@ -329,3 +346,29 @@ def test_health_and_metrics(upstream: tuple[ScriptedUpstream, str], proxy: tuple
     assert 'ctxfold_bad_requests_total{reason="invalid_json"} 1' in text
     assert "# TYPE ctxfold_summary_seconds histogram" in text
     assert "ctxfold_proxy_overhead_seconds_count 1" in text
+
+
+def test_replicas_share_archives_through_an_fsspec_url(upstream: tuple[ScriptedUpstream, str],
+                                                       tmp_path: Path) -> None:
+    """Two proxies, each with its own data dir, one archive URL: what one archived, the other can recall."""
+    up, url = upstream
+    archive_url = f"memory://ctxfold-replicas-{tmp_path.name}"
+    a, srv_a = start_proxy(url, tmp_path / "a", archive_url=archive_url)
+    b, srv_b = start_proxy(url, tmp_path / "b", archive_url=archive_url)
+    try:
+        post(srv_a.url, chat(("user", "shared start")))
+        store_a = a.sessions.loaded()[0].compactor.store
+        assert store_a.location.startswith("memory://")
+        aid = store_a.put("archived on replica a\n" * 20)
+        call = {"id": "c9", "type": "function",
+                "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
+        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "assistant", "content": "done"}])
+        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+        body = chat(("user", "shared start"), ("assistant", "echo: shared start"), ("user", "recall it"),
+                    tools=[{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}])
+        assert post(srv_b.url, body).json()["choices"][0]["message"]["content"] == "done"
+        assert up.received[-1]["messages"][-1]["content"].startswith(f"[read_archive id={aid} chars 0-440 of 440")
+    finally:
+        srv_a.close()
+        srv_b.close()

@@ -34,8 +34,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", type=int, metavar="N", help="the upstream model's context window")
     p.add_argument("--max-output-tokens", type=int, metavar="N", help="the model's reply cap (sets the reserve)")
     p.add_argument("--reply-reserve-tokens", type=int, metavar="N", help="tokens kept free for the answer")
-    p.add_argument("--summarizer", choices=("upstream", "extractive"), default="upstream",
-                   help="who writes summaries: the upstream model (default; extractive on failure) or no model")
+    p.add_argument("--summarizer", choices=("upstream", "config", "extractive"), default="upstream",
+                   help="who writes summaries: the upstream model (default), the summarizer section of --config, "
+                   "or no model (extractive); a failed summary always falls back to the extractive one")
     p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")

@@ -77,7 +77,9 @@ class ProxyConfig:
     data_dir: Path  # sessions, history dumps and (by default) archives live here
     compact: CompactConfig = field(default_factory=CompactConfig)  # context_tokens: the upstream's window
     archive_url: str | None = None  # fsspec URL for archives shared by replicas (s3://..., memory://...)
-    summarizer: str = "upstream"  # "upstream": the upstream model writes summaries; "extractive": no model
+    # "upstream": the upstream model writes summaries; "config": the compact config's summarizer section;
+    # "extractive": no model. Every one falls back to the extractive summary when it fails.
+    summarizer: str = "upstream"
     summary_model: str | None = None  # model for summaries; None: the model of the conversation's request
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 10.0  # to open a connection upstream
@@ -221,7 +223,11 @@ class ProxyApp:
     # -- compactors ----------------------------------------------------------------------------------
     def _make_compactor(self, header: Conversation, path: Path) -> Compactor:
         summarizer = None
-        if self.config.summarizer == "upstream":
+        if self.config.summarizer == "config":
+            from ctxfold.summarize import make_summarizer
+
+            summarizer = make_summarizer(self.config.compact)
+        elif self.config.summarizer == "upstream":
             from ctxfold.summarize import OpenAICompatibleSummarizer
 
             model = self.config.summary_model or self._models.get(path.parent.name) or "default"

@@ -107,6 +107,8 @@ class ScriptedUpstream:
             "verbatim tail. Next steps: continue from the last user message."
         )
         self.rejected_over_context = 0
+        self.in_flight = 0  # completions being answered now
+        self.max_in_flight = 0
 
     # -- answers -------------------------------------------------------------------------------------
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +134,14 @@ class ScriptedUpstream:
         return web.json_response({"status": "ok"})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
         if self.delay_s:
