@@ -354,7 +354,7 @@ def test_replicas_share_archives_through_an_fsspec_url(upstream: tuple[ScriptedU
     up, url = upstream
     archive_url = f"memory://ctxfold-replicas-{tmp_path.name}"
     a, srv_a = start_proxy(url, tmp_path / "a", archive_url=archive_url)
-    b, srv_b = start_proxy(url, tmp_path / "b", archive_url=archive_url)
+    _, srv_b = start_proxy(url, tmp_path / "b", archive_url=archive_url)
     try:
         post(srv_a.url, chat(("user", "shared start")))
         store_a = a.sessions.loaded()[0].compactor.store

@@ -317,7 +317,7 @@ class ProxyApp:
             if e.status == 413:
                 resp.force_close()  # the rest of the body is not read: the connection cannot be reused
             return resp
-        except Exception as e:  # noqa: BLE001 - a bug must cost one request, not the server
+        except Exception as e:  # a bug must cost one request, not the server
             log.exception("internal error while handling a request")
             self.metrics.responses.inc("500")
             return error_response(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); the "
