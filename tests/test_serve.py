@@ -179,11 +179,11 @@ def test_read_archive_calls_are_answered_by_the_proxy(upstream: tuple[ScriptedUp
         {"id": "t0", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]})
     history["messages"].insert(4, {"role": "tool", "tool_call_id": "t0", "content": marker})
     for stream in (False, True):
-        # The model first asks for the archive, then answers with what it read.
+        # The model first thinks and asks for the archive, then answers with what it read.
         answers = iter([
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "read_archive",
-                                                              "arguments": json.dumps({"id": aid, "limit": 50})}}]},
+            {"role": "assistant", "content": None, "reasoning_content": "I should look at the archive.",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "read_archive", "arguments": json.dumps({"id": aid, "limit": 50})}}]},
             {"role": "assistant", "content": "the archive says: line of archived output"},
         ])
         n = len(up.received)
@@ -192,10 +192,16 @@ def test_read_archive_calls_are_answered_by_the_proxy(upstream: tuple[ScriptedUp
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
                 raw = b"".join(r.iter_raw())
             asm = AnswerAssembler()
-            for payload in SseReader().feed(raw):
+            for _, payload in SseReader().feed(raw):
                 asm.add(payload)
             text = asm.message()["content"]
-            assert raw == up.sent[-1]  # only the final answer's bytes reach the client
+            # The client saw the first answer's events but its read_archive call, then the final answer's
+            # bytes unchanged.
+            assert raw.endswith(up.sent[-1])
+            first_part = raw[: len(raw) - len(up.sent[-1])]
+            assert b"read_archive" not in first_part and b"[DONE]" not in first_part
+            assert asm.message()["reasoning_content"] == "I should look at the archive."
+            assert "tool_calls" not in asm.message()
         else:
             text = post(url, body).json()["choices"][0]["message"]["content"]
         assert text == "the archive says: line of archived output"
@@ -323,7 +329,7 @@ def test_a_cut_stream_ends_with_an_error_event_and_leaves_the_session_clean(
         raw = b"".join(r.iter_raw())
     events = SseReader().feed(raw)
     assert b"[DONE]" not in raw
-    err = json.loads(events[-1])["error"]
+    err = json.loads(events[-1][1] or "")["error"]
     assert err["code"] == "upstream_stream_cut"
     assert raw.startswith(b"".join(up.sent[-1].split(b"\n\n")[i] + b"\n\n" for i in range(3)))
     # The cut answer is not recorded; the retry continues the same session and records the full one.

@@ -530,87 +530,116 @@ class ProxyApp:
                               ) -> web.StreamResponse:
         """Pass the upstream's event stream through byte for byte, reading it on the side.
 
-        With the recall tool offered, the first chunks are held until the answer shows what it is: text
-        or another tool -> everything passes through from then on; read_archive calls -> the whole answer
-        is held, and if it is nothing but read_archive calls the proxy answers them and asks again.
+        With the recall tool offered, every event still goes out as it arrives except the deltas of
+        ``read_archive`` calls and the closing events (finish reason, usage, ``[DONE]``), which are held
+        to the end of the answer. An answer that is nothing but read_archive calls is then answered by
+        the proxy and the upstream asked again: the client saw its text or reasoning, and goes on
+        receiving the next answer's events. Any other answer gets its held events, in order: the bytes
+        the client receives are the upstream's.
         """
         assert self._client is not None
-        resp: web.StreamResponse | None = None
+        resp = web.StreamResponse(status=200, headers={"Cache-Control": "no-cache"})
+
+        async def send(data: bytes) -> None:
+            if not resp.prepared:
+                await resp.prepare(request)
+            await resp.write(data)
+
         rounds = 0
         while True:
             reader, answer = SseReader(), AnswerAssembler()
             held: list[bytes] = []
-            passing = not recall
+            recall_calls: set[int] = set()  # tool-call indexes of read_archive calls in this answer
             cut: str | None = None
             try:
                 async with self._client.post(self.config.completions_url, data=payload, headers=headers) as up:
                     if up.status != 200:
                         raw = await up.read()
                         self.metrics.upstream_errors.inc("status")
-                        if resp is not None:  # a later recall round failed after bytes went out
-                            await _write_error(resp, f"upstream answered {up.status}: {raw[:300]!r}")
+                        if resp.prepared:  # a later recall round failed after bytes went out
+                            await _write_error(resp, f"the upstream answered {up.status}: {raw[:300]!r}")
                             return resp
                         return web.Response(body=raw, status=up.status,
                                             headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
-                    if resp is None:
-                        resp = web.StreamResponse(status=200, headers={
-                            "Content-Type": up.headers.get("Content-Type", "text/event-stream"),
-                            "Cache-Control": "no-cache"})
+                    if not resp.prepared:
+                        resp.headers["Content-Type"] = up.headers.get("Content-Type", "text/event-stream")
                     try:
                         async for chunk in up.content.iter_any():
-                            for event in reader.feed(chunk):
-                                answer.add(event)
-                            if passing:
-                                if not resp.prepared:
-                                    await resp.prepare(request)
-                                await resp.write(chunk)
+                            if not recall:
+                                for _, data in reader.feed(chunk):
+                                    answer.add(data)
+                                await send(chunk)
                                 continue
-                            held.append(chunk)
-                            names = answer.call_names()
-                            if answer.has_text or any(n and n != READ_ARCHIVE for n in names):
-                                passing = True
-                                if not resp.prepared:
-                                    await resp.prepare(request)
-                                for h in held:
-                                    await resp.write(h)
-                                held = []
+                            out: list[bytes] = []
+                            for raw_event, data in reader.feed(chunk):
+                                parsed = answer.add(data)
+                                if _hold(data, parsed, recall_calls):
+                                    held.append(raw_event)
+                                else:
+                                    out.append(raw_event)
+                            if out:
+                                await send(b"".join(out))
                     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                         cut = f"the upstream stream was cut: {e}"
-                    except TimeoutError:
+                    except asyncio.TimeoutError:
                         cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
             except Exception as e:  # noqa: BLE001 - connection or timeout before any byte: 502/504
-                if resp is None or not resp.prepared:
+                if not resp.prepared:
                     return self._upstream_failure(e)
                 cut = f"the upstream failed: {e}"
-            assert resp is not None
             if cut is None and not answer.done:
                 cut = "the upstream stream ended without [DONE]"
             if cut is not None:
                 self.metrics.upstream_errors.inc("cut_stream")
+                if not resp.prepared and not recall and not answer.chunks:
+                    return error_response(502, cut, kind="upstream_error", code="upstream_stream_cut")
                 if not resp.prepared:
-                    if not held:
-                        return error_response(502, cut, kind="upstream_error", code="upstream_stream_cut")
                     await resp.prepare(request)
-                    for h in held:
-                        await resp.write(h)
                 await _write_error(resp, cut)
                 return resp
-            message = answer.message()
-            calls = message.get("tool_calls") or []
-            if (not passing and calls and rounds < self.config.max_recall_rounds
-                    and all(n == READ_ARCHIVE for n in answer.call_names())):
+            names = answer.call_names()
+            if (recall and names and all(n == READ_ARCHIVE for n in names)
+                    and rounds < self.config.max_recall_rounds):
                 rounds += 1
-                body = await self._answer_recall(session, body, message)
+                body = await self._answer_recall(session, body, answer.message())
                 payload = _dumps(body)
                 continue
-            if not resp.prepared:
-                await resp.prepare(request)
-            for h in held:
-                await resp.write(h)
+            tail = b"".join(held) + reader.rest()
+            if tail or not resp.prepared:
+                await send(tail)
             # Recorded before the stream's end: once the client has the whole answer, the session holds it.
-            await self._record(session, message, answer.usage, estimate if rounds == 0 else None)
+            await self._record(session, answer.message(), answer.usage, estimate if rounds == 0 else None)
             await resp.write_eof()
             return resp
+
+
+def _hold(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]) -> bool:
+    """Whether a streamed event waits for the end of the answer: read_archive call deltas and the
+    closing events. ``recall_calls`` collects the indexes of read_archive calls as their names appear."""
+    if data is not None and data.strip() == "[DONE]":
+        return True
+    if chunk is None:
+        return False
+    choices = chunk.get("choices")
+    if not choices:
+        return "usage" in chunk  # the usage-only chunk at the end
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    if choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    if not isinstance(calls, list) or not calls:
+        return False
+    hold = False
+    for k, tc in enumerate(calls):
+        if not isinstance(tc, dict):
+            continue
+        index = tc.get("index", k)
+        fn = tc.get("function")
+        if isinstance(fn, dict) and fn.get("name") == READ_ARCHIVE:
+            recall_calls.add(index)
+        hold = hold or index in recall_calls
+    return hold
 
 
 async def _write_error(resp: web.StreamResponse, message: str) -> None:

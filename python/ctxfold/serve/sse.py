@@ -15,30 +15,43 @@ DONE = "[DONE]"
 
 
 class SseReader:
-    """Incremental parser: feed bytes, get the ``data`` payload of each complete event."""
+    """Incremental parser: feed bytes, get each complete event as (its raw bytes, its ``data`` payload).
+
+    The raw bytes of the events, in order, followed by :meth:`rest`, are exactly the bytes fed, so a
+    proxy can forward event by event without changing a byte. The payload is None for an event without
+    ``data`` lines (a comment, a keep-alive).
+    """
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._buf = b""  # bytes after the last complete line
+        self._raw: list[bytes] = []  # complete lines of the event being read
         self._data: list[str] = []
 
-    def feed(self, chunk: bytes) -> list[str]:
+    def feed(self, chunk: bytes) -> list[tuple[bytes, str | None]]:
         self._buf += chunk
-        out: list[str] = []
+        out: list[tuple[bytes, str | None]] = []
+        start = 0
         while True:
-            nl = self._buf.find(b"\n")
+            nl = self._buf.find(b"\n", start)
             if nl < 0:
-                return out
-            line = self._buf[:nl].rstrip(b"\r")
-            self._buf = self._buf[nl + 1 :]
-            if not line:  # a blank line ends the event
-                if self._data:
-                    out.append("\n".join(self._data))
-                    self._data = []
-            elif line.startswith(b"data:"):
-                value = line[5:]
-                self._data.append(value[1:].decode("utf-8", "replace") if value.startswith(b" ")
-                                  else value.decode("utf-8", "replace"))
+                break
+            line = self._buf[start : nl + 1]
+            start = nl + 1
+            self._raw.append(line)
+            body = line.rstrip(b"\r\n")
+            if not body:  # a blank line ends the event
+                out.append((b"".join(self._raw), "\n".join(self._data) if self._data else None))
+                self._raw, self._data = [], []
+            elif body.startswith(b"data:"):
+                value = body[5:]
+                self._data.append((value[1:] if value.startswith(b" ") else value).decode("utf-8", "replace"))
             # comments (":") and other fields (event:, id:, retry:) carry nothing the proxy needs
+        self._buf = self._buf[start:]
+        return out
+
+    def rest(self) -> bytes:
+        """Bytes fed that no complete event holds yet (an unterminated last event)."""
+        return b"".join(self._raw) + self._buf
 
 
 @dataclass(slots=True)
@@ -60,17 +73,24 @@ class AnswerAssembler:
     done: bool = False  # the [DONE] sentinel arrived
     chunks: int = 0
 
-    def add(self, payload: str) -> None:
+    def add(self, payload: str | None) -> dict[str, Any] | None:
+        """Fold one event's payload in; returns the parsed chunk (None for [DONE] and non-JSON)."""
+        if payload is None:
+            return None
         if payload.strip() == DONE:
             self.done = True
-            return
+            return None
         try:
             chunk = json.loads(payload)
         except ValueError:
-            return  # not ours to judge: the bytes went to the client as they were
+            return None  # not ours to judge: the bytes went to the client as they were
         if not isinstance(chunk, dict):
-            return
+            return None
         self.chunks += 1
+        self._fold(chunk)
+        return chunk
+
+    def _fold(self, chunk: dict[str, Any]) -> None:
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         choices = chunk.get("choices")
