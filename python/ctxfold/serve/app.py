@@ -581,7 +581,7 @@ class ProxyApp:
                                 await send(b"".join(out))
                     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                         cut = f"the upstream stream was cut: {e}"
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
             except Exception as e:  # noqa: BLE001 - connection or timeout before any byte: 502/504
                 if not resp.prepared:
