@@ -4,7 +4,7 @@ Layout::
 
     <session_dir>/
       events.jsonl          append-only event log (header, appended messages, views, state)
-      history/NNNNNN-<stamp>-<rand>.jsonl   full-history dumps, written before every rewrite
+      history/NNNNNN-<sha256>.jsonl   full-history dumps, written before every rewrite
       archive/              the archive store of archived tool outputs (ctxfold.archive)
 
 The event log is the source of truth. Every original message is logged once, in order, as it is
@@ -24,9 +24,9 @@ view event that points at them is logged (write-ahead).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -113,16 +113,18 @@ class Session:
     def write_history_dump(self, messages: Sequence[Message], conversation: Conversation) -> Path:
         """Write the full history as JSONL under history/ (atomically) and return its path.
 
-        The name carries a sequence number, a UTC stamp and random bits, so two dumps in the same
-        second (or from two processes) never overwrite each other.
+        The name is a sequence number and the content's sha256: deterministic (a replay is
+        reproducible to the token, since the summary quotes the name), and two different dumps
+        can never share one. The wall-clock time goes into the header line, not the name.
         """
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        existing = sum(1 for _ in self.history_dir.glob("*.jsonl"))
-        path = self.history_dir / f"{existing:06d}-{stamp}-{secrets.token_hex(4)}.jsonl"
-        lines = [json.dumps({"type": "header", "conversation": encode_conversation_header(conversation)},
-                            ensure_ascii=False)]
-        lines.extend(json.dumps(encode_message(m), ensure_ascii=False) for m in messages)
-        LocalBackend(self.history_dir).write_atomic(path.name, ("\n".join(lines) + "\n").encode())
+        header = {"type": "header", "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "conversation": encode_conversation_header(conversation)}
+        body = "".join(json.dumps(encode_message(m), ensure_ascii=False) + "\n" for m in messages)
+        digest = hashlib.sha256(body.encode()).hexdigest()[:16]
+        existing = sum(1 for _ in self.history_dir.glob("*.jsonl")) if self.history_dir.is_dir() else 0
+        path = self.history_dir / f"{existing:06d}-{digest}.jsonl"
+        data = (json.dumps(header, ensure_ascii=False) + "\n" + body).encode()
+        LocalBackend(self.history_dir).write_atomic(path.name, data)
         return path
 
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
