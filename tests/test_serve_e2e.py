@@ -56,7 +56,8 @@ def requests_of(traj: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any
     """(index of the assistant message, the request that produced it) for each assistant turn."""
     for i, m in enumerate(traj):
         if m["role"] == "assistant":
-            yield i, {"model": "gpt-4o", "messages": traj[:i], "stream": True, "x_replay_answer": answer_of(m)}
+            yield i, {"model": "gpt-4o", "messages": traj[:i], "stream": True,
+                      "stream_options": {"include_usage": True}, "x_replay_answer": answer_of(m)}
 
 
 def stream(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -102,6 +103,10 @@ def test_trace_replay_stays_inside_the_window(traces_dir: Path, tmp_path: Path, 
                 assert status == 200, (i, raw[:300])
                 assert raw == up.sent[-1], f"answer {i} did not come back byte for byte"
             metrics = proxy.metrics
+            # The upstream's usage calibrated the conversation's estimate: its window is scaled by the factor.
+            session = proxy.sessions.loaded()[0]
+            assert session.calibration != 1.0
+            assert session.compactor.config.context_tokens == int(CONTEXT_TOKENS / (session.calibration * 1.02))
     # Nothing over the window ever reached the upstream, and the proxy had to compact to manage it.
     assert up.rejected_over_context == 0
     assert max(up.prompt_tokens_seen) <= CONTEXT_TOKENS
