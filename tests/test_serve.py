@@ -378,3 +378,12 @@ def test_replicas_share_archives_through_an_fsspec_url(upstream: tuple[ScriptedU
     finally:
         srv_a.close()
         srv_b.close()
+
+
+def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from ctxfold.cli import main
+
+    assert main(["serve", "--upstream", "ftp://models.example"]) == 2
+    assert "not an http(s) URL" in capsys.readouterr().err
+    assert main(["serve", "--upstream", "http://127.0.0.1:1", "--read-timeout-s", "0"]) == 2
+    assert "read_timeout_s: must be positive" in capsys.readouterr().err

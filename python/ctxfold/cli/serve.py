@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from ctxfold.config import CompactConfig, load_config
-from ctxfold.errors import ConfigError
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,11 +55,6 @@ def build_config(args: argparse.Namespace) -> Any:
     overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
                  if getattr(args, k) is not None}
     compact = load_config(args.config, **overrides) if args.config else CompactConfig.from_mapping(overrides)
-    if not args.upstream.startswith(("http://", "https://")):
-        raise ConfigError(f"--upstream {args.upstream!r} is not an http(s) URL; e.g. http://127.0.0.1:8000/v1")
-    for name in ("max_body_bytes", "max_recall_rounds"):
-        if getattr(args, name) < (1 if name == "max_body_bytes" else 0):
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     return ProxyConfig(
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
         summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,

@@ -41,7 +41,7 @@ from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive, rea
 from ctxfold.archive.marker import MARKER_PREFIX
 from ctxfold.compactor import CompactionEvent, Compactor
 from ctxfold.config import CompactConfig
-from ctxfold.errors import FormatError
+from ctxfold.errors import ConfigError, FormatError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
@@ -86,6 +86,17 @@ class ProxyConfig:
     read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
     max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
     durable: bool = True  # fsync every session event (off: a crash of the machine may lose the last events)
+
+    def __post_init__(self) -> None:
+        if self.summarizer not in ("upstream", "config", "extractive"):
+            raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ConfigError(f"upstream: {self.upstream!r} is not an http(s) URL; e.g. http://127.0.0.1:8000/v1")
+        for name in ("max_body_bytes", "connect_timeout_s", "read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.max_recall_rounds < 0:
+            raise ConfigError(f"max_recall_rounds: must be >= 0, got {self.max_recall_rounds}")
 
     @property
     def completions_url(self) -> str:
@@ -331,8 +342,10 @@ class ProxyApp:
         known = len(session.fingerprints) if session is not None else 0
         new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
         if session is None:
-            header = Conversation(messages=[], system=parsed.system, tools=parse_tools(parsed.body))
-            session = await self.sessions.create(key, header)
+            conv = Conversation(messages=new, system=parsed.system, tools=parse_tools(parsed.body))
+            session = await self.sessions.create(key, conv)
+            session.refresh_fingerprints()
+            new = []  # already in: the compactor was built with them
         if self._inline(session.compactor, new):
             events = self._ingest(session, new)
         else:

@@ -165,18 +165,20 @@ class SessionStore:
         return best
 
     async def create(self, key: str, conversation: Conversation) -> ProxySession:
-        """A new, empty session for ``conversation``'s system prompt and tools. Under ``lock(key)``,
+        """A new session holding ``conversation`` (system prompt, tools, messages). Under ``lock(key)``,
         after :meth:`find`."""
         candidates = self._sessions[key]
         n = len(candidates)
         while (self.root / key / f"{n:04d}").exists():  # a directory left without a log by a crash
             n += 1
         path = self.root / key / f"{n:04d}"
-        # A new session starts empty; the caller appends the request's messages through the compactor,
-        # so the hard trigger and the event log see them like any other append.
-        header = Conversation(messages=[], id=f"{key}/{path.name}", system=conversation.system,
-                              tools=conversation.tools, source_format="openai", source="ctxfold serve")
-        compactor = await asyncio.to_thread(self.make_compactor, header, path)
+        # The whole history goes in at construction: a conversation first seen long (a proxy put in front
+        # of a running agent, a fork) is compacted once by the next pass, not by a hard trigger per tool
+        # result while it is read in.
+        conv = Conversation(messages=list(conversation.messages), id=f"{key}/{path.name}",
+                            system=conversation.system, tools=conversation.tools, source_format="openai",
+                            source="ctxfold serve")
+        compactor = await asyncio.to_thread(self.make_compactor, conv, path)
         s = ProxySession(key, path, compactor)
         candidates.append(s)
         return s
