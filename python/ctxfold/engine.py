@@ -62,6 +62,12 @@ class Decision(enum.IntEnum):
     UNKNOWN_CONTEXT = 3  # no context window configured: token triggers are off (manual compaction works)
 
 
+# Plain ints for the segment scans (enum attribute access costs more than the comparison).
+_THINKING = int(SegmentKind.THINKING)
+_CALL = int(SegmentKind.TOOL_CALL)
+_TOOL_KINDS = (int(SegmentKind.TOOL_CALL), int(SegmentKind.TOOL_RESULT))
+
+
 @dataclass(frozen=True, slots=True)
 class TokenTemplate:
     """The chat-boundary token ids of one model family, in order of preference for a tail start."""
@@ -268,24 +274,30 @@ class EngineSequence:
         """int64[m, 2] sorted disjoint [begin, end) spans no tail may start strictly inside: each thinking
         block, and each tool call together with the tool results that follow it."""
         with self._lock:
-            return self._no_entry(self._ids.size)
+            return self._no_entry(self._ids.size, 0)
 
-    def _no_entry(self, bottom: int) -> npt.NDArray[np.int64]:
-        starts = self._seg_starts.view()
-        kinds = self._seg_kinds.view()
-        n = len(starts)
+    def _no_entry(self, bottom: int, lo: int) -> npt.NDArray[np.int64]:
+        """The no-entry spans that reach into [lo, bottom), whole. O(segments in that window)."""
+        starts_arr = self._seg_starts.view()
+        # The segment holding `lo`, moved back to the start of its tool group so a group that began
+        # before the window is still one span.
+        first = max(int(np.searchsorted(starts_arr, lo, side="right")) - 1, 0)
+        last = int(np.searchsorted(starts_arr, bottom, side="left"))
+        kinds = self._seg_kinds.data[: self._seg_kinds.size]
+        while first > 0 and int(kinds[first]) in _TOOL_KINDS and int(kinds[first]) != _CALL:
+            first -= 1
+        starts = starts_arr[first:last].tolist() + [bottom]
+        ks = kinds[first:last].tolist()
         spans: list[tuple[int, int]] = []
-        i = 0
+        i, n = 0, len(ks)
         while i < n:
-            k = kinds[i]
-            if k == SegmentKind.THINKING or k == SegmentKind.TOOL_CALL:
+            k = ks[i]
+            if k == _THINKING or k == _CALL:
                 j = i + 1
-                if k == SegmentKind.TOOL_CALL:
-                    while j < n and kinds[j] in (SegmentKind.TOOL_CALL, SegmentKind.TOOL_RESULT):
+                if k == _CALL:
+                    while j < n and ks[j] in _TOOL_KINDS:
                         j += 1
-                begin = int(starts[i])
-                end = int(starts[j]) if j < n else self._ids.size
-                end = min(end, bottom)
+                begin, end = starts[i], min(starts[j], bottom)
                 if begin < end:
                     if spans and spans[-1][1] >= begin:
                         spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
@@ -309,7 +321,7 @@ class EngineSequence:
         budget = self.tail_budget_tokens() if budget_tokens is None else budget_tokens
         return select_token_tail(
             self._ids.view(), budget_tokens=budget, boundaries=self.template.boundaries, bottom=b,
-            floor=self._system_end, no_entry=self._no_entry(b),
+            floor=self._system_end, no_entry=self._no_entry(b, max(self._system_end, b - budget)),
         )
 
     def rebuild(
