@@ -6,10 +6,12 @@ same workload runs twice, first straight at the upstream (the baseline) and then
 ``--conversations`` concurrent conversations, each a closed loop of requests that carry the whole
 history so far; every request's last user message names its conversation and request number, the
 upstream echoes it, and every answer is checked against what was sent. A sequential pass (one
-request at a time) measures the added latency without queueing.
+request at a time) measures the added latency without queueing, a paced pass the same with 64
+conversations that think between requests, and a saturated pass the throughput limit.
 
-Prints one JSON object: per phase, requests, errors, mismatches, median and p99 latency in ms, and
-the added median and p99 (proxy minus direct).
+Prints one JSON object: per phase (sequential; paced: the conversations wait ``--think-ms`` between
+requests; saturated: no wait), requests, errors, mismatches, median and p99 latency in ms, the added
+median and p99 (proxy minus direct), and the proxy's CPU time per request.
 
 Run: ``PYTHONPATH=python python bench/bench_serve.py [--duration-s 3] [--conversations 64] [--stream]``
 """
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -56,18 +59,25 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-async def conversation(session: aiohttp.ClientSession, url: str, conv: int, stop_at: float, stream: bool,
-                       out: dict[str, Any]) -> None:
-    messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are conversation {conv}. " + "Policy. " * 50}]
-    req = 0
+def new_state(conv: int) -> dict[str, Any]:
+    return {"conv": conv, "req": 0, "started": False,
+            "messages": [{"role": "system", "content": f"You are conversation {conv}. " + "Policy. " * 50}]}
+
+
+async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, Any], stop_at: float, stream: bool,
+                       out: dict[str, Any], think_s: float = 0.0) -> None:
+    """Drive one conversation until ``stop_at``; its state carries over to the next slice."""
+    rng = random.Random(st["conv"] * 7919 + st["req"])
+    if think_s and not st["started"]:
+        await asyncio.sleep(rng.uniform(0, think_s))  # spread the starts: no lockstep bursts
+    st["started"] = True
+    messages: list[dict[str, Any]] = st["messages"]
     while time.monotonic() < stop_at:
-        if req == MAX_REQUESTS_PER_CONVERSATION:  # start over: agent conversations are tens of turns, not thousands
-            conv += 1_000_000
-            del messages[1:]
-            messages[0]["content"] = f"You are conversation {conv}. " + "Policy. " * 50
-            req = 0
-        tag = f"conv={conv} req={req}"
-        messages.append({"role": "user", "content": f"{tag} please answer briefly about item {req}"})
+        if st["req"] == MAX_REQUESTS_PER_CONVERSATION:  # start over: agent conversations are tens of turns
+            st.update(new_state(st["conv"] + 1_000_000), started=True)
+            messages = st["messages"]
+        tag = f"conv={st['conv']} req={st['req']}"
+        messages.append({"role": "user", "content": f"{tag} please answer briefly about item {st['req']}"})
         body = {"model": "bench", "messages": messages, "stream": stream}
         t0 = time.perf_counter()
         try:
@@ -91,16 +101,17 @@ async def conversation(session: aiohttp.ClientSession, url: str, conv: int, stop
             out["mismatches"].append(f"sent {tag!r}, got {text[:60]!r}")
         out["latencies"].append(dt)
         messages.append({"role": "assistant", "content": text})
-        req += 1
+        st["req"] += 1
+        if think_s:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * think_s)  # the agent works between model calls
 
 
-async def phase(url: str, conversations: int, duration_s: float, stream: bool, out: dict[str, Any],
-                first_conv: int) -> None:
+async def phase(url: str, states: list[dict[str, Any]], duration_s: float, stream: bool, out: dict[str, Any],
+                think_s: float = 0.0) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
         stop_at = time.monotonic() + duration_s
-        await asyncio.gather(*(conversation(s, url, first_conv + c, stop_at, stream, out)
-                               for c in range(conversations)))
+        await asyncio.gather(*(conversation(s, url, st, stop_at, stream, out, think_s) for st in states))
 
 
 def summary(out: dict[str, Any]) -> dict[str, Any]:
@@ -113,19 +124,19 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def interleaved(direct_url: str, via_url: str, conversations: int, duration_s: float, stream: bool,
-                slice_s: float) -> dict[str, Any]:
+                slice_s: float, think_s: float = 0.0, first_conv: int = 0) -> dict[str, Any]:
     """Direct and proxied load in alternating slices, so both see the same machine (other processes come
-    and go); fresh conversations every slice."""
+    and go); each side's conversations carry on from slice to slice."""
     direct: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
     via: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
-    asyncio.run(phase(via_url, min(conversations, 4), 0.2, stream, {"latencies": [], "errors": [],
-                                                                    "mismatches": []}, 9_000_000))  # warm-up
+    sides = ((direct_url, direct, [new_state(first_conv + c) for c in range(conversations)]),
+             (via_url, via, [new_state(first_conv + 100_000 + c) for c in range(conversations)]))
+    warm = [new_state(9_000_000 + first_conv + c) for c in range(min(conversations, 4))]
+    asyncio.run(phase(via_url, warm, 0.2, stream, {"latencies": [], "errors": [], "mismatches": []}))
     elapsed = 0.0
-    k = 0
     while elapsed < duration_s:
-        for url, out in ((direct_url, direct), (via_url, via)):
-            asyncio.run(phase(url, conversations, slice_s, stream, out, k * 10_000))
-            k += 1
+        for url, out, states in sides:
+            asyncio.run(phase(url, states, slice_s, stream, out, think_s))
         elapsed += slice_s
     d, v = summary(direct), summary(via)
     return {"direct": d, "proxy": v, "added_median_ms": (v["median_ms"] or 0) - (d["median_ms"] or 0),
@@ -170,9 +181,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         via_url = f"{proxy_url}/v1/chat/completions"
         result: dict[str, Any] = {"conversations": args.conversations, "duration_s": args.duration_s,
                                   "stream": args.stream, "fsync": args.fsync}
-        for name, n in (("sequential", 1), ("concurrent", args.conversations)):
+        # sequential: one request at a time. paced: the conversations each wait --think-ms between requests,
+        # as agents do, so the servers are busy but not saturated. saturated: no wait at all, which on a
+        # small machine measures queueing (throughput), not what the proxy adds to a request.
+        phases = (("sequential", 1, 0.0), ("paced", args.conversations, args.think_ms / 1e3),
+                  ("saturated", args.conversations, 0.0))
+        for k, (name, n, think_s) in enumerate(phases):
             cpu0 = cpu_seconds(proxy.pid)
-            result[name] = interleaved(direct_url, via_url, n, args.duration_s, args.stream, args.slice_s)
+            result[name] = interleaved(direct_url, via_url, n, args.duration_s, args.stream, args.slice_s,
+                                       think_s, first_conv=k * 10_000)
             # CPU the proxy spent per request it forwarded: its real cost, apart from waiting for a core.
             result[name]["proxy_cpu_ms_per_request"] = (cpu_seconds(proxy.pid) - cpu0) * 1e3 / max(
                 1, result[name]["proxy"]["requests"])
@@ -189,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=3.0, help="per phase, each side (default 3)")
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--slice-s", type=float, default=0.5, help="direct and proxied load alternate in slices")
+    ap.add_argument("--think-ms", type=float, default=200.0, help="wait between a conversation's requests (paced)")
     ap.add_argument("--stream", action="store_true", help="streaming requests")
     ap.add_argument("--fsync", action="store_true", help="the proxy fsyncs every session event (its default)")
     args = ap.parse_args(argv)
