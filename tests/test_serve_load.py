@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 def test_64_concurrent_conversations_no_lost_or_mixed_requests() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "bench_serve.py"), "--conversations", "64", "--duration-s", "1",
-         "--slice-s", "0.5"],
+        [sys.executable, str(REPO / "bench" / "bench_serve.py"), "--conversations", "64", "--duration-s", "0.5",
+         "--slice-s", "0.25"],
         capture_output=True, text=True, env=env, timeout=180, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
