@@ -1,6 +1,11 @@
 #include "ctxfold/estimate.hpp"
 
+#include <bit>
 #include <cmath>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace ctxfold {
 namespace {
@@ -39,60 +44,122 @@ inline bool IsCjk(uint32_t cp) noexcept {
          (cp >= 0x20000 && cp <= 0x3FFFF);   // CJK extensions B and beyond
 }
 
+// Scanning state carried across blocks, so the block and byte-by-byte paths can alternate.
+struct ScanState {
+  int64_t cnt[kClsNone] = {};
+  int64_t runs[kClsNone] = {};
+  int64_t multi_space_runs = 0;
+  uint8_t prev = kClsNone;    // class of the previous character
+  int64_t space_run_len = 0;  // length of the current run of spaces, capped at 2 by the block path
+};
+
+// One character at p[i]: classifies it, updates the counters, returns its length in bytes.
+inline size_t ScanOne(const uint8_t* p, size_t i, size_t n, ScanState& st) noexcept {
+  const uint8_t b = p[i];
+  uint8_t cls;
+  size_t len = 1;
+  if (b < 0x80) {
+    cls = kAscii[b];
+  } else {
+    len = SequenceLength(b);
+    uint32_t cp = 0;
+    bool valid = len > 1 && i + len <= n;
+    if (valid) {
+      cp = b & (0xFFu >> (len + 1));
+      for (size_t k = 1; k < len; ++k) {
+        const uint8_t c = p[i + k];
+        if ((c & 0xC0) != 0x80) { valid = false; break; }
+        cp = (cp << 6) | (c & 0x3Fu);
+      }
+    }
+    if (!valid) len = 1;
+    cls = valid && IsCjk(cp) ? kClsCjk : kClsMulti;
+  }
+  ++st.cnt[cls];
+  if (cls == kClsSpace) {
+    if (++st.space_run_len == 2) ++st.multi_space_runs;
+  } else {
+    st.space_run_len = 0;
+  }
+  st.runs[cls] += cls != st.prev;
+  st.prev = cls;
+  return len;
+}
+
+#if defined(__SSE2__)
+// 64 ASCII bytes at once: one bit mask per class, then popcounts. Counting byte by byte into
+// cnt[cls] chains every byte of a run through one memory counter (store-to-load forwarding,
+// several cycles a byte); masks keep everything in registers. Returns false, touching nothing,
+// when the block holds a non-ASCII byte (the caller then goes byte by byte).
+inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st) noexcept {
+  uint64_t letter = 0, digit = 0, space = 0, newline = 0, high = 0;
+  for (int k = 0; k < 4; ++k) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
+    const __m128i y = _mm_or_si128(x, _mm_set1_epi8(0x20));  // ASCII lower case
+    const __m128i l = _mm_and_si128(_mm_cmpgt_epi8(y, _mm_set1_epi8('a' - 1)), _mm_cmplt_epi8(y, _mm_set1_epi8('z' + 1)));
+    const __m128i d = _mm_and_si128(_mm_cmpgt_epi8(x, _mm_set1_epi8('0' - 1)), _mm_cmplt_epi8(x, _mm_set1_epi8('9' + 1)));
+    const __m128i s = _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8(' ')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\t')));
+    const __m128i nl = _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('\n')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\r')));
+    const int shift = 16 * k;
+    high |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(x))) << shift;
+    letter |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(l))) << shift;
+    digit |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(d))) << shift;
+    space |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(s))) << shift;
+    newline |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(nl))) << shift;
+  }
+  if (high != 0) return false;
+  const uint64_t punct = ~(letter | digit | space | newline);
+  const uint64_t masks[5] = {letter, digit, punct, space, newline};
+  const uint8_t classes[5] = {kClsLetter, kClsDigit, kClsPunct, kClsSpace, kClsNewline};
+  uint8_t last = kClsNone;
+  for (int c = 0; c < 5; ++c) {
+    const uint64_t m = masks[c];
+    const uint64_t before = (m << 1) | (st.prev == classes[c] ? 1u : 0u);  // bit i: byte i-1 in class
+    st.cnt[classes[c]] += std::popcount(m);
+    st.runs[classes[c]] += std::popcount(m & ~before);
+    if (m >> 63) last = classes[c];
+  }
+  // A run of two or more spaces is counted at its second space: space, after a space, after a non-space.
+  const uint64_t prev1 = (space << 1) | (st.prev == kClsSpace ? 1u : 0u);
+  const uint64_t prev2 = (space << 2) | (st.space_run_len >= 2 ? 3u : (st.space_run_len == 1 ? 2u : 0u));
+  st.multi_space_runs += std::popcount(space & prev1 & ~prev2);
+  // Only "0, 1, or at least 2" matters for the next multi-space test.
+  st.space_run_len = (space >> 63) ? ((space >> 62) == 3 ? 2 : 1) : 0;
+  st.prev = last;
+  return true;
+}
+#endif
+
 }  // namespace
 
 void AccumulateFeatures(std::string_view text, Features& out) noexcept {
   const auto* p = reinterpret_cast<const uint8_t*>(text.data());
   const size_t n = text.size();
-  // Local counters keep the loop in registers; `out` is written once at the end.
-  int64_t cnt[kClsNone] = {};
-  int64_t runs[kClsNone] = {};
-  int64_t multi_space_runs = 0;
-  uint8_t prev = kClsNone;
-  int64_t space_run_len = 0;
+  ScanState st;
   size_t i = 0;
-  while (i < n) {
-    const uint8_t b = p[i];
-    uint8_t cls;
-    if (b < 0x80) {
-      cls = kAscii[b];
-      ++i;
-    } else {
-      size_t len = SequenceLength(b);
-      uint32_t cp = 0;
-      bool valid = len > 1 && i + len <= n;
-      if (valid) {
-        cp = b & (0xFFu >> (len + 1));
-        for (size_t k = 1; k < len; ++k) {
-          const uint8_t c = p[i + k];
-          if ((c & 0xC0) != 0x80) { valid = false; break; }
-          cp = (cp << 6) | (c & 0x3Fu);
-        }
-      }
-      if (!valid) len = 1;
-      cls = valid && IsCjk(cp) ? kClsCjk : kClsMulti;
-      i += len;
+#if defined(__SSE2__)
+  while (i + 64 <= n) {
+    if (ScanAsciiBlock(p + i, st)) {
+      i += 64;
+      continue;
     }
-    ++cnt[cls];
-    if (cls == kClsSpace) {
-      if (++space_run_len == 2) ++multi_space_runs;
-    } else {
-      space_run_len = 0;
-    }
-    runs[cls] += cls != prev;
-    prev = cls;
+    // A block with multi-byte characters: go byte by byte to its end (a sequence may run past it).
+    const size_t stop = i + 64;
+    while (i < stop) i += ScanOne(p, i, n, st);
   }
-  out[kLetters] += cnt[kClsLetter];
-  out[kLetterRuns] += runs[kClsLetter];
-  out[kDigits] += cnt[kClsDigit];
-  out[kDigitRuns] += runs[kClsDigit];
-  out[kPunct] += cnt[kClsPunct];
-  out[kPunctRuns] += runs[kClsPunct];
-  out[kSpaces] += cnt[kClsSpace];
-  out[kMultiSpaceRuns] += multi_space_runs;
-  out[kNewlines] += cnt[kClsNewline];
-  out[kOtherChars] += cnt[kClsMulti];
-  out[kCjkChars] += cnt[kClsCjk];
+#endif
+  while (i < n) i += ScanOne(p, i, n, st);
+  out[kLetters] += st.cnt[kClsLetter];
+  out[kLetterRuns] += st.runs[kClsLetter];
+  out[kDigits] += st.cnt[kClsDigit];
+  out[kDigitRuns] += st.runs[kClsDigit];
+  out[kPunct] += st.cnt[kClsPunct];
+  out[kPunctRuns] += st.runs[kClsPunct];
+  out[kSpaces] += st.cnt[kClsSpace];
+  out[kMultiSpaceRuns] += st.multi_space_runs;
+  out[kNewlines] += st.cnt[kClsNewline];
+  out[kOtherChars] += st.cnt[kClsMulti];
+  out[kCjkChars] += st.cnt[kClsCjk];
   out[kTexts] += 1;
 }
 

@@ -34,6 +34,45 @@ CTXFOLD_TEST(features_survive_invalid_utf8) {
   }
 }
 
+// Texts of 64+ bytes go through the 64-byte ASCII block path; runs that cross a block boundary,
+// and blocks with a multi-byte character, must count exactly as the byte-by-byte path does.
+CTXFOLD_TEST(features_block_path_matches_byte_path) {
+  {
+    Features f{};
+    AccumulateFeatures(std::string(63, 'a') + "   b", f);  // a space run across bytes 63..65
+    CHECK(f[kLetters] == 64);
+    CHECK(f[kLetterRuns] == 2);
+    CHECK(f[kSpaces] == 3);
+    CHECK(f[kMultiSpaceRuns] == 1);
+  }
+  {
+    Features f{};
+    AccumulateFeatures(std::string(64, ' ') + std::string(64, ' ') + "x", f);  // one run over two blocks
+    CHECK(f[kSpaces] == 128);
+    CHECK(f[kMultiSpaceRuns] == 1);
+    CHECK(f[kLetterRuns] == 1);
+  }
+  {
+    Features f{};
+    std::string s;
+    for (int i = 0; i < 20; ++i) s += "ab  12,\n";  // 9 bytes: letters, spaces, digits, punct, newline
+    AccumulateFeatures(s, f);
+    CHECK(f[kLetters] == 40);
+    CHECK(f[kLetterRuns] == 20);
+    CHECK(f[kDigitRuns] == 20);
+    CHECK(f[kPunctRuns] == 20);
+    CHECK(f[kMultiSpaceRuns] == 20);
+    CHECK(f[kNewlines] == 20);
+  }
+  {
+    Features f{};
+    AccumulateFeatures(std::string(62, 'a') + "\xC3\xA9" + std::string(10, 'b'), f);  // é straddles a block end
+    CHECK(f[kOtherChars] == 1);
+    CHECK(f[kLetters] == 72);
+    CHECK(f[kLetterRuns] == 2);
+  }
+}
+
 CTXFOLD_TEST(estimate_empty_is_zero) {
   Coefficients c{};
   c[kTexts] = 3.0;

@@ -396,9 +396,9 @@ class CompactConfig:
                 )
         policy = _check(key("policy"), data.get("policy", "both"), _TOP_CHECKS["policy"])
         kwargs: dict[str, Any] = {"policy": policy}
-        for name in _TOP_CHECKS:
+        for name, top_check in _TOP_CHECKS.items():
             if name != "policy" and name in data:
-                kwargs[name] = _check(key(name), data[name], _TOP_CHECKS[name])
+                kwargs[name] = _check(key(name), data[name], top_check)
         for name, section_cls in _SECTIONS.items():
             raw = data.get(name, {})
             if raw is None:  # an empty YAML section ("major:") means defaults

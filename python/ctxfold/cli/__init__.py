@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ctxfold.errors import ConfigError, CtxfoldError, FormatError, TokenizerError
 
@@ -29,17 +31,34 @@ EXIT_ENVIRONMENT = 4
 EXIT_INTERNAL = 5
 
 # Subcommand modules, in the order `ctxfold --help` lists them.
-COMMANDS: tuple[str, ...] = ("serve",)
+COMMANDS: tuple[str, ...] = ("replay", "count", "compact", "restore", "calibrate", "serve")
 
 EPILOG = """exit codes: 0 success, 1 problem found (overflow, orphan, failed check), 2 usage error,
 3 input error (missing or malformed file), 4 environment error (tokenizer, package or endpoint
 unavailable), 5 internal error. Add --debug to any command for a traceback."""
 
 
+class CommandError(Exception):
+    """A user-facing failure with its exit code, raised by a subcommand (message: what, where, what to do)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the problem and where to read more, exit code 2.
+
+    Subparsers inherit the class (argparse creates them with ``type(parent)``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ctxfold import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ctxfold",
         description="Context compaction for LLM agents: replay recorded traces through a compaction "
         "policy, count tokens exactly, compact and restore conversations.",
@@ -58,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, CommandError):
+        return exc.exit_code
     if isinstance(exc, (FormatError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeError)):
         return EXIT_INPUT
     if isinstance(exc, (TokenizerError, ModuleNotFoundError, ConnectionError)):
@@ -79,14 +100,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ctxfold: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        # The reader went away (| head): point stdout at devnull so the exit-time flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except Exception as exc:  # the one place errors become exit codes
         if getattr(args, "debug", False):
             raise
         code = _exit_code(exc)
         kind = "internal error" if code == EXIT_INTERNAL else "error"
-        print(f"ctxfold: {kind}: {exc}", file=sys.stderr)
+        print(f"ctxfold: {kind}: {one_line(exc)}", file=sys.stderr)
         return code
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception as one line: its message with newlines folded, or its type when it has none."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        text = f"{exc.filename}: {exc.strerror}"  # not "[Errno 2] No such file or directory: 'x'"
+    if not text or isinstance(exc, (KeyError, AssertionError)) or _exit_code(exc) == EXIT_INTERNAL:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text
 
 
 if __name__ == "__main__":

@@ -1,0 +1,185 @@
+"""Token counting speed, each group with its baseline in the same run.
+
+    PYTHONPATH=python pytest bench/bench_counting.py --benchmark-enable
+
+Groups and targets:
+- estimate: the C++ estimator on real trace text, >= 500 MB/s on one core; baselines chars/4 in
+  Python and a bare len() over the same texts.
+- exact-batch-*: a batch of every trace message through ctxfold's counter, within 1.2x of calling
+  the tokenizer library directly on the same batch.
+- turn-by-turn: a 300-message conversation counted as it grows (every request, through the
+  ledger's count cache) <= 1.5x counting it once; baseline the naive recount of every request.
+
+The targets are also asserted with a plain best-of-N timer, so that a run with benchmarks
+disabled (the test suite's default) still checks them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ctxfold import _core, formats
+from ctxfold.accounting import RequestAccounting
+from ctxfold.calibration import read_corpus
+from ctxfold.counting import CharsPerTokenCounter, HFTokenizerCounter, TiktokenCounter, load_counter
+from ctxfold.messages import Conversation, Message
+from ctxfold.templates import CHATML_QWEN3
+
+
+def best_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@pytest.fixture(scope="module")
+def texts(traces_dir: Path) -> list[str]:
+    return [t for g in read_corpus([traces_dir]) for t in g.texts]
+
+
+@pytest.fixture(scope="module")
+def corpus_text(texts: list[str]) -> str:
+    return "\n".join(texts)
+
+
+# --- estimate ---------------------------------------------------------------------------------------
+
+
+def test_estimate_one_text(benchmark: Any, corpus_text: str) -> None:
+    benchmark.group = "estimate"
+    est = load_counter("estimate:deepseek-v4")
+    data = corpus_text.encode()
+    benchmark.extra_info["MB"] = len(data) / 1e6
+    benchmark(est.count, data)
+    mb_s = len(data) / best_seconds(lambda: est.count(data)) / 1e6
+    benchmark.extra_info["MB/s"] = mb_s
+    assert mb_s >= 500, f"estimator: {mb_s:.0f} MB/s on one text"
+
+
+def test_estimate_batch_of_messages(benchmark: Any, texts: list[str]) -> None:
+    benchmark.group = "estimate"
+    est = load_counter("estimate:deepseek-v4")
+    nbytes = sum(len(t.encode()) for t in texts)
+    benchmark(est.count_batch, texts)
+    benchmark.extra_info["MB/s"] = nbytes / best_seconds(lambda: est.count_batch(texts)) / 1e6
+
+
+def test_baseline_chars4_in_python(benchmark: Any, texts: list[str]) -> None:
+    benchmark.group = "estimate"
+    chars4 = CharsPerTokenCounter()
+    benchmark(lambda: [chars4.count(t) for t in texts])
+
+
+def test_baseline_len(benchmark: Any, texts: list[str]) -> None:
+    benchmark.group = "estimate"
+    benchmark(lambda: [len(t) // 4 for t in texts])
+
+
+# --- exact batch -------------------------------------------------------------------------------------
+
+
+def _direct(name: str) -> Callable[[list[str]], Any]:
+    counter = load_counter(name)
+    if isinstance(counter, HFTokenizerCounter):
+        tk = counter.tokenizer
+        return lambda ts: [len(e) for e in tk.encode_batch(ts, add_special_tokens=False)]
+    assert isinstance(counter, TiktokenCounter)
+    enc = counter.encoding
+    return lambda ts: [len(x) for x in enc.encode_ordinary_batch(ts, num_threads=counter.num_threads)]
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4", "o200k_base"])
+def test_exact_batch_ctxfold(benchmark: Any, name: str, texts: list[str]) -> None:
+    benchmark.group = f"exact-batch-{name}"
+    counter = load_counter(name)
+    direct = _direct(name)
+    result = benchmark.pedantic(counter.count_batch, args=(texts,), rounds=3, iterations=1)
+    assert result.tolist() == direct(texts)
+    ours = best_seconds(lambda: counter.count_batch(texts), 3)
+    theirs = best_seconds(lambda: direct(texts), 3)
+    benchmark.extra_info["ratio_to_library"] = ours / theirs
+    assert ours <= 1.2 * theirs, f"{name}: {ours:.3f} s vs library {theirs:.3f} s"
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4", "o200k_base"])
+def test_exact_batch_library_directly(benchmark: Any, name: str, texts: list[str]) -> None:
+    benchmark.group = f"exact-batch-{name}"
+    benchmark.pedantic(_direct(name), args=(texts,), rounds=3, iterations=1)
+
+
+# --- turn by turn ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_conversation(traces_dir: Path) -> Conversation:
+    """300 real messages: the DeepSeek chat runs one after another (each run's tool ids are unique)."""
+    msgs: list[Message] = []
+    system = None
+    for path in sorted((traces_dir / "deepseek_sample" / "deepseek_chat").glob("*.traj.json")):
+        conv = formats.load(path)[0]
+        system = system or conv.system
+        msgs += conv.messages
+    assert len(msgs) >= 300
+    return Conversation(messages=msgs[:300], system=system)
+
+
+COUNTER = "o200k_base"
+TEMPLATE = CHATML_QWEN3
+
+
+def count_once(conv: Conversation) -> int:
+    return RequestAccounting(load_counter(COUNTER), TEMPLATE).reset(conv)
+
+
+def count_turn_by_turn(conv: Conversation) -> int:
+    acc = RequestAccounting(load_counter(COUNTER), TEMPLATE)
+    total = 0
+    for k in range(1, len(conv.messages) + 1):
+        total = acc.reset(Conversation(messages=conv.messages[:k], system=conv.system))
+    return total
+
+
+def count_naive(conv: Conversation) -> int:
+    """Every request rendered and tokenized from scratch: a fresh accountant, so no cache."""
+    total = 0
+    for k in range(1, len(conv.messages) + 1):
+        total = count_once(Conversation(messages=conv.messages[:k], system=conv.system))
+    return total
+
+
+def test_turn_by_turn_through_the_ledger(benchmark: Any, long_conversation: Conversation) -> None:
+    benchmark.group = "turn-by-turn"
+    total = benchmark.pedantic(count_turn_by_turn, args=(long_conversation,), rounds=3, iterations=1)
+    assert total == count_once(long_conversation)
+    once = best_seconds(lambda: count_once(long_conversation), 3)
+    grown = best_seconds(lambda: count_turn_by_turn(long_conversation), 3)
+    benchmark.extra_info["ratio_to_once"] = grown / once
+    assert grown <= 1.5 * once, f"turn by turn {grown:.3f} s vs once {once:.3f} s"
+
+
+def test_count_once(benchmark: Any, long_conversation: Conversation) -> None:
+    benchmark.group = "turn-by-turn"
+    benchmark.pedantic(count_once, args=(long_conversation,), rounds=3, iterations=1)
+
+
+def test_baseline_naive_recount(benchmark: Any, long_conversation: Conversation) -> None:
+    benchmark.group = "turn-by-turn"
+    total = benchmark.pedantic(count_naive, args=(long_conversation,), rounds=1, iterations=1)
+    assert total == count_once(long_conversation)
+
+
+def test_features_are_what_the_estimator_sums(texts: list[str]) -> None:
+    """Sanity for the estimate group: the estimator is the dot product the benchmark claims."""
+    est = load_counter("estimate:deepseek-v4")
+    coef = np.asarray(est.calibration.coefficients)  # type: ignore[attr-defined]
+    rows = _core.feature_rows(texts[:500])
+    assert np.all(np.abs(rows @ coef - est.count_batch(texts[:500])) <= 0.5 + 1e-9)

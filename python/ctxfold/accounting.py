@@ -1,0 +1,363 @@
+"""Whole-request token accounting, incremental, over the C++ ledger.
+
+:class:`RequestAccounting` keeps, for one conversation, the token count of every message as the
+chat template renders it, plus the fixed part of a request (BOS, system prompt, tool definitions,
+generation prompt). Counting the next request costs only the messages that changed or are new:
+
+- each rendered segment is keyed by a 64-bit hash of its parts; the ledger's count cache maps the
+  key to its count, so a message seen before (in this conversation or an earlier view of it) is
+  never tokenized again;
+- :meth:`RequestAccounting.sync` takes the new message list, finds where it diverges from the
+  last one (by identity, then equality), re-renders from there (and the one message before, whose
+  framing can depend on what follows it), and rewrites the ledger's tail.
+
+Segment counts add up to the count of the whole rendered prompt exactly: where two segments meet
+without a control token between them (two tool results in one run), the second one's count is
+taken as count(run so far + its text) - count(run so far), so a token that spans the seam is
+counted once.
+
+Memory per message: the ledger's 28 bytes, one cache entry, and one reference in the message list.
+Thread safety: none; one accountant per conversation, used by its owner.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ctxfold import _core
+from ctxfold.counting import TokenCounter
+from ctxfold.ledger import SegmentFlag, message_flags
+from ctxfold.messages import Conversation, Message, Role, ToolSpec
+from ctxfold.templates import (
+    ChatTemplate,
+    Reasoning,
+    Renderer,
+    RenderOptions,
+    Segment,
+    last_user_index,
+)
+
+_KEY_MASK = (1 << 64) - 1
+
+# Text only, no framing: what "count the message texts" means. The default when no template is
+# given, so counts stay meaningful for any counter (an estimator, chars/4).
+PLAIN = ChatTemplate(
+    name="plain",
+    specials={},
+    system="{system}{tools}",
+    tool_call="{name}{arguments}",
+    keep_reasoning=Reasoning.AFTER_LAST_USER,
+    description="message texts only: content, reasoning, tool-call names and arguments; no framing",
+)
+
+
+def segment_key(segment: Segment, join_tail: str | None = None) -> int:
+    """64-bit cache key of a rendered segment (and the text run it continues, if any).
+
+    Python's hash of str is salted per process: keys are good for this process's cache only.
+    """
+    return hash((join_tail, segment)) & _KEY_MASK
+
+
+def _leading_text(seg: Segment) -> bool:
+    return bool(seg) and isinstance(seg[0], str)
+
+
+def _trailing_run(seg: Segment) -> tuple[str, bool]:
+    """The text after the last control token of ``seg``, and whether ``seg`` has a control token."""
+    run: list[str] = []
+    for p in reversed(seg):
+        if isinstance(p, int):
+            return "".join(reversed(run)), True
+        run.append(p)
+    return "".join(reversed(run)), False
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """One segment to count: its text runs (the first possibly joined), control tokens, key."""
+
+    key: int
+    runs: tuple[str, ...]
+    num_specials: int
+    join_tail: str | None  # the run this segment's first text continues; its count is subtracted
+
+
+class RequestAccounting:
+    """Token accounting of one conversation's requests under one counter and chat template."""
+
+    def __init__(
+        self,
+        counter: TokenCounter,
+        template: ChatTemplate | None = None,
+        *,
+        options: RenderOptions | None = None,
+    ) -> None:
+        self.counter = counter
+        self.template = template if template is not None else PLAIN
+        self.options = options if options is not None else RenderOptions()
+        self.renderer = Renderer(self.template)
+        self.ledger = _core.Ledger()
+        self._messages: list[Message] = []
+        self._last_user = -1
+        self._system: str | None = None
+        self._tools: tuple[ToolSpec, ...] = ()
+        self._keep_all = False
+        self._prefix: Segment = ()
+        self.prefix_tokens = 0
+        self.suffix_tokens = 0
+        self._set_header(None, ())
+        self._update_suffix()
+
+    # -- header (system prompt and tools) -----------------------------------------------------------
+
+    def _set_header(self, system: str | None, tools: Sequence[ToolSpec]) -> None:
+        specs = tuple(t for t in tools if isinstance(t, ToolSpec))
+        self._system, self._tools = system, specs
+        self._keep_all = self.renderer.keeps_all_reasoning(bool(specs))
+        self._prefix = self.renderer.prefix(system, specs)
+        self.prefix_tokens = self._count_segments([self._prefix], [None])[0]
+
+    def reset(self, header: Conversation, messages: Sequence[Message] | None = None) -> int:
+        """Sets the system prompt and tools from ``header`` and syncs to ``messages`` (default: the
+        header's own messages). Returns the request's total tokens."""
+        if header.system != self._system or tuple(header.tools) != self._tools:
+            keep_all = self._keep_all
+            self._set_header(header.system, header.tools)
+            if keep_all != self._keep_all:  # reasoning rules changed: every message re-renders
+                self._messages = []
+                self._last_user = -1
+                self.ledger.truncate(0)
+        return self.sync(header.messages if messages is None else messages)
+
+    # -- figures ------------------------------------------------------------------------------------
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens of the whole request: prefix + every message + generation prompt. O(1)."""
+        return self.prefix_tokens + int(self.ledger.total_tokens) + self.suffix_tokens
+
+    @property
+    def fixed_tokens(self) -> int:
+        """Tokens that do not belong to any message: BOS, system, tools, generation prompt."""
+        return self.prefix_tokens + self.suffix_tokens
+
+    @property
+    def messages(self) -> Sequence[Message]:
+        return self._messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def tokens(self) -> npt.NDArray[np.int64]:
+        """Per-message token counts (framing included), int64[len(self)]."""
+        return self.ledger.tokens()
+
+    def flags(self) -> npt.NDArray[np.uint32]:
+        return self.ledger.flags()
+
+    def group_starts(self) -> npt.NDArray[np.int32]:
+        return self.ledger.group_starts()
+
+    def message_tokens(self, message: Message | int) -> int:
+        """Tokens of one message: by index, or a message object (one of this conversation's, found
+        by identity; otherwise counted as if appended next, without changing anything)."""
+        if isinstance(message, int):
+            return int(self.ledger.tokens()[message])
+        for i in range(len(self._messages) - 1, -1, -1):
+            if self._messages[i] is message:
+                return int(self.ledger.tokens()[i])
+        msgs = [*self._messages, message]
+        last_user = last_user_index(msgs)
+        seg = self.renderer.message(msgs, len(msgs) - 1, last_user=last_user,
+                                    keep_all_reasoning=self._keep_all, opts=self.options, tools=self._tools)
+        tail = self._tail_before(msgs, len(msgs) - 1, {}, last_user) if _leading_text(seg) else None
+        return self._count_segments([seg], [tail])[0]
+
+    # -- updates ------------------------------------------------------------------------------------
+
+    def append(self, message: Message) -> int:
+        """Appends one message; returns its tokens. Costs the rendering of it and its predecessor."""
+        self.sync([*self._messages, message])
+        return int(self.ledger.tokens()[-1])
+
+    def truncate(self, num_messages: int) -> None:
+        if not 0 <= num_messages <= len(self._messages):
+            raise IndexError(f"truncate: num_messages must be in [0, {len(self._messages)}], got {num_messages}")
+        self.sync(self._messages[:num_messages])
+
+    def replace(self, index: int, message: Message) -> int:
+        """Replaces one message (an archived tool output, a rewritten message); returns its tokens."""
+        if not 0 <= index < len(self._messages):
+            raise IndexError(f"replace: index {index} out of range [0, {len(self._messages)})")
+        msgs = list(self._messages)
+        msgs[index] = message
+        self.sync(msgs)
+        return int(self.ledger.tokens()[index])
+
+    def sync(self, messages: Sequence[Message]) -> int:
+        """Makes the ledger describe ``messages``; returns the request's total tokens.
+
+        Cost: rendering and hashing the messages from the first changed one (and, when the last
+        user turn moved, from the previous last user turn), plus tokenizing the segments whose key
+        the cache has not seen. Messages are compared by identity first, so an append-only agent
+        loop costs O(new messages) tokenizer work.
+        """
+        new = list(messages)
+        old = self._messages
+        n = min(len(old), len(new))
+        if all(map(operator.is_, old[:n], new[:n])):  # the agent-loop case, at C speed
+            d = n
+        else:
+            d = 0
+            while d < n and (old[d] is new[d] or old[d] == new[d]):
+                d += 1
+        if d == len(old) == len(new):
+            return self.total_tokens
+        if d == len(old):  # only appended: the last user turn is the old one or a new one
+            grown = last_user_index(new[d:])
+            last_user = d + grown if grown >= 0 else self._last_user
+        else:
+            last_user = last_user_index(new)
+        start = max(d - 1, 0)  # the previous message's framing can depend on what follows it
+        if last_user != self._last_user:
+            # Thinking markers and kept reasoning depend on where the last user turn is: every
+            # message from the earlier of the two positions on may render differently (from the
+            # start when there was no user message).
+            start = min(start, max(min(self._last_user, last_user), 0))
+        rendered: dict[int, Segment] = {}
+        segs: list[Segment] = []
+        tails: list[str | None] = []
+        for i in range(start, len(new)):
+            seg = self._render(new, i, last_user, rendered)
+            segs.append(seg)
+            tails.append(self._tail_before(new, i, rendered, last_user) if _leading_text(seg) else None)
+        counts = self._count_segments(segs, tails)
+        prev_group = int(self.ledger.group_starts()[start - 1]) if start > 0 else -1
+        group_start = np.empty(len(segs), dtype=np.int64)
+        flags = np.empty(len(segs), dtype=np.uint32)
+        keys = np.empty(len(segs), dtype=np.uint64)
+        for k, i in enumerate(range(start, len(new))):
+            m = new[i]
+            g = i
+            if m.role is Role.TOOL and i > 0 and prev_group >= 0:
+                opener = new[prev_group]
+                if opener.role is Role.ASSISTANT and any(c.id == m.tool_call_id for c in opener.tool_calls):
+                    g = prev_group
+            prev_group = g
+            group_start[k] = g
+            flags[k] = int(message_flags(m))
+            keys[k] = segment_key(segs[k], tails[k])
+        self.ledger.truncate(start)
+        self.ledger.append_batch(keys, np.asarray(counts, dtype=np.int64), flags, group_start)
+        self._messages = new
+        self._last_user = last_user
+        self._update_suffix()
+        return self.total_tokens
+
+    def count_view(self, header: Conversation, messages: Sequence[Message]) -> int:
+        """Total tokens of the request ``header`` + ``messages`` would make, without changing this
+        accountant (counts it learns are cached)."""
+        msgs = list(messages)
+        last_user = last_user_index(msgs)
+        keep_all = self.renderer.keeps_all_reasoning(bool(header.tools))
+        prefix = self.renderer.prefix(header.system, header.tools)
+        rendered: dict[int, Segment] = {}
+        segs: list[Segment] = [prefix]
+        tails: list[str | None] = [None]
+        saved = self._keep_all, self._tools
+        self._keep_all, self._tools = keep_all, tuple(header.tools)
+        try:
+            for i in range(len(msgs)):
+                seg = self._render(msgs, i, last_user, rendered)
+                segs.append(seg)
+                tails.append(self._tail_before(msgs, i, rendered, last_user, prefix) if _leading_text(seg) else None)
+            segs.append(self.renderer.suffix(msgs, last_user=last_user, keep_all_reasoning=keep_all, opts=self.options))
+            tails.append(None)
+        finally:
+            self._keep_all, self._tools = saved
+        return int(sum(self._count_segments(segs, tails)))
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _render(self, msgs: Sequence[Message], i: int, last_user: int, rendered: dict[int, Segment]) -> Segment:
+        seg = rendered.get(i)
+        if seg is None:
+            seg = self.renderer.message(msgs, i, last_user=last_user, keep_all_reasoning=self._keep_all,
+                                        opts=self.options, tools=self._tools)
+            rendered[i] = seg
+        return seg
+
+    def _tail_before(self, msgs: Sequence[Message], i: int, rendered: dict[int, Segment], last_user: int,
+                     prefix: Segment | None = None) -> str | None:
+        """The text run that segment ``i`` continues: the text after the last control token before it."""
+        runs: list[str] = []
+        j = i - 1
+        while j >= -1:
+            seg = (self._prefix if prefix is None else prefix) if j < 0 else self._render(msgs, j, last_user, rendered)
+            run, closed = _trailing_run(seg)
+            runs.append(run)
+            if closed:
+                break
+            j -= 1
+        tail = "".join(reversed(runs))
+        return tail or None
+
+    def _update_suffix(self) -> None:
+        suffix = self.renderer.suffix(self._messages, last_user=self._last_user,
+                                      keep_all_reasoning=self._keep_all, opts=self.options)
+        self.suffix_tokens = self._count_segments([suffix], [None])[0]
+
+    def _count_segments(self, segs: Sequence[Segment], tails: Sequence[str | None]) -> list[int]:
+        """Counts of segments through the cache; the misses go to the counter in one batch."""
+        out = [0] * len(segs)
+        todo: list[tuple[int, _Pending]] = []
+        for k, (seg, tail) in enumerate(zip(segs, tails, strict=True)):
+            if not seg:
+                continue
+            key = segment_key(seg, tail)
+            hit = self.ledger.cached_count(key)
+            if hit >= 0:
+                out[k] = int(hit)
+                continue
+            # Rendered segments never hold two text parts in a row: each str is one run.
+            runs = tuple(p for p in seg if isinstance(p, str))
+            todo.append((k, _Pending(key, runs, len(seg) - len(runs), tail)))
+        if not todo:
+            return out
+        texts: list[str] = []
+        for _, p in todo:
+            if p.join_tail is not None:
+                texts.append(p.join_tail + p.runs[0])
+                texts.append(p.join_tail)
+                texts.extend(p.runs[1:])
+            else:
+                texts.extend(p.runs)
+        counts = self.counter.count_batch(texts) if texts else np.zeros(0, dtype=np.int64)
+        pos = 0
+        for k, p in todo:
+            n = len(p.runs) + (1 if p.join_tail is not None else 0)
+            c = counts[pos : pos + n]
+            pos += n
+            total = int(c.sum()) + p.num_specials
+            if p.join_tail is not None:
+                total -= 2 * int(c[1])  # c[1] is the tail alone: subtract it, not add it
+            total = max(total, 0)
+            self.ledger.remember_count(p.key, total)
+            out[k] = total
+        return out
+
+
+def count_request(counter: TokenCounter, template: ChatTemplate, conversation: Conversation,
+                  options: RenderOptions | None = None) -> int:
+    """Tokens of the whole request ``conversation`` makes under ``template`` (a one-off count)."""
+    acc = RequestAccounting(counter, template, options=options)
+    return acc.reset(conversation)
+
+
+__all__ = ["PLAIN", "RequestAccounting", "SegmentFlag", "count_request", "segment_key"]

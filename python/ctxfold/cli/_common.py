@@ -1,0 +1,384 @@
+"""Pieces the subcommands share: option types, trace loading, counters, the terminal, tables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
+from ctxfold.errors import FormatError
+from ctxfold.messages import Conversation
+
+if TYPE_CHECKING:
+    from ctxfold.config import CompactConfig
+    from ctxfold.counting import TokenCounter
+
+DEFAULT_TOKENIZER = "estimate:deepseek-v4"
+DEFAULT_CONTEXT_TOKENS = 16384
+
+# Raw, so the examples in each epilog keep their layout; descriptions are wrapped with wrap().
+FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def wrap(text: str, width: int = 78) -> str:
+    return textwrap.fill(text, width)
+
+
+# -- option types: a bad value is a usage error (exit 2) that names the option ---------------------------
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1; accepts 16k / 128K / 1M as shorthands (k = 1024, as context sizes are quoted)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 16384 or 16k)")
+    value = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
+# -- common options --------------------------------------------------------------------------------------
+
+
+def add_format_option(p: argparse.ArgumentParser) -> None:
+    from ctxfold.formats import FORMATS
+
+    p.add_argument("--format", choices=FORMATS, metavar="NAME",
+                   help=f"read the input as this trace format instead of detecting it ({', '.join(FORMATS)})")
+    p.add_argument("--lenient", action="store_true", help="skip malformed records of a trace (counted on "
+                   "stderr) instead of stopping at the first one")
+
+
+def add_counting_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, metavar="SPEC",
+                   help="token counter: a tokenizer by name (deepseek-v4, qwen3, mistral, o200k_base, "
+                   "cl100k_base), a tokenizer.json or SentencePiece .model file, estimate:NAME (the "
+                   f"calibrated estimator), or chars4 (default: {DEFAULT_TOKENIZER})")
+    p.add_argument("--template", metavar="NAME",
+                   help="chat template the requests are rendered with, for exact counts: deepseek-v3.2 (the "
+                   "hosted DeepSeek API), deepseek-v4, chatml (qwen3), mistral-v7; default: message text "
+                   "alone, without template tokens")
+
+
+def add_policy_options(p: argparse.ArgumentParser) -> None:
+    from ctxfold.config import POLICIES
+
+    p.add_argument("--ctx", type=positive_int, metavar="TOKENS", help="the model's context window in tokens "
+                   f"(16k = 16384; default: the config file's context_tokens, else {DEFAULT_CONTEXT_TOKENS})")
+    p.add_argument("--config", metavar="FILE", help="compaction settings: an agent.yml (agent.compact), or a "
+                   "YAML/TOML file of compact keys; --policy and --ctx override it")
+    p.add_argument("--policy", choices=POLICIES, help="preset: ds4 (soft/hard triggers), datus (archive, "
+                   "major and mid-turn passes) or both (default: both, or the config file's)")
+    p.add_argument("--summarizer", metavar="extractive|URL", help="who writes summaries: extractive (built "
+                   "from the conversation itself, no model; the default) or the base URL of an "
+                   "OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (needs --model)")
+    p.add_argument("--model", help="model name for --summarizer URL (default: $CTXFOLD_SUMMARY_MODEL)")
+    p.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
+                   help="KV cache page size the reuse figures round down to (default: 16)")
+    p.add_argument("--reply-reserve", type=non_negative_int, metavar="TOKENS", help="tokens kept free for "
+                   "each answer (default: the config's, else the longest recorded answer, at least 256 "
+                   "and at most a quarter of the window)")
+
+
+def check_summarizer_args(args: argparse.Namespace) -> None:
+    s = args.summarizer
+    if s is not None and s != "extractive":
+        if not s.startswith(("http://", "https://")):
+            raise CommandError(f"--summarizer {s!r}: expected 'extractive' or an http(s) URL of an "
+                               "OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1", EXIT_USAGE)
+        if not (args.model or os.environ.get("CTXFOLD_SUMMARY_MODEL")):
+            raise CommandError(f"--summarizer {s}: which model? add --model NAME", EXIT_USAGE)
+    elif args.model:
+        raise CommandError("--model is for --summarizer URL; the extractive summarizer needs no model", EXIT_USAGE)
+
+
+def make_summarizer(config: CompactConfig, counter: Any) -> Any:
+    """The summarizer ``config.summarizer`` asks for, built by ctxfold.summarize; None for the extractive
+    one, which is the compactor's own default (so a replay here and replay_conversation agree)."""
+    if config.summarizer.kind == "extractive":
+        return None
+    from ctxfold.summarize import make_summarizer as make
+
+    return make(config, counter=counter)
+
+
+def reply_reserve_config(config: CompactConfig, explicit: int | None) -> tuple[CompactConfig, bool]:
+    """The config with --reply-reserve applied, and whether each conversation gets its own reserve
+    (neither the option nor the config sets one)."""
+    if explicit is not None:
+        return replace(config, reply_reserve_tokens=explicit), False
+    return config, config.reply_reserve_tokens is None and config.max_output_tokens is None
+
+
+def with_auto_reserve(config: CompactConfig, conversation: Conversation, counter: TokenCounter) -> CompactConfig:
+    """The replay reserve of ``ctxfold.replay.default_reply_reserve``: the longest recorded answer."""
+    from ctxfold.replay import default_reply_reserve
+
+    return replace(config, reply_reserve_tokens=default_reply_reserve(conversation, counter.count,
+                                                                      config.context_tokens))
+
+
+def load_counter(spec: str) -> TokenCounter:
+    from ctxfold.counting import load_counter as load
+
+    return load(spec)
+
+
+def load_template(spec: str | None) -> Any:
+    """The chat template preset named ``spec`` (None: plain text, no template tokens)."""
+    if spec is None:
+        return None
+    from ctxfold.templates import get_template
+
+    return get_template(spec)
+
+
+def build_config(args: argparse.Namespace, *, default_context_tokens: int | None) -> CompactConfig:
+    """The compaction settings: --config FILE, else the --policy preset, with --ctx over both."""
+    from ctxfold.config import CompactConfig, load_config
+
+    overrides: dict[str, Any] = {}
+    if getattr(args, "policy", None) is not None:
+        overrides["policy"] = args.policy
+    if getattr(args, "ctx", None) is not None:
+        overrides["context_tokens"] = args.ctx
+    if getattr(args, "config", None) is not None:
+        config = load_config(args.config, **overrides)
+    else:
+        config = CompactConfig.from_mapping(overrides)
+    if config.context_tokens is None and default_context_tokens is not None:
+        config = replace(config, context_tokens=default_context_tokens)
+    spec = getattr(args, "summarizer", None)
+    if spec == "extractive":
+        config = replace(config, summarizer=replace(config.summarizer, kind="extractive"))
+    elif spec is not None:  # an endpoint URL (check_summarizer_args ran)
+        config = replace(config, summarizer=replace(config.summarizer, kind="openai", base_url=spec,
+                                                    model=args.model or config.summarizer.model))
+    return config
+
+
+# -- input -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    path: str  # the file as named on the command line
+    format: str  # the importer that read it
+    conversations: list[Conversation]
+
+
+def load_traces(paths: Sequence[str], format: str | None = None, *, lenient: bool = False,
+                warn: Callable[[str], None] | None = None) -> list[Loaded]:
+    """Every conversation of every file, in order. A missing or malformed file is an input error
+    naming the file (and the line, for a malformed record); with ``lenient`` bad records are skipped
+    and ``warn`` hears how many, and the first."""
+    from ctxfold.formats import read_path
+
+    out = []
+    for path in paths:
+        p = Path(path)
+        if not p.exists():
+            raise CommandError(f"{path}: no such file; expected a trace file (JSON or JSONL)", EXIT_INPUT)
+        if p.is_dir():
+            raise CommandError(f"{path}: is a directory; name the trace files in it (e.g. {path}/*.json)",
+                               EXIT_INPUT)
+        report = read_path(p, format, lenient=lenient)
+        if report.skipped and warn is not None:
+            warn(f"{path}: skipped {len(report.skipped)} malformed record{'s' if len(report.skipped) != 1 else ''}"
+                 f" (first: {report.skipped[0]})")
+        if not report.conversations:
+            raise FormatError("no conversation in this file", source=path)
+        out.append(Loaded(path, report.format, report.conversations))
+    return out
+
+
+def warn(text: str) -> None:
+    """A warning: one line on stderr, shown even with --quiet."""
+    print(f"ctxfold: warning: {text}", file=sys.stderr)
+
+
+def unique_labels(conversations: Sequence[Conversation]) -> list[str]:
+    """A short, distinct, filesystem-safe label per conversation (its id, made unique)."""
+    labels: list[str] = []
+    seen: dict[str, int] = {}
+    for c in conversations:
+        base = re.sub(r"[^A-Za-z0-9._:-]+", "_", c.id or "conversation").strip("._") or "conversation"
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        labels.append(base if n == 0 else f"{base}.{n}")
+    return labels
+
+
+def write_output(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` ('-' is stdout), creating parent directories."""
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise CommandError(f"{path}: is a directory; give a file name for the output", EXIT_INPUT)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text, encoding="utf-8")
+
+
+# -- terminal --------------------------------------------------------------------------------------------
+
+BANNER = "\x1b[1;95m"  # ds4's COMPACTING banner: bold bright magenta
+GREY = "\x1b[38;5;245m"  # ds4 streams the summary in this grey
+DIM = "\x1b[2m"
+BOLD = "\x1b[1m"
+RED = "\x1b[31m"
+YELLOW = "\x1b[33m"
+GREEN = "\x1b[32m"
+RESET = "\x1b[0m"
+
+
+class Terminal:
+    """One output stream (stderr) for progress and markers. Escape codes only on a terminal without
+    NO_COLOR; the redrawn progress line only on a terminal at all, so logs stay plain text."""
+
+    def __init__(self, stream: IO[str] | None = None, *, quiet: bool = False) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.quiet = quiet
+        isatty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.live = isatty and os.environ.get("TERM") != "dumb"
+        self.color = self.live and not os.environ.get("NO_COLOR")  # no-color.org: set and non-empty
+        self._status = ""  # the live line currently drawn (progress bar), "" when none
+        self._open_text = False  # a streamed text is mid-line
+
+    def style(self, text: str, code: str) -> str:
+        return f"{code}{text}{RESET}" if self.color else text
+
+    def line(self, text: str) -> None:
+        """Print one line above the live status line."""
+        if self.quiet:
+            return
+        self._clear()
+        if self._open_text:
+            self.stream.write("\n")
+            self._open_text = False
+        self.stream.write(text + "\n")
+        self._redraw()
+
+    def stream_text(self, text: str, code: str = GREY) -> None:
+        """Stream text (a summary being written) with the status line out of the way."""
+        if self.quiet or not text:
+            return
+        if not self._open_text:
+            self._clear()
+        body, newline = (text[:-1], "\n") if text.endswith("\n") else (text, "")
+        self.stream.write((self.style(body, code) if body else "") + newline)
+        self._open_text = not newline
+        self.stream.flush()
+
+    def end_text(self) -> None:
+        """End streamed text; the status line comes back under it."""
+        if self._open_text:
+            self.stream.write("\n")
+            self._open_text = False
+            self._redraw()
+
+    def status(self, text: str) -> None:
+        """Replace the live status line (terminals only)."""
+        if self.quiet or not self.live:
+            return
+        self._status = text
+        if not self._open_text:
+            self._clear()
+            self._redraw()
+
+    def clear_status(self) -> None:
+        self._clear()
+        self._status = ""
+
+    def _clear(self) -> None:
+        if self.live and self._status and not self._open_text:
+            # Erase the status line: one escape code, or (NO_COLOR: no escape codes at all) blanks.
+            self.stream.write("\r\x1b[2K" if self.color else "\r" + " " * (_columns() - 1) + "\r")
+
+    def _redraw(self) -> None:
+        if self.live and self._status and not self._open_text:
+            self.stream.write(self._status[: _columns() - 1])
+        self.stream.flush()
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 100
+
+
+def bar(done: int, total: int, cells: int = 24, full: str = "█", empty: str = "·") -> str:
+    n = 0 if total <= 0 else min(cells, done * cells // total)
+    return full * n + empty * (cells - n)
+
+
+class Throttle:
+    """True at most every ``interval_s`` seconds (so redraws do not cost more than the work)."""
+
+    def __init__(self, interval_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last = -1e9
+
+    def __call__(self, force: bool = False) -> bool:
+        now = self.clock()
+        if force or now - self._last >= self.interval_s:
+            self._last = now
+            return True
+        return False
+
+
+def tokens(n: float | None) -> str:
+    """A token count as people read them: 950, 12.3k, 1.20M (ds4's footer style)."""
+    if n is None:
+        return "-"
+    a = abs(n)
+    if a < 1000:
+        return f"{int(n)}"
+    if a < 1_000_000:
+        return f"{n / 1000:.1f}k"
+    return f"{n / 1_000_000:.2f}M"
+
+
+# -- tables ----------------------------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, align: str | None = None,
+          total: Sequence[object] | None = None) -> str:
+    """A plain-text table: first column left-aligned, the rest right-aligned (``align`` overrides,
+    one of 'l'/'r' per column); an optional total row under a rule."""
+    cells = [[str(c) for c in r] for r in rows]
+    tot = [str(c) for c in total] if total is not None else None
+    allrows = [list(headers), *cells, *([tot] if tot else [])]
+    widths = [max(len(r[i]) for r in allrows) for i in range(len(headers))]
+    al = align or ("l" + "r" * (len(headers) - 1))
+
+    def fmt(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, al, strict=True)).rstrip()
+
+    out = [fmt(headers), "  ".join("-" * w for w in widths)]
+    out += [fmt(r) for r in cells]
+    if tot is not None:
+        out += ["  ".join("-" * w for w in widths), fmt(tot)]
+    return "\n".join(out) + "\n"

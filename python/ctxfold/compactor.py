@@ -1,0 +1,625 @@
+"""The compactor: one object per conversation, called before every model request.
+
+It decides (the soft and hard triggers of ds4, the minor, major and mid-turn passes of Datus), runs
+the passes (archive, summary, rebuild), and returns the new view with an event record. It never
+deadlocks: a failed or impossible summary falls back to the extractive one, a rewrite that does not
+shrink the conversation is not applied, and a breaker stops automatic passes for the rest of a turn
+after repeated failures or when even the compacted view is over the threshold.
+
+Lifecycle, as an agent loop drives it::
+
+    c = Compactor(conversation, config=cfg, counter=counter, session_dir=...)
+    c.append(user_message)                 # a new user turn
+    event = c.before_request()             # maybe compacts; c.view is what to send
+    c.append(assistant_message)            # the model's answer
+    c.append_tool_result(result)           # the hard trigger lives here
+    event = c.before_request()             # a tool continuation: mid-turn checks
+    c.compact_now()                        # manual: always a summary pass
+
+Thread safety: every public method holds the compactor's lock, so one conversation can be shared
+between threads; :class:`AsyncCompactor` is the asyncio variant for servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from ctxfold.accounting import RequestAccounting
+from ctxfold.archive import (
+    ArchiveParams,
+    ArchiveStore,
+    MemoryBackend,
+    archive_mid_turn,
+    archive_oversized,
+    archive_turn_start,
+)
+from ctxfold.config import CompactConfig
+from ctxfold.counting import TokenCounter, load_counter
+from ctxfold.messages import Conversation, Message, Role
+from ctxfold.session import Session, ViewEntry
+from ctxfold.summarize import (
+    ChunkedSummarizer,
+    ExtractiveSummarizer,
+    FallbackSummarizer,
+    Summarizer,
+    build_summary_request,
+)
+from ctxfold.tail import select_tail_from_ledger
+from ctxfold.templates import ChatTemplate
+
+
+class Observer(Protocol):
+    """Hooks for user interfaces. Every method is optional to implement (see NullObserver)."""
+
+    def compaction_started(self, reason: str, kind: str) -> None: ...
+    def summary_token(self, text: str) -> None: ...
+    def compaction_finished(self, event: CompactionEvent) -> None: ...
+    def prefill_progress(self, done_tokens: int, total_tokens: int) -> None: ...
+
+
+class NullObserver:
+    def compaction_started(self, reason: str, kind: str) -> None:
+        pass
+
+    def summary_token(self, text: str) -> None:
+        pass
+
+    def compaction_finished(self, event: CompactionEvent) -> None:
+        pass
+
+    def prefill_progress(self, done_tokens: int, total_tokens: int) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class KvPlanFigures:
+    """What an engine's KV cache keeps across one rewrite."""
+
+    tokens_reused: int  # cached tokens kept as they are (exact common prefix, page-aligned)
+    tokens_to_prefill: int  # tokens of the new request that must be computed again
+    tokens_shift_reusable: int = 0  # of those, tokens an engine that can shift positions could move (approximate)
+    exact: bool = False  # computed over token ids (True) or over per-message counts (False)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchivedOutput:
+    message_id: str  # id of the tool-result message that was archived
+    archive_id: str  # content address in the archive store
+    chars_before: int  # characters of the original output
+    chars_after: int  # characters of the marker that replaced it
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionEvent:
+    """The record of one compaction attempt (applied or not)."""
+
+    kind: str  # "archive" (minor), "summary" (major), "last_resort" (a result too big even after compaction)
+    trigger: str  # "turn_start", "soft", "major", "mid_turn", "hard", "manual"
+    reason: str  # human-readable reason, e.g. "soft limit before user turn"
+    applied: bool  # False when the pass failed or would not have shrunk the conversation
+    tokens_before: int  # occupancy before, reply reserve included
+    tokens_after: int  # occupancy after (equal to before when not applied)
+    archived: tuple[ArchivedOutput, ...] = ()
+    summary: str | None = None
+    summarizer: str | None = None  # which summarizer wrote the summary that was used
+    summary_fallback: bool = False  # the configured summarizer failed and the extractive one stood in
+    summary_failure: str | None = None  # why the configured summarizer failed
+    summary_cut: str | None = None  # "token_cap", "control_boundary", ... when the summary was cut
+    tail_start: int | None = None  # index in the old view where the verbatim tail starts
+    tail_rule: str | None = None  # which rule chose the tail start
+    tail_tokens: int = 0
+    history_dump: str | None = None  # path of the full-history dump written before the rewrite
+    kv: KvPlanFigures | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase wall time
+    failure: str | None = None  # why nothing was applied
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    """Outcome of :meth:`Compactor.append_tool_result`."""
+
+    appended: Message  # what was appended: the result, or a marker plus tool error
+    fitted: bool  # the original result fits (possibly after compaction)
+    events: tuple[CompactionEvent, ...] = ()
+
+
+@dataclass(slots=True)
+class _TurnState:
+    number: int = 0  # real user turns seen
+    failures: int = 0  # consecutive failed compactions in this turn
+    gave_up: bool = False  # automatic passes stopped for the rest of this turn
+    request_index: int = -1  # view index of this turn's request (the user message that started it)
+
+
+class Compactor:
+    """Compaction policy and state for one conversation. See the module docstring."""
+
+    def __init__(
+        self,
+        conversation: Conversation,
+        *,
+        config: CompactConfig | None = None,
+        counter: TokenCounter | None = None,
+        template: ChatTemplate | None = None,
+        summarizer: Summarizer | None = None,
+        session_dir: str | Path | None = None,
+        durable: bool = True,
+        page_size_tokens: int = 16,
+        observer: Observer | None = None,
+    ) -> None:
+        self.config = config if config is not None else CompactConfig()
+        self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
+        self.accounting = RequestAccounting(self.counter, template)
+        self.summarizer: Summarizer = summarizer if summarizer is not None else ExtractiveSummarizer()
+        self._extractive = ExtractiveSummarizer(counter=self.counter)
+        self.observer: Observer = observer if observer is not None else NullObserver()
+        self.page_size_tokens = page_size_tokens
+        self._lock = threading.RLock()
+        self.header = replace(conversation, messages=[])
+        self.events: list[CompactionEvent] = []
+        self._turn = _TurnState()
+        self._pending: list[Message] = []  # appended since the last request (decides turn start vs continuation)
+
+        self.session: Session | None = None
+        if session_dir is not None:
+            self.session = Session(session_dir, durable=durable)
+        self.store = ArchiveStore(self.session.archive_dir if self.session is not None else MemoryBackend())
+
+        if self.session is not None and self.session.exists():
+            resumed = self.session.load()
+            self.header = replace(resumed.conversation, messages=[])
+            self.originals = resumed.originals
+            self.view = resumed.conversation.messages
+            self.view_origins = resumed.view_origins
+            self._load_state(resumed.state)
+        else:
+            self.originals = []
+            self.view = []
+            self.view_origins = []
+            if self.session is not None:
+                self.session.create(self.header)
+            self._ingest(conversation.messages)
+        self.accounting.reset(self.header, self.view)
+
+    # -- figures ------------------------------------------------------------------------------------
+    @property
+    def context_tokens(self) -> int | None:
+        return self.config.context_tokens
+
+    def occupancy_tokens(self, queued: Sequence[Message] = ()) -> int:
+        """System + tools + view + queued messages + reply reserve, in tokens. O(len(queued))."""
+        extra = sum(self.accounting.message_tokens(m) for m in queued)
+        return self.accounting.total_tokens + extra + self.config.reply_reserve()
+
+    def conversation(self) -> Conversation:
+        """The current view as a conversation (what the next request sends)."""
+        return replace(self.header, messages=list(self.view))
+
+    # -- appending ----------------------------------------------------------------------------------
+    def append(self, *messages: Message) -> None:
+        """Append messages as they happen (user turns, assistant answers). Tool results should go
+        through :meth:`append_tool_result`, which applies the hard trigger."""
+        with self._lock:
+            self._ingest(messages)
+
+    def append_tool_result(self, result: Message) -> AppendResult:
+        """Append one tool result; if it would not fit with the reply reserve, compact and retry once,
+        and as the last resort archive it and append a marker with a tool error instead."""
+        with self._lock:
+            ctx = self.context_tokens
+            if ctx is None or not self.config.hard.enabled or self._fits(result):
+                self._ingest([result])
+                return AppendResult(result, fitted=True)
+            events: list[CompactionEvent] = []
+            reason = "tool result would exceed context"
+            if self._archive_enabled(mid_turn=True):
+                ev = self._archive_pass(stage="mid_turn", trigger="hard", reason=reason)
+                if ev is not None:
+                    events.append(ev)
+            if not self._fits(result):
+                events.append(self._summary_pass(trigger="hard", reason=reason, mid_turn=not self._at_turn_start()))
+            if self._fits(result):
+                self._ingest([result])
+                return AppendResult(result, fitted=True, events=tuple(events))
+            room = ctx - self.occupancy_tokens()
+            oversized = archive_oversized(result, self.store, max_tokens=max(room, 0), count_tokens=self.counter.count,
+                                          preview_chars=self.config.minor.archive_preview_chars)
+            appended = oversized.message
+            self._ingest([result], shown=[appended])
+            before = self.occupancy_tokens() - self.accounting.message_tokens(appended)
+            events.append(CompactionEvent(
+                kind="last_resort", trigger="hard", reason="tool result does not fit even after compaction",
+                applied=oversized.fits, tokens_before=before + self.accounting.message_tokens(result),
+                tokens_after=self.occupancy_tokens(),
+                archived=tuple(ArchivedOutput(a.message_id, a.archive_id, a.chars_before, a.chars_after)
+                               for a in oversized.report.archived),
+                failure=oversized.report.error,
+            ))
+            self._record(events[-1])
+            return AppendResult(appended, fitted=False, events=tuple(events))
+
+    # -- the decision -------------------------------------------------------------------------------
+    def before_request(self, queued: Sequence[Message] = ()) -> CompactionEvent | None:
+        """Run the automatic passes due before a model request; return the last event, if any.
+
+        ``queued`` are user messages typed while the turn runs: counted before deciding, appended to
+        the view after any rewrite (so they follow a resume instruction), flagged as queued inserts.
+        """
+        with self._lock:
+            turn_start = self._at_turn_start()
+            if turn_start:
+                self._new_turn()
+            last: CompactionEvent | None = None
+            if not self._turn.gave_up:
+                last = self._run_automatic(turn_start, queued)
+            if queued:
+                self._ingest([replace(m, queued=True) if not m.queued else m for m in queued])
+            self._pending.clear()
+            return last
+
+    def compact_now(self, reason: str = "manual compaction") -> CompactionEvent:
+        """Manual compaction: always a summary pass, even when automatic passes are off."""
+        with self._lock:
+            event = self._summary_pass(trigger="manual", reason=reason, mid_turn=False, manual=True)
+            self._pending.clear()
+            return event
+
+    def _run_automatic(self, turn_start: bool, queued: Sequence[Message]) -> CompactionEvent | None:
+        cfg = self.config
+        last: CompactionEvent | None = None
+        if turn_start and self._archive_enabled(mid_turn=False):
+            last = self._archive_pass(stage="turn_start", trigger="turn_start",
+                                      reason="more than keep_recent_user_turns user turns") or last
+        ctx = self.context_tokens
+        if ctx is None:
+            return last  # unknown window: token triggers are skipped
+        used = self.occupancy_tokens(queued)
+        if (not turn_start and self._archive_enabled(mid_turn=True)
+                and used >= cfg.minor.mid_turn_token_threshold * ctx):
+            last = self._archive_pass(stage="mid_turn", trigger="mid_turn",
+                                      reason="mid-turn occupancy over minor.mid_turn_token_threshold") or last
+            used = self.occupancy_tokens(queued)
+        trigger = self._summary_trigger(used, ctx, turn_start)
+        if trigger is not None:
+            kind, reason = trigger
+            last = self._summary_pass(trigger=kind, reason=reason, mid_turn=not turn_start, queued=queued)
+        return last
+
+    def _summary_trigger(self, used: int, ctx: int, turn_start: bool) -> tuple[str, str] | None:
+        cfg = self.config
+        where = "before user turn" if turn_start else "before tool continuation"
+        if cfg.soft.enabled and (used >= ctx * cfg.soft.percent / 100
+                                 or ctx - used <= cfg.soft.free_threshold_tokens(ctx)):
+            return "soft", f"soft limit {where}"
+        if cfg.major.enabled and (turn_start or cfg.major.mid_turn_enabled) and used >= cfg.major.token_threshold * ctx:
+            return ("major" if turn_start else "mid_turn"), f"major.token_threshold reached {where}"
+        return None
+
+    def _archive_enabled(self, *, mid_turn: bool) -> bool:
+        minor = self.config.minor
+        return minor.enabled and (minor.mid_turn_enabled or not mid_turn)
+
+    # -- passes -------------------------------------------------------------------------------------
+    def _archive_pass(self, *, stage: str, trigger: str, reason: str) -> CompactionEvent | None:
+        t0 = time.perf_counter()
+        params = ArchiveParams(
+            keep_recent_user_turns=self.config.minor.keep_recent_user_turns,
+            archive_threshold_chars=self.config.minor.archive_threshold,
+            archive_preview_chars=self.config.minor.archive_preview_chars,
+            keep_recent_tool_results=self.config.minor.keep_recent_tool_results,
+        )
+        run = archive_turn_start if stage == "turn_start" else archive_mid_turn
+        result = run(self.view, self.store, params)
+        report = result.report
+        if not report.archived and report.error is None:
+            return None  # nothing to do: no event, no log line
+        before = self.occupancy_tokens()
+        if report.archived:
+            self._rewrite(result.messages, list(self.view_origins))
+        event = CompactionEvent(
+            kind="archive", trigger=trigger, reason=reason, applied=bool(report.archived),
+            tokens_before=before, tokens_after=self.occupancy_tokens(),
+            archived=tuple(ArchivedOutput(a.message_id, a.archive_id, a.chars_before, a.chars_after)
+                           for a in report.archived),
+            failure=report.error, seconds={"archive": time.perf_counter() - t0},
+        )
+        if report.archived:
+            self._log_view(event)
+        self._record(event)
+        return event
+
+    def _summary_pass(self, *, trigger: str, reason: str, mid_turn: bool, manual: bool = False,
+                      queued: Sequence[Message] = ()) -> CompactionEvent:
+        cfg = self.config
+        ctx = self.context_tokens
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.observer.compaction_started(reason, "summary")
+        before = self.occupancy_tokens(queued)
+        # BOTTOM: at a turn start the new user turn stays out of the summary and after the tail.
+        bottom = len(self.view) - (len(self._pending) if not mid_turn and not manual else 0)
+        bottom = max(bottom, 0)
+        if bottom == 0:
+            return self._failed(trigger, reason, before, "nothing to summarize", timings)
+
+        dump = None
+        if self.session is not None:
+            dump = self.session.write_history_dump(self.originals, self.header)
+        timings["dump"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        summary = self._summarize(bottom, reason, mid_turn)
+        timings["summary"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        # What the rebuilt view holds besides summary and tail: the messages after BOTTOM, queued
+        # inserts and, mid-turn, the turn's request and the resume instruction.
+        tokens = self.accounting.tokens()
+        besides = int(tokens[bottom:].sum()) + sum(self.accounting.message_tokens(m) for m in queued)
+        if mid_turn:
+            besides += self.accounting.message_tokens(resume_message(0))
+            if 0 <= self._turn.request_index < bottom:
+                besides += int(tokens[self._turn.request_index])
+        budget, room = self._tail_budget(summary.text, besides)
+        tail = select_tail_from_ledger(self.accounting.ledger, budget_tokens=budget, bottom=bottom)
+        while not tail.found and budget < room:
+            # Not even the newest call group fits the configured tail: keep the smallest legal tail
+            # the rebuilt view has room for, since mid-turn it holds the output the model just asked
+            # for. Doubling keeps it small, so the next compaction is not due at once.
+            budget = min(2 * max(budget, 1), room)
+            tail = select_tail_from_ledger(self.accounting.ledger, budget_tokens=budget, bottom=bottom)
+        timings["tail"] = time.perf_counter() - t2
+
+        summary_msg = Message(
+            Role.USER, frame_summary(summary.text, dump.relative_to(self.session.root).as_posix()
+                                     if dump is not None and self.session is not None else None),
+            id=f"ctxfold-summary-{len(self.events)}", summary=True,
+        )
+        new_view: list[Message] = []
+        new_origins: list[int] = []
+        if mid_turn and 0 <= self._turn.request_index < tail.start:
+            # Mid-turn the turn's own request stays verbatim ahead of the summary (Datus).
+            new_view.append(self.view[self._turn.request_index])
+            new_origins.append(self.view_origins[self._turn.request_index])
+        new_view.append(summary_msg)
+        new_origins.append(-1)
+        new_view.extend(self.view[tail.start:])
+        new_origins.extend(self.view_origins[tail.start:])
+        if mid_turn:
+            new_view.append(resume_message(len(self.events)))
+            new_origins.append(-1)
+
+        after = self.accounting.count_view(self.header, new_view) + self.config.reply_reserve()
+        after += sum(self.accounting.message_tokens(m) for m in queued)
+        if after >= before:
+            return self._failed(trigger, reason, before, f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
+                                timings, summary=summary, dump=dump)
+        old_view = self.view
+        self._rewrite(new_view, new_origins)
+        if mid_turn:
+            self._turn.request_index = 0 if new_view[0] is not summary_msg else -1
+        kv = self._kv_figures(old_view, new_view)
+        timings["total"] = time.perf_counter() - t0
+        event = CompactionEvent(
+            kind="summary", trigger=trigger, reason=reason, applied=True, tokens_before=before,
+            tokens_after=self.occupancy_tokens(queued), summary=summary.text, summarizer=summary.summarizer,
+            summary_fallback=summary.fallback_from is not None, summary_failure=summary.fallback_from,
+            summary_cut=summary.cut_reason if summary.cut_reason not in ("eos", "none") else None,
+            tail_start=tail.start, tail_rule=tail.rule.name.lower(), tail_tokens=tail.num_tokens,
+            history_dump=str(dump) if dump is not None else None, kv=kv, seconds=timings,
+        )
+        if summary.fallback_from is not None:
+            self._turn.failures += 1
+        else:
+            self._turn.failures = 0
+        if ctx is not None and not manual and self._summary_trigger(event.tokens_after, ctx, not mid_turn) is not None:
+            self._turn.gave_up = True  # even the compacted view is over the threshold: stop for this turn
+        self._log_view(event)
+        self._record(event)
+        return event
+
+
+
+    # -- pieces of the passes -----------------------------------------------------------------------
+    def _summarize(self, bottom: int, reason: str, mid_turn: bool) -> _Summary:
+        """The summary of view[:bottom]: the configured summarizer (chunked when even the request
+        does not leave room for an answer), else the extractive fallback, which cannot fail."""
+        cfg = self.config
+        ctx = self.context_tokens
+        request = build_summary_request(self.view, bottom, reason=reason, cap_tokens=cfg.summary.max_tokens,
+                                        mid_turn=mid_turn, system=self.header.system, tools=self.header.tools)
+        if not isinstance(self.summarizer, ExtractiveSummarizer):
+            if self._turn.failures < cfg.max_consecutive_failures:
+                room = None if ctx is None else ctx - self.accounting.count_view(self.header, request.messages) - 1
+                primary: Summarizer = self.summarizer
+                if ctx is not None and room is not None and room < cfg.summary.min_room_tokens and cfg.summary.chunked:
+                    primary = ChunkedSummarizer(self.summarizer, window_tokens=ctx, counter=self.counter,
+                                                fallback=self._extractive)
+                else:
+                    request = replace(request, room_tokens=room, max_tokens=cfg.summary_max_tokens(room))
+                result = FallbackSummarizer(primary, self._extractive).summarize(
+                    request, on_token=self.observer.summary_token, timeout_s=cfg.summary.timeout_s)
+                return _Summary(result.text, result.summarizer, result.cut_reason, result.primary_failure)
+            failure: str | None = (f"{self._turn.failures} consecutive failures this turn: "
+                                   f"{self.summarizer.name} is not called again until the next turn")
+        else:
+            failure = None
+        # The extractive summary takes no room in the window (no model writes it), so only the cap
+        # binds; an eighth of the window at most, so the rebuilt view keeps room for the tail.
+        cap = cfg.summary.max_tokens if ctx is None else max(64, min(cfg.summary.max_tokens, ctx // 8))
+        result = self._extractive.summarize(replace(request, max_tokens=cap, cap_tokens=cap),
+                                            on_token=self.observer.summary_token)
+        return _Summary(result.text, result.summarizer, result.cut_reason, failure)
+
+    def _trigger_line_tokens(self, ctx: int) -> int:
+        """The occupancy at which an automatic summary fires; a rebuilt view must stay below it."""
+        cfg = self.config
+        lines = [ctx]
+        if cfg.soft.enabled:
+            lines += [int(ctx * cfg.soft.percent / 100), ctx - cfg.soft.free_threshold_tokens(ctx)]
+        if cfg.major.enabled:
+            lines.append(int(ctx * cfg.major.token_threshold))
+        return min(lines)
+
+    def _tail_budget(self, summary_text: str, besides_tokens: int) -> tuple[int, int]:
+        """(the configured tail budget, the room the rebuilt view leaves for a tail under the
+        trigger line, given the tokens of everything it holds besides summary and tail)."""
+        ctx = self.context_tokens
+        if ctx is None:
+            return self.config.tail.cap_tokens, self.config.tail.cap_tokens
+        room = (self._trigger_line_tokens(ctx) - self.accounting.fixed_tokens - self.counter.count(summary_text)
+                - SUMMARY_FRAME_TOKENS - besides_tokens - self.config.reply_reserve())
+        room = max(0, room)
+        return min(self.config.tail.budget_tokens(ctx), room), room
+
+    def _fits(self, result: Message) -> bool:
+        ctx = self.context_tokens
+        return ctx is None or self.occupancy_tokens() + self.accounting.message_tokens(result) <= ctx
+
+    def _at_turn_start(self) -> bool:
+        return any(m.is_user_turn for m in self._pending)
+
+    def _new_turn(self) -> None:
+        self._turn.number += 1
+        self._turn.failures = 0
+        self._turn.gave_up = False
+
+    def _failed(self, trigger: str, reason: str, before: int, why: str, timings: dict[str, float], *,
+                summary: _Summary | None = None, dump: Path | None = None) -> CompactionEvent:
+        self._turn.failures += 1
+        if self._turn.failures >= self.config.max_consecutive_failures:
+            self._turn.gave_up = True
+        event = CompactionEvent(
+            kind="summary", trigger=trigger, reason=reason, applied=False, tokens_before=before,
+            tokens_after=before, summary=summary.text if summary else None,
+            summarizer=summary.summarizer if summary else None,
+            history_dump=str(dump) if dump is not None else None, seconds=timings, failure=why,
+        )
+        if self.session is not None:
+            self.session.log_state(self._state())
+        self._record(event)
+        return event
+
+    def _ingest(self, messages: Iterable[Message], shown: Sequence[Message] | None = None) -> None:
+        """Log originals and show them (or their stand-ins) in the view."""
+        messages = list(messages)
+        shown = messages if shown is None else list(shown)
+        first = len(self.originals)
+        self.originals.extend(messages)
+        if self.session is not None:
+            self.session.append_messages(messages)
+        for k, m in enumerate(shown):
+            self.view.append(m)
+            self.view_origins.append(first + k)
+            if m.is_user_turn:
+                self._turn.request_index = len(self.view) - 1
+        self.accounting.sync(self.view)
+        self._pending.extend(messages)
+
+    def _rewrite(self, view: list[Message], origins: list[int]) -> None:
+        self.view = view
+        self.view_origins = origins
+        self.accounting.reset(self.header, view)
+
+    def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:
+        """Reuse of the engine's prefix cache across a rewrite, over per-message counts: the exact
+        common prefix (page-aligned), what must be prefilled again, and what a position-shifting
+        engine could move instead (verbatim messages found again after the divergence: approximate)."""
+        new_tokens = self.accounting.tokens()
+        k = 0
+        while k < min(len(old), len(new)) and old[k] is new[k]:
+            k += 1
+        common = self.accounting.prefix_tokens + int(new_tokens[:k].sum())
+        reused = common - common % self.page_size_tokens
+        old_ids = {id(m) for m in old[k:]}
+        shiftable = int(sum(int(new_tokens[i]) for i in range(k, len(new)) if id(new[i]) in old_ids))
+        return KvPlanFigures(tokens_reused=reused, tokens_to_prefill=self.accounting.total_tokens - reused,
+                             tokens_shift_reusable=shiftable)
+
+    def _state(self) -> dict[str, Any]:
+        return {"turn": self._turn.number, "failures": self._turn.failures, "gave_up": self._turn.gave_up,
+                "request_index": self._turn.request_index, "occupancy_tokens": self.occupancy_tokens(),
+                "compactions": len(self.events)}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self._turn = _TurnState(number=int(state.get("turn", 0)), failures=int(state.get("failures", 0)),
+                                gave_up=bool(state.get("gave_up", False)),
+                                request_index=int(state.get("request_index", -1)))
+
+    def _log_view(self, event: CompactionEvent) -> None:
+        if self.session is None:
+            return
+        entries = [ViewEntry(o, None if o >= 0 and m is self.originals[o] else m)
+                   for m, o in zip(self.view, self.view_origins, strict=True)]
+        dump = Path(event.history_dump) if event.history_dump else None
+        self.session.log_view(entries, kind=event.kind, reason=event.reason, dump=dump, state=self._state(),
+                              figures={"tokens_before": event.tokens_before, "tokens_after": event.tokens_after})
+
+    def _record(self, event: CompactionEvent) -> None:
+        self.events.append(event)
+        self.observer.compaction_finished(event)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Summary:
+    text: str
+    summarizer: str
+    cut_reason: str
+    fallback_from: str | None  # why the configured summarizer was not used, when the extractive one stood in
+
+
+SUMMARY_FRAME_TOKENS = 64  # the frame around a summary, an upper bound for every tokenizer we ship
+
+
+def frame_summary(summary: str, history_path: str | None) -> str:
+    """The summary as the rebuilt view shows it: framed, with a pointer to the full history."""
+    pointer = (f"The full history before this point is saved in the session as {history_path}.\n"
+               if history_path else "")
+    return ("[ctxfold compacted the earlier conversation. Durable task-state summary follows.]\n"
+            f"{summary.rstrip()}\n{pointer}"
+            "[End of summary. The recent conversation continues verbatim below.]")
+
+
+def resume_message(n: int) -> Message:
+    """The hidden instruction that ends a mid-turn rebuild, so the model resumes the task."""
+    return Message(
+        Role.USER,
+        "[ctxfold] The conversation above was compacted while you were working. Continue the task from the "
+        "summary exactly where it left off: do not ask the user to confirm, do not repeat completed work, and "
+        "do not mention the compaction.",
+        id=f"ctxfold-resume-{n}", resume=True,
+    )
+
+
+class AsyncCompactor:
+    """asyncio variant: the same compactor, its work run in a thread under an asyncio lock."""
+
+    def __init__(self, compactor: Compactor) -> None:
+        self.sync = compactor
+        self._lock = asyncio.Lock()
+
+    async def before_request(self, queued: Sequence[Message] = ()) -> CompactionEvent | None:
+        async with self._lock:
+            return await asyncio.to_thread(self.sync.before_request, queued)
+
+    async def append(self, *messages: Message) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self.sync.append, *messages)
+
+    async def append_tool_result(self, result: Message) -> AppendResult:
+        async with self._lock:
+            return await asyncio.to_thread(self.sync.append_tool_result, result)
+
+    async def compact_now(self, reason: str = "manual compaction") -> CompactionEvent:
+        async with self._lock:
+            return await asyncio.to_thread(self.sync.compact_now, reason)

@@ -1,0 +1,199 @@
+"""Replay a recorded conversation through the compactor and report what it did.
+
+Each assistant message of the recording is one model request. Before it, the messages recorded
+since the previous request are appended (tool results through the hard trigger) and the compactor
+runs; the recorded answer is then appended as it was recorded. The report holds per-request
+occupancy and every compaction event, and the checks that must hold: no request over the window,
+no orphaned tool result, and the original rebuilt byte for byte from the session.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ctxfold.codec import encode_message
+from ctxfold.compactor import CompactionEvent, Compactor, Observer
+from ctxfold.config import CompactConfig
+from ctxfold.integrity import count_orphans
+from ctxfold.messages import Conversation, Message, Role
+from ctxfold.session import Session
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPoint:
+    """One model request of the replay."""
+
+    index: int  # request number, from 0
+    message_index: int  # index in the recording of the assistant message this request produced
+    prompt_tokens: int  # tokens of the request as sent (system, tools, view, generation prompt)
+    occupancy_tokens: int  # prompt tokens plus the reply reserve
+    recorded_prompt_tokens: int | None  # the provider's own count for this request, where recorded
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """Everything a replay of one conversation measured. ``to_json`` gives the documented report entry."""
+
+    conversation_id: str
+    source: str
+    context_tokens: int | None
+    reply_reserve_tokens: int
+    messages: int
+    requests: list[RequestPoint] = field(default_factory=list)
+    events: list[tuple[int, CompactionEvent]] = field(default_factory=list)  # (request index, event)
+    overflows: int = 0  # requests whose occupancy exceeded the window
+    orphans: int = 0  # orphaned tool results seen in any view after a rewrite, and in the final view
+    restore_exact: bool = False  # the session restored the recording byte for byte
+    seconds: float = 0.0  # wall time of the whole replay
+    seconds_in_ctxfold: float = 0.0  # of which spent inside the compactor
+    session_dir: str | None = None
+
+    @property
+    def peak_occupancy_tokens(self) -> int:
+        return max((r.occupancy_tokens for r in self.requests), default=0)
+
+    @property
+    def compactions(self) -> dict[str, int]:
+        """Applied compactions by kind ("archive", "summary", "last_resort")."""
+        return dict(Counter(e.kind for _, e in self.events if e.applied))
+
+    @property
+    def tokens_archived(self) -> int:
+        return sum(e.tokens_before - e.tokens_after for _, e in self.events if e.applied and e.kind == "archive")
+
+    @property
+    def tokens_summarized(self) -> int:
+        return sum(e.tokens_before - e.tokens_after for _, e in self.events if e.applied and e.kind == "summary")
+
+    @property
+    def kv_tokens_reused(self) -> int:
+        return sum(e.kv.tokens_reused for _, e in self.events if e.kv is not None)
+
+    @property
+    def kv_tokens_prefilled(self) -> int:
+        return sum(e.kv.tokens_to_prefill for _, e in self.events if e.kv is not None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "conversation": self.conversation_id,
+            "source": self.source,
+            "context_tokens": self.context_tokens,
+            "reply_reserve_tokens": self.reply_reserve_tokens,
+            "messages": self.messages,
+            "requests": len(self.requests),
+            "compactions": self.compactions,
+            "peak_occupancy_tokens": self.peak_occupancy_tokens,
+            "tokens_archived": self.tokens_archived,
+            "tokens_summarized": self.tokens_summarized,
+            "overflows": self.overflows,
+            "orphans": self.orphans,
+            "restore_exact": self.restore_exact,
+            "kv_tokens_reused": self.kv_tokens_reused,
+            "kv_tokens_prefilled": self.kv_tokens_prefilled,
+            "seconds": round(self.seconds, 4),
+            "seconds_in_ctxfold": round(self.seconds_in_ctxfold, 4),
+            "occupancy": [r.occupancy_tokens for r in self.requests],
+            "events": [
+                {"request": i, "kind": e.kind, "trigger": e.trigger, "reason": e.reason, "applied": e.applied,
+                 "tokens_before": e.tokens_before, "tokens_after": e.tokens_after, "archived": len(e.archived),
+                 "summarizer": e.summarizer, "summary_fallback": e.summary_fallback, "tail_rule": e.tail_rule,
+                 "tail_tokens": e.tail_tokens, "failure": e.failure,
+                 "kv_tokens_reused": e.kv.tokens_reused if e.kv else None,
+                 "kv_tokens_prefilled": e.kv.tokens_to_prefill if e.kv else None}
+                for i, e in self.events
+            ],
+        }
+
+
+def default_reply_reserve(conversation: Conversation, count: Callable[[str], int], context_tokens: int | None) -> int:
+    """The reply reserve for a replay: the longest recorded answer (what the model really needed),
+    at least 256 tokens and at most a quarter of the window."""
+    longest = max((count(m.text) + count(m.reasoning or "") + sum(count(c.arguments) for c in m.tool_calls)
+                   for m in conversation.messages if m.role is Role.ASSISTANT), default=0)
+    reserve = max(256, longest)
+    return reserve if context_tokens is None else min(reserve, context_tokens // 4)
+
+
+def replay_conversation(
+    conversation: Conversation,
+    *,
+    config: CompactConfig,
+    make_compactor: Callable[..., Compactor] = Compactor,
+    session_dir: str | Path | None = None,
+    observer: Observer | None = None,
+    on_request: Callable[[RequestPoint], None] | None = None,
+    **compactor_kwargs: Any,
+) -> ReplayReport:
+    """Replay ``conversation`` (see the module docstring). Without ``session_dir`` the session lives in
+    a temporary directory removed afterwards."""
+    if session_dir is None:
+        with tempfile.TemporaryDirectory(prefix="ctxfold-replay-") as tmp:
+            report = replay_conversation(conversation, config=config, make_compactor=make_compactor,
+                                         session_dir=Path(tmp) / "session", observer=observer,
+                                         on_request=on_request, **compactor_kwargs)
+            report.session_dir = None
+            return report
+    t_start = time.perf_counter()
+    head = Conversation([], id=conversation.id, system=conversation.system, tools=conversation.tools,
+                        source_format=conversation.source_format, source=conversation.source, meta=conversation.meta)
+    compactor = make_compactor(head, config=config, session_dir=session_dir, durable=False, observer=observer,
+                               **compactor_kwargs)
+    report = ReplayReport(conversation_id=conversation.id, source=conversation.source,
+                          context_tokens=config.context_tokens, reply_reserve_tokens=config.reply_reserve(),
+                          messages=len(conversation.messages), session_dir=str(session_dir))
+    in_ctxfold = 0.0
+    seen_events = 0
+    ctx = config.context_tokens
+    try:
+        for index, message in enumerate(conversation.messages):
+            t0 = time.perf_counter()
+            if message.role is Role.ASSISTANT:
+                compactor.before_request()
+                in_ctxfold += time.perf_counter() - t0
+                occupancy = compactor.occupancy_tokens()
+                point = RequestPoint(
+                    index=len(report.requests), message_index=index,
+                    prompt_tokens=occupancy - config.reply_reserve(), occupancy_tokens=occupancy,
+                    recorded_prompt_tokens=message.usage.prompt_tokens if message.usage else None,
+                )
+                report.requests.append(point)
+                if ctx is not None and occupancy > ctx:
+                    report.overflows += 1
+                new_events = compactor.events[seen_events:]
+                if any(e.applied for e in new_events):
+                    report.orphans += count_orphans(compactor.view)
+                report.events.extend((point.index, e) for e in new_events)
+                seen_events = len(compactor.events)
+                if on_request is not None:
+                    on_request(point)
+                t0 = time.perf_counter()
+                compactor.append(message)
+            elif message.role is Role.TOOL:
+                compactor.append_tool_result(message)
+            else:
+                compactor.append(message)
+            in_ctxfold += time.perf_counter() - t0
+        new_events = compactor.events[seen_events:]
+        report.events.extend((len(report.requests), e) for e in new_events)
+        report.orphans += count_orphans(compactor.view)
+    finally:
+        compactor.close()
+    report.restore_exact = _restore_exact(Path(session_dir), conversation)
+    report.seconds = time.perf_counter() - t_start
+    report.seconds_in_ctxfold = in_ctxfold
+    return report
+
+
+def _restore_exact(session_dir: Path, original: Conversation) -> bool:
+    """Byte-for-byte: the restored messages encode to exactly the original's encoding."""
+    restored = Session(session_dir).restore()
+    if len(restored.messages) != len(original.messages):
+        return False
+    return all(encode_message(a) == encode_message(b) for a, b in zip(restored.messages, original.messages, strict=True))
+

@@ -1,0 +1,266 @@
+"""Summaries from any OpenAI-compatible ``/chat/completions`` endpoint with ``stream: true``
+(vLLM, SGLang, llama.cpp server, Ollama, OpenAI).
+
+One implementation, async (httpx.AsyncClient); the sync API runs it on a private event loop, so both share
+the stream parser, the timeout and the cancellation. Server errors are results, never exceptions: the
+compactor falls back to the extractive summary and counts the failure for its breaker, so this client does not
+retry (a 429 is reported with its Retry-After in ``detail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from ctxfold.errors import ConfigError
+from ctxfold.summarize._run import run_limited, run_sync
+from ctxfold.summarize.base import SummaryResult, TokenCallback, TokenCounter, failed
+from ctxfold.summarize.postprocess import StreamCutter, result_from_cutter
+from ctxfold.summarize.request import SummaryRequest
+
+_MAX_ERROR_BODY_CHARS = 2000
+
+
+class _StreamFailure(Exception):
+    """An expected failure inside the stream reader; becomes a failed result."""
+
+    def __init__(self, reason: str, detail: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def _error_message(body: str) -> str:
+    """The human part of an error body: OpenAI's ``{"error": {"message": ...}}``, vLLM's and llama.cpp's
+    variants, or the raw text, shortened."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:300]
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            msg = err.get("message") or err.get("msg") or err.get("detail")
+            if isinstance(msg, str):
+                return msg[:300]
+        elif isinstance(err, str):
+            return err[:300]
+        detail = data.get("detail")
+        if isinstance(detail, str):
+            return detail[:300]
+    return body.strip()[:300]
+
+
+class OpenAICompatibleSummarizer:
+    """Streams a summary from an OpenAI-compatible chat.completions endpoint.
+
+    ``base_url`` ends where ``/chat/completions`` is appended (``http://127.0.0.1:8000/v1``). Thread-safe:
+    each call opens its own connection.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        counter: TokenCounter | None = None,
+        temperature: float = 0.0,
+        send_tools: bool = True,
+        connect_timeout_s: float = 10.0,
+        timeout_s: float = 120.0,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {base_url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000/v1")
+        if not model:
+            raise ValueError("model is empty; give the model name the endpoint serves")
+        self._url = base_url.rstrip("/") + "/chat/completions"
+        self._model = model
+        self._api_key = api_key
+        self._counter = counter
+        self._temperature = temperature
+        self._send_tools = send_tools
+        self._connect_timeout_s = connect_timeout_s
+        self._timeout_s = timeout_s
+        self._extra_body = dict(extra_body or {})
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, counter: TokenCounter | None = None,
+                    environ: Mapping[str, str] | None = None) -> OpenAICompatibleSummarizer:
+        """From a :class:`~ctxfold.config.CompactConfig` (or its ``summarizer`` section), with unset endpoint
+        fields taken from ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``CTXFOLD_SUMMARY_MODEL``."""
+        from ctxfold.config import CompactConfig, SummarizerConfig
+
+        timeout_s = 120.0
+        if isinstance(cfg, CompactConfig):
+            timeout_s = cfg.summary.timeout_s
+            cfg = cfg.summarizer
+        if not isinstance(cfg, SummarizerConfig):
+            raise TypeError(f"expected a CompactConfig or SummarizerConfig, got {type(cfg).__name__}")
+        r = cfg.resolved(environ)
+        if not r.base_url:
+            raise ConfigError("summarizer.base_url: not set; set it in the config or in OPENAI_BASE_URL "
+                              "(e.g. http://127.0.0.1:8000/v1)")
+        if not r.model:
+            raise ConfigError("summarizer.model: not set; set it in the config or in CTXFOLD_SUMMARY_MODEL")
+        return cls(r.base_url, r.model, api_key=r.api_key, counter=counter, temperature=r.temperature,
+                   send_tools=r.send_tools, connect_timeout_s=r.connect_timeout_s, timeout_s=timeout_s,
+                   extra_body=r.extra_body)
+
+    @property
+    def name(self) -> str:
+        return f"openai:{self._model}"
+
+    def _body(self, request: SummaryRequest) -> dict[str, Any]:
+        body = request.to_openai(include_tools=self._send_tools)
+        body.update(model=self._model, stream=True, max_tokens=request.max_tokens,
+                    temperature=self._temperature)
+        body.update(self._extra_body)
+        return body
+
+    def summarize(
+        self,
+        request: SummaryRequest,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: threading.Event | None = None,
+        timeout_s: float | None = None,
+    ) -> SummaryResult:
+        return run_sync(self.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s))
+
+    async def asummarize(
+        self,
+        request: SummaryRequest,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: threading.Event | asyncio.Event | None = None,
+        timeout_s: float | None = None,
+    ) -> SummaryResult:
+        t0 = time.perf_counter()
+        limit_s = self._timeout_s if timeout_s is None else timeout_s
+        if request.max_tokens < 1:
+            return failed(self.name, "no room left for a summary (max_tokens is 0)", 0.0)
+        cutter = StreamCutter(request.max_tokens, counter=self._counter, limit_reason=request.limit_reason)
+
+        async def work() -> str | None:
+            await self._stream(request, cutter, on_token)
+            return None
+
+        try:
+            outcome, _ = await run_limited(work, cancel=cancel, timeout_s=limit_s)
+        except _StreamFailure as e:
+            return failed(self.name, e.reason, time.perf_counter() - t0, detail=e.detail)
+        seconds = time.perf_counter() - t0
+        if outcome == "timeout":
+            return failed(self.name, f"timeout after {limit_s:g} s", seconds,
+                          detail=f"{len(cutter.text)} chars had arrived")
+        if outcome == "cancelled":
+            return failed(self.name, "cancelled", seconds)
+        return result_from_cutter(cutter, self.name, seconds, self._counter)
+
+    async def _stream(self, request: SummaryRequest, cutter: StreamCutter, on_token: TokenCallback | None) -> None:
+        headers = {"Accept": "text/event-stream"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        timeout = httpx.Timeout(self._timeout_s, connect=self._connect_timeout_s)
+        try:
+            async with (
+                httpx.AsyncClient(timeout=timeout) as client,
+                client.stream("POST", self._url, json=self._body(request), headers=headers) as resp,
+            ):
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode("utf-8", "replace")[:_MAX_ERROR_BODY_CHARS]
+                    retry = resp.headers.get("retry-after")
+                    raise _StreamFailure(
+                        f"HTTP {resp.status_code}: {_error_message(body) or resp.reason_phrase}",
+                        detail=f"retry-after: {retry}" if retry else None,
+                    )
+                await self._read_sse(resp, cutter, on_token)
+        except httpx.TimeoutException as e:
+            raise _StreamFailure(f"timeout ({type(e).__name__})") from None
+        except httpx.RemoteProtocolError as e:
+            raise _StreamFailure("connection lost mid-stream", detail=str(e)) from None
+        except httpx.HTTPError as e:
+            raise _StreamFailure(f"HTTP transport error: {type(e).__name__}: {e}") from None
+
+    async def _read_sse(self, resp: httpx.Response, cutter: StreamCutter, on_token: TokenCallback | None) -> None:
+        buf = b""
+        line_no = 0
+        finished = False
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            while b"\n" in buf:
+                raw, buf = buf.split(b"\n", 1)
+                line_no += 1
+                line = raw.decode("utf-8", "replace").rstrip("\r")
+                if self._handle_line(line, line_no, cutter, on_token):
+                    finished = True
+                    break
+            if finished or cutter.stopped:
+                break  # leaving the `async with` closes the stream: the server stops generating
+        if not finished and not cutter.stopped and buf.strip():
+            finished = self._handle_line(buf.decode("utf-8", "replace").rstrip("\r"), line_no + 1, cutter, on_token)
+        if cutter.stopped:
+            return
+        if not finished:
+            raise _StreamFailure("stream ended before the answer finished (no finish_reason, no [DONE])",
+                                 detail=f"{len(cutter.text)} chars had arrived")
+        piece = cutter.finish("eos")
+        if piece and on_token is not None:
+            on_token(piece)
+
+    def _handle_line(self, line: str, line_no: int, cutter: StreamCutter, on_token: TokenCallback | None) -> bool:
+        """One SSE line; returns True at the end of the answer ([DONE] or a finish_reason)."""
+        if not line.startswith("data:"):
+            return False  # blank separators, ": keep-alive" comments, event:/id:/retry: fields
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        try:
+            event = json.loads(data)
+        except ValueError:
+            raise _StreamFailure(f"malformed stream: line {line_no} is not JSON", detail=data[:200]) from None
+        if not isinstance(event, dict):
+            raise _StreamFailure(f"malformed stream: line {line_no} is not a JSON object", detail=data[:200])
+        if "error" in event:
+            err = event["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            raise _StreamFailure(f"server error in stream: {msg}")
+        choices = event.get("choices") or []
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return False  # usage-only chunks and the like
+        choice = choices[0]
+        delta = choice.get("delta") or {}
+        if isinstance(delta, dict):
+            # reasoning_content / reasoning: thinking, never part of the summary
+            if delta.get("tool_calls"):  # the answer tries to call a tool: the summary ends here
+                piece = cutter.finish("control_boundary")
+                if piece and on_token is not None:
+                    on_token(piece)
+                return True
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                piece = cutter.feed(content)
+                if piece and on_token is not None:
+                    on_token(piece)
+                if cutter.stopped:
+                    return True
+        finish = choice.get("finish_reason")
+        if finish:
+            if finish == "length":  # the server applied max_tokens = min(cap, room)
+                piece = cutter.finish(cutter.limit_reason)
+            elif finish == "tool_calls":
+                piece = cutter.finish("control_boundary")
+            else:
+                piece = cutter.finish("eos")
+            if piece and on_token is not None:
+                on_token(piece)
+            return True
+        return False
