@@ -294,7 +294,7 @@ def test_upstream_down_is_a_502(tmp_path: Path) -> None:
 
 def test_slow_upstream_is_a_504(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     up, url = upstream
-    up.delay_s = 2.0
+    up.delay_s = 1.0
     _, srv = start_proxy(url, tmp_path / "d", read_timeout_s=0.3)
     try:
         for stream in (False, True):

@@ -146,7 +146,13 @@ class ProxyProcess:
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
+        self.stop()
+
+    def stop(self) -> None:
+        self.proc.terminate()
         self.proc.wait(10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 def test_sigkill_mid_conversation_loses_nothing(traces_dir: Path, tmp_path: Path) -> None:
@@ -185,8 +191,7 @@ def test_sigkill_mid_conversation_loses_nothing(traces_dir: Path, tmp_path: Path
                 status, raw = stream(proxy.url, body)
                 assert status == 200 and raw == up.sent[-1]
         finally:
-            proxy.proc.terminate()
-            proxy.proc.wait(10)
+            proxy.stop()
     assert up.rejected_over_context == 0
     restored = Session(only_session(data)).restore()
     assert [view_of(m) for m in restored.messages] == [wire_view(d) for d in sent_history(traj)]

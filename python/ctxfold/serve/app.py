@@ -404,7 +404,7 @@ class ProxyApp:
         ctx = cfg.context_tokens
         if ctx is None:
             return True  # token triggers are off: only the rule-based archive pass can run, no model call
-        lines = [ctx]
+        lines: list[float] = [ctx]
         if cfg.soft.enabled:
             lines += [ctx * cfg.soft.percent / 100, ctx - cfg.soft.free_threshold_tokens(ctx)]
         if cfg.major.enabled:

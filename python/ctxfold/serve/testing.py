@@ -208,15 +208,18 @@ class ScriptedUpstream:
                                                   "model": model, "choices": [], "usage": usage}).encode() + b"\n\n")
         chunks.append(b"data: [DONE]\n\n")
         self.sent.append(b"".join(chunks))
-        for n, data in enumerate(chunks):
-            if self.cut_after_chunks is not None and n >= self.cut_after_chunks:
-                self.cut_after_chunks = None
-                # Drop the connection mid-body: the client sees an incomplete chunked transfer.
-                assert request.transport is not None
-                request.transport.close()
-                return resp
-            await resp.write(data)
-        await resp.write_eof()
+        try:
+            for n, data in enumerate(chunks):
+                if self.cut_after_chunks is not None and n >= self.cut_after_chunks:
+                    self.cut_after_chunks = None
+                    # Drop the connection mid-body: the client sees an incomplete chunked transfer.
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                await resp.write(data)
+            await resp.write_eof()
+        except ConnectionError:
+            pass  # the client went away (a proxy killed mid-answer): nothing to answer to
         return resp
 
 
