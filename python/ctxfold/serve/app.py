@@ -12,7 +12,8 @@ Per request (``POST /v1/chat/completions``, streaming or not):
    archived outputs (or offers tools anyway);
 4. send the upstream's answer back unchanged: the same bytes, streamed as they come. When the answer
    is nothing but ``read_archive`` calls, the proxy answers them from the conversation's archive and
-   asks the upstream again (at most ``max_recall_rounds`` times); the client sees only the final answer;
+   asks the upstream again (at most ``max_recall_rounds`` times); the client never sees those calls
+   (a stream shows the text and reasoning of every round, then the final answer's events);
 5. record the answer in the session and use the upstream's ``usage.prompt_tokens`` to calibrate the
    token estimate of that conversation.
 
@@ -81,7 +82,7 @@ class ProxyConfig:
     # "extractive": no model. Every one falls back to the extractive summary when it fails.
     summarizer: str = "upstream"
     summary_model: str | None = None  # model for summaries; None: the model of the conversation's request
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     connect_timeout_s: float = 10.0  # to open a connection upstream
     read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
     max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
@@ -331,8 +332,8 @@ class ProxyApp:
         except Exception as e:  # a bug must cost one request, not the server
             log.exception("internal error while handling a request")
             self.metrics.responses.inc("500")
-            return error_response(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); the "
-                                       "conversation's stored messages are unchanged by it", kind="server_error",
+            return error_response(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); retrying "
+                                       "is safe: messages already stored are not stored twice", kind="server_error",
                                   code="internal_error")
         self.metrics.responses.inc(str(resp.status))
         return resp
