@@ -296,7 +296,7 @@ def test_an_unreachable_endpoint_falls_back_to_the_extractive_summary() -> None:
     assert proc.returncode == 0, proc.stderr
     (entry,) = json.loads(proc.stdout)["conversations"]
     summaries = [e for e in entry["events"] if e["kind"] == "summary" and e["applied"]]
-    assert summaries and all(e["summary_fallback"] and e["summarizer"] == "extractive" for e in summaries)
+    assert summaries and all(e["summary_fallback"] and e["summarizer"].startswith("extractive") for e in summaries)
     assert "(extractive fallback)" in proc.stderr
 
 

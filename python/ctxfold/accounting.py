@@ -56,6 +56,24 @@ PLAIN = ChatTemplate(
 )
 
 
+def _opener(messages: Sequence[Message], i: int) -> int:
+    """Index of the assistant message that made the call ``messages[i]`` answers, else ``i``.
+
+    Found by call id, walking back over results, queued inserts and resume messages (which can sit
+    between a call and its result), so the call and every result share one atomic group and a tail
+    can never start between them. Stops at a real user turn: a call does not outlive its turn.
+    """
+    call_id = messages[i].tool_call_id
+    for j in range(i - 1, -1, -1):
+        m = messages[j]
+        if m.role is Role.ASSISTANT:
+            if any(c.id == call_id for c in m.tool_calls):
+                return j
+        elif m.is_user_turn:
+            break
+    return i
+
+
 def segment_key(segment: Segment, join_tail: str | None = None) -> int:
     """64-bit cache key of a rendered segment (and the text run it continues, if any).
 
@@ -238,19 +256,12 @@ class RequestAccounting:
             segs.append(seg)
             tails.append(self._tail_before(new, i, rendered, last_user) if _leading_text(seg) else None)
         counts = self._count_segments(segs, tails)
-        prev_group = int(self.ledger.group_starts()[start - 1]) if start > 0 else -1
         group_start = np.empty(len(segs), dtype=np.int64)
         flags = np.empty(len(segs), dtype=np.uint32)
         keys = np.empty(len(segs), dtype=np.uint64)
         for k, i in enumerate(range(start, len(new))):
             m = new[i]
-            g = i
-            if m.role is Role.TOOL and i > 0 and prev_group >= 0:
-                opener = new[prev_group]
-                if opener.role is Role.ASSISTANT and any(c.id == m.tool_call_id for c in opener.tool_calls):
-                    g = prev_group
-            prev_group = g
-            group_start[k] = g
+            group_start[k] = _opener(new, i) if m.role is Role.TOOL else i
             flags[k] = int(message_flags(m))
             keys[k] = segment_key(segs[k], tails[k])
         self.ledger.truncate(start)

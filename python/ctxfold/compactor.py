@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,9 +41,11 @@ from ctxfold.archive import (
 )
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
+from ctxfold.ledger import SegmentFlag
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session, ViewEntry
 from ctxfold.summarize import (
+    SUMMARY_TEXT_KEY,
     ChunkedSummarizer,
     ExtractiveSummarizer,
     FallbackSummarizer,
@@ -178,6 +180,11 @@ class Compactor:
             self.view = resumed.conversation.messages
             self.view_origins = resumed.view_origins
             self._load_state(resumed.state)
+            # What the model has not seen yet: everything from its last answer on (in an agent loop,
+            # its answer and the tool results that followed), or all of it before any answer.
+            last_answer = next((i for i in range(len(self.view) - 1, -1, -1)
+                                if self.view[i].role is Role.ASSISTANT), 0)
+            self._pending = list(self.view[last_answer:])
         else:
             self.originals = []
             self.view = []
@@ -336,21 +343,31 @@ class Compactor:
 
     def _summary_pass(self, *, trigger: str, reason: str, mid_turn: bool, manual: bool = False,
                       queued: Sequence[Message] = ()) -> CompactionEvent:
-        cfg = self.config
         ctx = self.context_tokens
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         self.observer.compaction_started(reason, "summary")
         before = self.occupancy_tokens(queued)
-        # BOTTOM: at a turn start the new user turn stays out of the summary and after the tail.
-        bottom = len(self.view) - (len(self._pending) if not mid_turn and not manual else 0)
-        bottom = max(bottom, 0)
-        if bottom == 0:
-            return self._failed(trigger, reason, before, "nothing to summarize", timings)
+        # BOTTOM: what arrived since the last request (the new user turn, the latest tool results)
+        # has not been seen by the model yet, so it is never summarized unseen (ds4 would): it stays
+        # verbatim after the tail. A manual compaction summarizes everything.
+        bottom = max(len(self.view) - (0 if manual else len(self._pending)), 0)
+        tokens = self.accounting.tokens()
+        flags = self.accounting.flags()
+        fresh = int(tokens[:bottom][(flags[:bottom] & SegmentFlag.SUMMARY) == 0].sum())
+        if fresh <= 2 * SUMMARY_FRAME_TOKENS:
+            # Only earlier summaries (or nothing) lie before BOTTOM: a new summary cannot shrink the
+            # view, so do not spend a dump and a model call on it, and stop trying for this turn.
+            return self._failed(trigger, reason, before, "nothing before BOTTOM worth summarizing", timings,
+                                give_up=True)
 
         dump = None
         if self.session is not None:
-            dump = self.session.write_history_dump(self.originals, self.header)
+            try:
+                dump = self.session.write_history_dump(self.originals, self.header)
+            except OSError as exc:
+                # The dump is the write-ahead record of the rewrite: without it, no rewrite.
+                return self._failed(trigger, reason, before, f"cannot write the history dump: {exc}", timings)
         timings["dump"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -360,13 +377,16 @@ class Compactor:
         t2 = time.perf_counter()
         # What the rebuilt view holds besides summary and tail: the messages after BOTTOM, queued
         # inserts and, mid-turn, the turn's request and the resume instruction.
-        tokens = self.accounting.tokens()
         besides = int(tokens[bottom:].sum()) + sum(self.accounting.message_tokens(m) for m in queued)
         if mid_turn:
             besides += self.accounting.message_tokens(resume_message(0))
             if 0 <= self._turn.request_index < bottom:
                 besides += int(tokens[self._turn.request_index])
         budget, room = self._tail_budget(summary.text, besides)
+        # Keep at least half of what lies before BOTTOM for the summary to replace: a tail that takes
+        # it all would make the rebuilt view larger than the old one (ds4 grows the transcript so).
+        half = fresh // 2
+        budget, room = min(budget, half), min(room, half)
         tail = select_tail_from_ledger(self.accounting.ledger, budget_tokens=budget, bottom=bottom)
         while not tail.found and budget < room:
             # Not even the newest call group fits the configured tail: keep the smallest legal tail
@@ -379,7 +399,7 @@ class Compactor:
         summary_msg = Message(
             Role.USER, frame_summary(summary.text, dump.relative_to(self.session.root).as_posix()
                                      if dump is not None and self.session is not None else None),
-            id=f"ctxfold-summary-{len(self.events)}", summary=True,
+            id=f"ctxfold-summary-{len(self.events)}", summary=True, extra={SUMMARY_TEXT_KEY: summary.text},
         )
         new_view: list[Message] = []
         new_origins: list[int] = []
@@ -391,15 +411,19 @@ class Compactor:
         new_origins.append(-1)
         new_view.extend(self.view[tail.start:])
         new_origins.extend(self.view_origins[tail.start:])
-        if mid_turn:
+        last = new_view[-1]
+        if mid_turn and not (last.role is Role.ASSISTANT and last.tool_calls):
+            # The hidden instruction makes the model resume after the summary. Not after a call in
+            # flight (the hard trigger's case): its result comes next and must follow its call.
             new_view.append(resume_message(len(self.events)))
             new_origins.append(-1)
 
         after = self.accounting.count_view(self.header, new_view) + self.config.reply_reserve()
         after += sum(self.accounting.message_tokens(m) for m in queued)
         if after >= before:
-            return self._failed(trigger, reason, before, f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
-                                timings, summary=summary, dump=dump)
+            return self._failed(trigger, reason, before,
+                                f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
+                                timings, summary=summary, dump=dump, give_up=True)
         old_view = self.view
         self._rewrite(new_view, new_origins)
         if mid_turn:
@@ -424,8 +448,6 @@ class Compactor:
         self._record(event)
         return event
 
-
-
     # -- pieces of the passes -----------------------------------------------------------------------
     def _summarize(self, bottom: int, reason: str, mid_turn: bool) -> _Summary:
         """The summary of view[:bottom]: the configured summarizer (chunked when even the request
@@ -434,22 +456,30 @@ class Compactor:
         ctx = self.context_tokens
         request = build_summary_request(self.view, bottom, reason=reason, cap_tokens=cfg.summary.max_tokens,
                                         mid_turn=mid_turn, system=self.header.system, tools=self.header.tools)
-        if not isinstance(self.summarizer, ExtractiveSummarizer):
-            if self._turn.failures < cfg.max_consecutive_failures:
-                room = None if ctx is None else ctx - self.accounting.count_view(self.header, request.messages) - 1
-                primary: Summarizer = self.summarizer
-                if ctx is not None and room is not None and room < cfg.summary.min_room_tokens and cfg.summary.chunked:
-                    primary = ChunkedSummarizer(self.summarizer, window_tokens=ctx, counter=self.counter,
-                                                fallback=self._extractive)
-                else:
-                    request = replace(request, room_tokens=room, max_tokens=cfg.summary_max_tokens(room))
+        failure: str | None = None
+        if isinstance(self.summarizer, ExtractiveSummarizer):
+            pass
+        elif self._turn.failures >= cfg.max_consecutive_failures:
+            failure = (f"{self._turn.failures} consecutive failures this turn: "
+                       f"{self.summarizer.name} is not called again until the next turn")
+        else:
+            room = None if ctx is None else ctx - self.accounting.count_view(self.header, request.messages) - 1
+            primary: Summarizer = self.summarizer
+            if room is not None and ctx is not None and room < cfg.summary.min_room_tokens and cfg.summary.chunked:
+                primary = ChunkedSummarizer(self.summarizer, window_tokens=ctx, counter=self.counter,
+                                            fallback=self._extractive)
+            else:
+                request = replace(request, room_tokens=room, max_tokens=cfg.summary_max_tokens(room))
+            try:
                 result = FallbackSummarizer(primary, self._extractive).summarize(
                     request, on_token=self.observer.summary_token, timeout_s=cfg.summary.timeout_s)
-                return _Summary(result.text, result.summarizer, result.cut_reason, result.primary_failure)
-            failure: str | None = (f"{self._turn.failures} consecutive failures this turn: "
-                                   f"{self.summarizer.name} is not called again until the next turn")
-        else:
-            failure = None
+            except Exception as exc:  # a summarizer outside the protocol's contract must not stop compaction
+                failure = f"{self.summarizer.name} raised {type(exc).__name__}: {exc}"
+            else:
+                failure = result.primary_failure
+                if failure is not None and result.detail:
+                    failure = f"{failure} ({result.detail})"
+                return _Summary(result.text, result.summarizer, result.cut_reason, failure)
         # The extractive summary takes no room in the window (no model writes it), so only the cap
         # binds; an eighth of the window at most, so the rebuilt view keeps room for the tail.
         cap = cfg.summary.max_tokens if ctx is None else max(64, min(cfg.summary.max_tokens, ctx // 8))
@@ -491,9 +521,10 @@ class Compactor:
         self._turn.gave_up = False
 
     def _failed(self, trigger: str, reason: str, before: int, why: str, timings: dict[str, float], *,
-                summary: _Summary | None = None, dump: Path | None = None) -> CompactionEvent:
+                summary: _Summary | None = None, dump: Path | None = None, give_up: bool = False) -> CompactionEvent:
+        """Record a summary pass that was not applied. ``give_up``: no retry can do better this turn."""
         self._turn.failures += 1
-        if self._turn.failures >= self.config.max_consecutive_failures:
+        if give_up or self._turn.failures >= self.config.max_consecutive_failures:
             self._turn.gave_up = True
         event = CompactionEvent(
             kind="summary", trigger=trigger, reason=reason, applied=False, tokens_before=before,

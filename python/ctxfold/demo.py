@@ -57,7 +57,7 @@ def _source_file(rng: random.Random, path: str, num_lines: int) -> str:
             f'    """{rng.choice(["Reserve", "Release", "Price", "Count", "Move"])} stock for one SKU."""',
             f"    current = _levels.get(sku, {rng.randint(0, 9)})",
             f"    if quantity > {rng.randint(100, 999)}:",
-            f"        raise ValueError(f\"{{sku}}: quantity {{quantity}} over the limit\")",
+            "        raise ValueError(f\"{sku}: quantity {quantity} over the limit\")",
             f"    _levels[sku] = current - quantity  # line {len(lines) + 6}",
             "    return _levels[sku]",
             "",

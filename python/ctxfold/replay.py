@@ -21,7 +21,7 @@ from ctxfold.codec import encode_message
 from ctxfold.compactor import CompactionEvent, Compactor, Observer
 from ctxfold.config import CompactConfig
 from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.messages import Conversation, Role
 from ctxfold.session import Session
 
 

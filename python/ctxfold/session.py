@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ctxfold.archive.store import LocalBackend
 from ctxfold.codec import (
@@ -153,7 +153,7 @@ class Session:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,8 +8,20 @@ from pathlib import Path
 from typing import Any
 
 from ctxfold.calibration import calibrate, read_corpus
+from ctxfold.cli._common import FORMATTER
 from ctxfold.counting import load_counter
 from ctxfold.errors import ConfigError
+
+EPILOG = """examples:
+  ctxfold calibrate --tokenizer deepseek-v4 --corpus traces/ -o deepseek-v4.json
+  ctxfold calibrate --tokenizer path/to/tokenizer.json --corpus a.jsonl b.traj -o mine.json
+  ctxfold replay run.json --tokenizer mine.json        use the calibration as an estimator
+
+The file records the coefficients, the corpus, and the held-out error (median and p95, per message
+and per conversation) beside chars/4 on the same texts.
+
+exit codes: 0 success, 2 usage error, 3 input error (missing or malformed corpus file),
+4 tokenizer unavailable, 5 internal error."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -20,6 +32,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "the texts of a corpus (trace files or directories of them), measure its error on held-out "
         "conversations beside chars/4, and write a calibration JSON usable as --tokenizer FILE or "
         "load_counter(FILE).",
+        epilog=EPILOG,
+        formatter_class=FORMATTER,
     )
     p.add_argument("--tokenizer", required=True, metavar="NAME_OR_PATH",
                    help="exact tokenizer: deepseek-v4, qwen3, mistral-v7, o200k_base, ..., or a "

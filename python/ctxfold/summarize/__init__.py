@@ -38,6 +38,7 @@ from ctxfold.summarize.postprocess import (
 )
 from ctxfold.summarize.request import (
     SUMMARY_CONTRACT,
+    SUMMARY_TEXT_KEY,
     SummaryRequest,
     build_summary_request,
     contract_text,
@@ -71,6 +72,7 @@ __all__ = [
     "CONTROL_MARKERS",
     "EOS_MARKERS",
     "SUMMARY_CONTRACT",
+    "SUMMARY_TEXT_KEY",
     "CallableSummarizer",
     "ChunkedSummarizer",
     "CutReason",

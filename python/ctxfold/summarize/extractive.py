@@ -34,7 +34,7 @@ from typing import Any
 from ctxfold.messages import Message, Role, ToolCall
 from ctxfold.summarize.base import SummaryResult, TokenCallback, TokenCounter, count_tokens, failed
 from ctxfold.summarize.postprocess import trim_to_tokens
-from ctxfold.summarize.request import INTERNAL_KEY, SummaryRequest, build_summary_request
+from ctxfold.summarize.request import INTERNAL_KEY, SUMMARY_TEXT_KEY, SummaryRequest, build_summary_request
 
 _SCAN_CHARS = 2000  # chars scanned at each end of a large text
 _GOAL_FIRST_CHARS = 1500  # the first user turn is usually the task statement
@@ -203,7 +203,8 @@ def _collect(messages: Sequence[Message]) -> _Facts:
             continue
         text = m.text
         if m.summary:
-            f.earlier.append(text.strip())
+            inner = m.extra.get(SUMMARY_TEXT_KEY)
+            f.earlier.append((inner if isinstance(inner, str) else text).strip())
             continue
         if m.role is Role.USER and not _is_observation(m):
             if m.is_user_turn and text.strip() and not _NOT_A_GOAL_RE.match(text):

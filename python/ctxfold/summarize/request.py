@@ -34,6 +34,9 @@ MID_TURN_ADDENDUM = """
 The task is in progress: be exact about the step in flight, the last tool result and the next action."""
 
 INTERNAL_KEY = "ctxfold_internal"  # Message.extra key marking the contract message (never shown to users)
+# Message.extra key of a summary message: the summary's own text, without the frame around it, so a
+# later compaction carries the summary forward instead of quoting frames inside frames.
+SUMMARY_TEXT_KEY = "ctxfold_summary"
 
 
 @dataclass(frozen=True, slots=True)
