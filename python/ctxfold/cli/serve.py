@@ -10,7 +10,6 @@ from typing import Any
 
 from ctxfold.config import CompactConfig, load_config
 
-
 EPILOG = """examples:
   ctxfold serve --upstream http://127.0.0.1:8000/v1 --context-tokens 131072
   ctxfold serve --upstream http://gpu-1:8000/v1 --context-tokens 32k --port 8080 --data-dir /var/lib/ctxfold
