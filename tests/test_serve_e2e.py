@@ -195,3 +195,47 @@ def test_sigkill_mid_conversation_loses_nothing(traces_dir: Path, tmp_path: Path
     assert up.rejected_over_context == 0
     restored = Session(only_session(data)).restore()
     assert [view_of(m) for m in restored.messages] == [wire_view(d) for d in sent_history(traj)]
+
+
+def test_an_oversized_tool_result_is_archived_and_recalled_through_the_proxy(tmp_path: Path) -> None:
+    """A tool result far over the window: the proxy archives it (the hard trigger's last resort), the
+    upstream sees a marker and the read_archive tool, calls it, and the proxy answers from the archive."""
+    import re
+
+    huge = "".join(f"line {i}: value={i * 7919 % 10007}\n" for i in range(3000))  # ~80k chars
+    up = ScriptedUpstream(context_tokens=4096, count_tokens=_counter())
+    compact = CompactConfig.from_mapping({"context_tokens": 4096, "reply_reserve_tokens": 512})
+    call = {"id": "t1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "dump"}'}}
+    history = [{"role": "system", "content": "You are a coding agent."},
+               {"role": "user", "content": "dump the table and tell me line 2"},
+               {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "tool" and last["tool_call_id"] == "t1":
+            aid = re.search(r"id=([0-9a-f]{64})", last["content"])
+            assert aid, last["content"][:200]
+            args = json.dumps({"id": aid.group(1), "offset": 0, "limit": 60})
+            return {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "r1", "type": "function", "function": {"name": "read_archive", "arguments": args}}]}
+        return {"role": "assistant", "content": f"line 2 reads: {last['content'].splitlines()[3]}"}
+
+    up.answer_for = answer  # type: ignore[method-assign]
+    with BackgroundServer(up.app()) as upstream:
+        proxy = ProxyApp(ProxyConfig(upstream=upstream.url, data_dir=tmp_path / "data", compact=compact,
+                                     summarizer="extractive", durable=False))
+        with BackgroundServer(proxy.app()) as srv:
+            body = {"model": "m", "messages": [*history, {"role": "tool", "tool_call_id": "t1", "content": huge}],
+                    "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]}
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "line 2 reads: line 2: value=5831"
+    assert up.rejected_over_context == 0 and max(up.prompt_tokens_seen) <= 4096
+    first, second = up.received[-2], up.received[-1]
+    assert any(t["function"]["name"] == "read_archive" for t in first["tools"])
+    assert len(first["messages"][-1]["content"]) < 10_000  # the marker and a preview, not the output
+    assert second["messages"][-1]["content"].startswith("[read_archive id=")
+    assert proxy.metrics.recall_calls.get() == 1
+    # Nothing is lost: the data directory has the output verbatim.
+    restored = Session(only_session(tmp_path / "data")).restore()
+    assert restored.messages[2].text == huge

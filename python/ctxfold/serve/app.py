@@ -343,10 +343,15 @@ class ProxyApp:
         known = len(session.fingerprints) if session is not None else 0
         new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
         if session is None:
-            conv = Conversation(messages=new, system=parsed.system, tools=parse_tools(parsed.body))
+            # Built with the history at once, but the tool results that end the request go in through
+            # append_tool_result, so the hard trigger sees them arrive as it would in a running session.
+            k = len(new)
+            while k > 0 and new[k - 1].role is Role.TOOL:
+                k -= 1
+            conv = Conversation(messages=new[:k], system=parsed.system, tools=parse_tools(parsed.body))
             session = await self.sessions.create(key, conv)
             session.refresh_fingerprints()
-            new = []  # already in: the compactor was built with them
+            new = new[k:]
         if self._inline(session.compactor, new):
             events = self._ingest(session, new)
         else:
