@@ -77,6 +77,23 @@ def test_stream_passes_through_unchanged(upstream: tuple[ScriptedUpstream, str],
     assert got.count(b"data: ") > 10 and got.endswith(b"data: [DONE]\n\n")
 
 
+def test_stream_with_the_recall_tool_offered_is_still_unchanged(upstream: tuple[ScriptedUpstream, str],
+                                                                proxy: tuple[ProxyApp, str]) -> None:
+    """With tools in the request the recall tool is offered and the stream is read event by event
+    (closing events held to the end): an answer without read_archive calls still arrives byte for byte."""
+    up, _ = upstream
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    for answer in ({"role": "assistant", "content": "plain text answer " * 4},
+                   {"role": "assistant", "content": "running it", "tool_calls": [
+                       {"id": "b1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]}):
+        body = chat(("user", "go"), stream=True, tools=tools, stream_options={"include_usage": True},
+                    x_replay_answer=answer)
+        with httpx.stream("POST", f"{proxy[1]}/v1/chat/completions", json=body, timeout=30) as r:
+            got = b"".join(r.iter_raw())
+        assert got == up.sent[-1]
+        assert any(t["function"]["name"] == "read_archive" for t in up.received[-1]["tools"])
+
+
 def test_unknown_top_level_fields_pass_through(upstream: tuple[ScriptedUpstream, str],
                                                proxy: tuple[ProxyApp, str]) -> None:
     up, _ = upstream
