@@ -54,6 +54,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the model's reply cap (sets the reply reserve)")
     p.add_argument("--reply-reserve-tokens", type=non_negative_int, metavar="TOKENS",
                    help="tokens kept free for the answer (default: min(max output or 8192, 20480))")
+    p.add_argument("--tokenizer", default="estimate:deepseek-v4", metavar="SPEC",
+                   help="token counter for the upstream's model: deepseek-v4, qwen3, mistral, o200k_base, "
+                   "cl100k_base, a tokenizer.json or .model file, estimate:NAME, or chars4 (default: "
+                   "estimate:deepseek-v4; the upstream's usage figures calibrate it per conversation)")
+    p.add_argument("--template", default="deepseek-v4", metavar="NAME",
+                   help="chat template the upstream renders requests with: deepseek-v3.2, deepseek-v4, chatml, "
+                   "mistral-v7, or none for message text alone (default: deepseek-v4)")
     p.add_argument("--summarizer", choices=("upstream", "config", "extractive"), default="upstream",
                    help="who writes summaries: the upstream model (default), the summarizer section of --config, "
                    "or no model (extractive); a failed summary always falls back to the extractive one")
@@ -80,7 +87,8 @@ def build_config(args: argparse.Namespace) -> Any:
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
         summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
-        max_recall_rounds=args.max_recall_rounds, durable=not args.no_fsync,
+        max_recall_rounds=args.max_recall_rounds, durable=not args.no_fsync, tokenizer=args.tokenizer,
+        template=None if args.template == "none" else args.template,
     )
 
 

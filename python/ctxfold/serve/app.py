@@ -87,6 +87,10 @@ class ProxyConfig:
     read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
     max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
     durable: bool = True  # fsync every session event (off: a crash of the machine may lose the last events)
+    tokenizer: str = "estimate:deepseek-v4"  # token counter spec (ctxfold.counting.load_counter)
+    # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
+    # The template's control tokens also bound the accounting's work per append.
+    template: str | None = "deepseek-v4"
 
     def __post_init__(self) -> None:
         if self.summarizer not in ("upstream", "config", "extractive"):
@@ -228,6 +232,12 @@ class ProxyApp:
                  ) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
+        from ctxfold.counting import load_counter
+        from ctxfold.templates import get_template
+
+        # One counter and template for every conversation: both are stateless and thread-safe.
+        self.counter = load_counter(config.tokenizer)
+        self.template = get_template(config.template) if config.template is not None else None
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor)
         self._client: aiohttp.ClientSession | None = None
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
@@ -246,8 +256,8 @@ class ProxyApp:
             summarizer = OpenAICompatibleSummarizer(self.config.base_url, model,
                                                     connect_timeout_s=self.config.connect_timeout_s,
                                                     timeout_s=self.config.compact.summary.timeout_s)
-        c = Compactor(header, config=self.config.compact, summarizer=summarizer, session_dir=path,
-                      durable=self.config.durable)
+        c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
+                      summarizer=summarizer, session_dir=path, durable=self.config.durable)
         # One archive per key, shared by the sessions a key forks into: they share their early history,
         # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
         # With archive_url, replicas share it through object storage; event logs stay on local disk.
