@@ -41,6 +41,16 @@ def best_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
     return best
 
 
+def paired_best(a: Callable[[], Any], b: Callable[[], Any], repeat: int = 5) -> tuple[float, float]:
+    """Best times of ``a`` and ``b``, run alternately so that a burst of load on a shared machine
+    hits both sides alike; the ratio of the two minimums is what the targets are checked on."""
+    best_a = best_b = float("inf")
+    for _ in range(repeat):
+        best_a = min(best_a, best_seconds(a, 1))
+        best_b = min(best_b, best_seconds(b, 1))
+    return best_a, best_b
+
+
 @pytest.fixture(scope="module")
 def texts(traces_dir: Path) -> list[str]:
     return [t for g in read_corpus([traces_dir]) for t in g.texts]
@@ -104,8 +114,8 @@ def test_exact_batch_ctxfold(benchmark: Any, name: str, texts: list[str]) -> Non
     direct = _direct(name)
     result = benchmark.pedantic(counter.count_batch, args=(texts,), rounds=3, iterations=1)
     assert result.tolist() == direct(texts)
-    ours = best_seconds(lambda: counter.count_batch(texts), 3)
-    theirs = best_seconds(lambda: direct(texts), 3)
+    part = texts[: len(texts) // 3]  # a third of the messages keeps the paired timing short
+    ours, theirs = paired_best(lambda: counter.count_batch(part), lambda: direct(part))
     benchmark.extra_info["ratio_to_library"] = ours / theirs
     assert ours <= 1.2 * theirs, f"{name}: {ours:.3f} s vs library {theirs:.3f} s"
 
@@ -160,8 +170,7 @@ def test_turn_by_turn_through_the_ledger(benchmark: Any, long_conversation: Conv
     benchmark.group = "turn-by-turn"
     total = benchmark.pedantic(count_turn_by_turn, args=(long_conversation,), rounds=3, iterations=1)
     assert total == count_once(long_conversation)
-    once = best_seconds(lambda: count_once(long_conversation), 3)
-    grown = best_seconds(lambda: count_turn_by_turn(long_conversation), 3)
+    grown, once = paired_best(lambda: count_turn_by_turn(long_conversation), lambda: count_once(long_conversation))
     benchmark.extra_info["ratio_to_once"] = grown / once
     assert grown <= 1.5 * once, f"turn by turn {grown:.3f} s vs once {once:.3f} s"
 

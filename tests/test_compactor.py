@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scripted_server import ScriptedServer
 
 from ctxfold.archive import is_marker, restore
 from ctxfold.compactor import AsyncCompactor, CompactionEvent, Compactor
@@ -25,6 +24,7 @@ from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.session import Session
 from ctxfold.summarize import CallableSummarizer, OpenAICompatibleSummarizer, SummaryRequest
 from ctxfold.templates import get_template
+from scripted_server import ScriptedServer
 
 SYSTEM = "You are a coding agent working in a repository. Use the tools; read before you edit."
 TOOLS = (ToolSpec("read", "read lines of a file", {"type": "object", "properties": {
@@ -197,11 +197,12 @@ def test_mid_turn_archive_stage_then_summary_stage(counter: TokenCounter, tmp_pa
     c.append(request)
     c.before_request()
     kinds: list[str] = []
+    typed = Message(Role.USER, "and keep the public API stable", id="typed", queued=True)
     for k in range(60):
         a = call("read", path=f"store/part{k}.py")
         c.append(a)
         c.append_tool_result(result(a, readme_lines(k * 50, 40)))
-        event = c.before_request()
+        event = c.before_request(queued=[typed] if k == 1 else ())
         if event is not None:
             kinds.append(event.kind)
             if event.kind == "archive":
@@ -212,7 +213,8 @@ def test_mid_turn_archive_stage_then_summary_stage(counter: TokenCounter, tmp_pa
             if event.kind == "summary":
                 assert event.trigger == "mid_turn"
                 assert c.view[0] is request  # the turn's request stays verbatim, first
-                assert c.view[1].summary
+                assert c.view[1].id == "typed"  # then what the user typed while the turn ran
+                assert c.view[2].summary
                 assert c.view[-1].resume  # ends with the hidden continue instruction
                 break
         assert_sound(c)
@@ -445,3 +447,29 @@ def test_async_variant(counter: TokenCounter) -> None:
         return await ac.compact_now()
 
     assert asyncio.run(main()).applied
+
+
+# -- the KV plan over token ids ------------------------------------------------------------------------------
+
+def test_token_level_kv_plan_agrees_with_the_accounting(counter: TokenCounter) -> None:
+    config = CompactConfig.preset("both", context_tokens=100_000)
+    c = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v3.2"),
+                  kv_plan="tokens", page_size_tokens=16)
+    seg = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v3.2"))
+    for comp in (c, seg):
+        for k in range(6):
+            comp.append(user(f"q{k}"), Message(Role.ASSISTANT, readme_lines(k * 100, 50), id=f"a{k}"))
+            comp.before_request()
+    exact, approx = c.compact_now().kv, seg.compact_now().kv
+    assert exact is not None and approx is not None and exact.exact and not approx.exact
+    # The ids a server would tokenize add up to what the accounting counted, message by message.
+    assert exact.tokens_reused + exact.tokens_to_prefill == c.accounting.total_tokens
+    assert exact.tokens_reused % 16 == 0 and exact.tokens_reused >= c.accounting.prefix_tokens - 16
+    assert exact.tokens_to_prefill == approx.tokens_to_prefill
+    assert exact.tokens_shift_reusable > 0  # the verbatim tail could be moved by a shifting engine
+
+
+def test_token_level_kv_plan_needs_a_tokenizer() -> None:
+    with pytest.raises(ValueError, match="kv_plan='tokens' needs a tokenizer.json counter"):
+        Compactor(header(), counter=load_counter("estimate:deepseek-v4"), template=get_template("deepseek-v3.2"),
+                  kv_plan="tokens")

@@ -69,6 +69,22 @@ def test_deepseek_api_prompt_tokens_are_reproduced_exactly(traces_dir: Path) -> 
             assert predicted[k + 1] - predicted[k] - completion[k] - results[k] == 15, (name, k)
 
 
+def test_thinking_mode_is_detected_from_reasoning(traces_dir: Path) -> None:
+    """Without options, a conversation whose messages carry reasoning is rendered in thinking mode:
+    the reasoner run is still predicted exactly, request by request."""
+    counter = load_counter("deepseek-v4")
+    for name, conv, thinking in deepseek_runs(traces_dir):
+        acc = RequestAccounting(counter, DEEPSEEK_V32)  # no RenderOptions: thinking decided per conversation
+        for i, m in enumerate(conv.messages):
+            if m.role is Role.ASSISTANT and m.usage is not None:
+                view = Conversation(messages=conv.messages[:i], system=conv.system, tools=conv.tools)
+                assert acc.reset(view) == m.usage.prompt_tokens, (name, i)
+        now = acc.total_tokens
+        assert acc.count_view(conv, conv.messages) == RequestAccounting(counter, DEEPSEEK_V32).reset(conv)
+        assert acc.total_tokens == now
+        assert (Renderer(DEEPSEEK_V32).render(conv).text().count("<think>") > 5) == thinking
+
+
 @pytest.mark.parametrize("template", [DEEPSEEK_V32, DEEPSEEK_V4])
 def test_deepseek_segments_add_up_to_the_whole_prompt(template: object, traces_dir: Path) -> None:
     counter = load_counter("deepseek-v4")

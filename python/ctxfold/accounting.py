@@ -119,6 +119,7 @@ class RequestAccounting:
         self.counter = counter
         self.template = template if template is not None else PLAIN
         self.options = options if options is not None else RenderOptions()
+        self._opts = self.options.resolved(())  # with thinking decided for the current messages
         self.renderer = Renderer(self.template)
         self.ledger = _core.Ledger()
         self._messages: list[Message] = []
@@ -192,9 +193,14 @@ class RequestAccounting:
                 return int(self.ledger.tokens()[i])
         msgs = [*self._messages, message]
         last_user = last_user_index(msgs)
-        seg = self.renderer.message(msgs, len(msgs) - 1, last_user=last_user,
-                                    keep_all_reasoning=self._keep_all, opts=self.options, tools=self._tools)
-        tail = self._tail_before(msgs, len(msgs) - 1, {}, last_user) if _leading_text(seg) else None
+        saved = self._opts
+        if self.options.thinking is None and message.reasoning and not saved.thinking:
+            self._opts = RenderOptions(thinking=True)  # auto mode: this message would turn it on
+        try:
+            seg = self._render(msgs, len(msgs) - 1, last_user, {})
+            tail = self._tail_before(msgs, len(msgs) - 1, {}, last_user) if _leading_text(seg) else None
+        finally:
+            self._opts = saved
         return self._count_segments([seg], [tail])[0]
 
     # -- updates ------------------------------------------------------------------------------------
@@ -243,6 +249,16 @@ class RequestAccounting:
         else:
             last_user = last_user_index(new)
         start = max(d - 1, 0)  # the previous message's framing can depend on what follows it
+        opts = self._opts
+        if self.options.thinking is None:
+            # Auto thinking mode: on once any message carries reasoning; a flip re-renders everything.
+            if d == len(old):
+                thinking = bool(opts.thinking) or any(m.reasoning for m in new[d:])
+            else:
+                thinking = any(m.reasoning for m in new)
+            if thinking != opts.thinking:
+                self._opts = opts = RenderOptions(thinking=thinking)
+                start = 0
         if last_user != self._last_user:
             # Thinking markers and kept reasoning depend on where the last user turn is: every
             # message from the earlier of the two positions on may render differently (from the
@@ -281,17 +297,18 @@ class RequestAccounting:
         rendered: dict[int, Segment] = {}
         segs: list[Segment] = [prefix]
         tails: list[str | None] = [None]
-        saved = self._keep_all, self._tools
+        saved = self._keep_all, self._tools, self._opts
         self._keep_all, self._tools = keep_all, tuple(header.tools)
+        self._opts = self.options.resolved(msgs)
         try:
             for i in range(len(msgs)):
                 seg = self._render(msgs, i, last_user, rendered)
                 segs.append(seg)
                 tails.append(self._tail_before(msgs, i, rendered, last_user, prefix) if _leading_text(seg) else None)
-            segs.append(self.renderer.suffix(msgs, last_user=last_user, keep_all_reasoning=keep_all, opts=self.options))
+            segs.append(self.renderer.suffix(msgs, last_user=last_user, keep_all_reasoning=keep_all, opts=self._opts))
             tails.append(None)
         finally:
-            self._keep_all, self._tools = saved
+            self._keep_all, self._tools, self._opts = saved
         return int(sum(self._count_segments(segs, tails)))
 
     # -- internals ----------------------------------------------------------------------------------
@@ -300,13 +317,20 @@ class RequestAccounting:
         seg = rendered.get(i)
         if seg is None:
             seg = self.renderer.message(msgs, i, last_user=last_user, keep_all_reasoning=self._keep_all,
-                                        opts=self.options, tools=self._tools)
+                                        opts=self._opts, tools=self._tools)
             rendered[i] = seg
         return seg
 
     def _tail_before(self, msgs: Sequence[Message], i: int, rendered: dict[int, Segment], last_user: int,
                      prefix: Segment | None = None) -> str | None:
-        """The text run that segment ``i`` continues: the text after the last control token before it."""
+        """The text run that segment ``i`` continues: the text after the last control token before it.
+
+        None for a template without control tokens (plain texts): there every message is counted on
+        its own, as "count the texts" means; joining would make the whole conversation one run and
+        every append cost a walk back to its start.
+        """
+        if not self.template.specials:
+            return None
         runs: list[str] = []
         j = i - 1
         while j >= -1:
@@ -321,7 +345,7 @@ class RequestAccounting:
 
     def _update_suffix(self) -> None:
         suffix = self.renderer.suffix(self._messages, last_user=self._last_user,
-                                      keep_all_reasoning=self._keep_all, opts=self.options)
+                                      keep_all_reasoning=self._keep_all, opts=self._opts)
         self.suffix_tokens = self._count_segments([suffix], [None])[0]
 
     def _count_segments(self, segs: Sequence[Segment], tails: Sequence[str | None]) -> list[int]:

@@ -30,17 +30,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from ctxfold.accounting import RequestAccounting
 from ctxfold.archive import (
     ArchiveParams,
+    ArchivePass,
     ArchiveStore,
     MemoryBackend,
     archive_mid_turn,
     archive_oversized,
     archive_turn_start,
+    turn_start_cutoff,
 )
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
+from ctxfold.kvplan import plan_kv_resync
 from ctxfold.ledger import SegmentFlag
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session, ViewEntry
@@ -136,7 +142,7 @@ class _TurnState:
     number: int = 0  # real user turns seen
     failures: int = 0  # consecutive failed compactions in this turn
     gave_up: bool = False  # automatic passes stopped for the rest of this turn
-    request_index: int = -1  # view index of this turn's request (the user message that started it)
+    request: Message | None = None  # the user message that started this turn (found in the view by identity)
 
 
 class Compactor:
@@ -153,6 +159,7 @@ class Compactor:
         session_dir: str | Path | None = None,
         durable: bool = True,
         page_size_tokens: int = 16,
+        kv_plan: str = "segments",
         observer: Observer | None = None,
     ) -> None:
         self.config = config if config is not None else CompactConfig()
@@ -162,11 +169,22 @@ class Compactor:
         self._extractive = ExtractiveSummarizer(counter=self.counter)
         self.observer: Observer = observer if observer is not None else NullObserver()
         self.page_size_tokens = page_size_tokens
+        if kv_plan not in ("segments", "tokens"):
+            raise ValueError(f"kv_plan must be 'segments' or 'tokens', got {kv_plan!r}")
+        if kv_plan == "tokens" and (getattr(self.counter, "tokenizer", None) is None or template is None):
+            raise ValueError("kv_plan='tokens' needs a tokenizer.json counter (it encodes the rendered requests) "
+                             "and a chat template")
+        # "tokens": render both requests, encode them, and plan over the ids (exact, with the spans a
+        # shifting engine can move; costs two encodes of the request per compaction). "segments":
+        # the same figures from per-message counts, free, without shift spans.
+        self.kv_plan = kv_plan
         self._lock = threading.RLock()
         self.header = replace(conversation, messages=[])
         self.events: list[CompactionEvent] = []
         self._turn = _TurnState()
         self._pending: list[Message] = []  # appended since the last request (decides turn start vs continuation)
+        self._archive_watermark = 0  # view index before which the turn-start pass has judged every output
+        self._archive_params = ArchiveParams.from_config(self.config.minor)
 
         self.session: Session | None = None
         if session_dir is not None:
@@ -315,14 +333,21 @@ class Compactor:
     # -- passes -------------------------------------------------------------------------------------
     def _archive_pass(self, *, stage: str, trigger: str, reason: str) -> CompactionEvent | None:
         t0 = time.perf_counter()
-        params = ArchiveParams(
-            keep_recent_user_turns=self.config.minor.keep_recent_user_turns,
-            archive_threshold_chars=self.config.minor.archive_threshold,
-            archive_preview_chars=self.config.minor.archive_preview_chars,
-            keep_recent_tool_results=self.config.minor.keep_recent_tool_results,
-        )
-        run = archive_turn_start if stage == "turn_start" else archive_mid_turn
-        result = run(self.view, self.store, params)
+        params = self._archive_params
+        if stage == "turn_start":
+            # Outputs before the previous cutoff were judged at an earlier turn start (archived, or
+            # too small): scan only what the window slid past since, so a turn start with nothing
+            # to do costs a backward scan over the kept turns, not the whole conversation.
+            cutoff = turn_start_cutoff(self.view, params.keep_recent_user_turns)
+            lo = self._archive_watermark
+            if cutoff <= lo:
+                return None
+            part = archive_turn_start(self.view[lo:], self.store, params, count_tokens=self.counter.count)
+            if part.report.error is None:
+                self._archive_watermark = cutoff
+            result = ArchivePass(self.view[:lo] + part.messages if part.report.archived else self.view, part.report)
+        else:
+            result = archive_mid_turn(self.view, self.store, params, count_tokens=self.counter.count)
         report = result.report
         if not report.archived and report.error is None:
             return None  # nothing to do: no event, no log line
@@ -380,8 +405,8 @@ class Compactor:
         besides = int(tokens[bottom:].sum()) + sum(self.accounting.message_tokens(m) for m in queued)
         if mid_turn:
             besides += self.accounting.message_tokens(resume_message(0))
-            if 0 <= self._turn.request_index < bottom:
-                besides += int(tokens[self._turn.request_index])
+            if 0 <= (r := self._request_index()) < bottom:
+                besides += int(tokens[r])
         budget, room = self._tail_budget(summary.text, besides)
         # Keep at least half of what lies before BOTTOM for the summary to replace: a tail that takes
         # it all would make the rebuilt view larger than the old one (ds4 grows the transcript so).
@@ -403,10 +428,13 @@ class Compactor:
         )
         new_view: list[Message] = []
         new_origins: list[int] = []
-        if mid_turn and 0 <= self._turn.request_index < tail.start:
-            # Mid-turn the turn's own request stays verbatim ahead of the summary (Datus).
-            new_view.append(self.view[self._turn.request_index])
-            new_origins.append(self.view_origins[self._turn.request_index])
+        request_index = self._request_index()
+        if mid_turn and 0 <= request_index < tail.start:
+            # Mid-turn the turn's own request and the messages the user typed while it ran stay
+            # verbatim ahead of the summary (Datus).
+            keep = [request_index] + [i for i in range(request_index + 1, tail.start) if self.view[i].queued]
+            new_view.extend(self.view[i] for i in keep)
+            new_origins.extend(self.view_origins[i] for i in keep)
         new_view.append(summary_msg)
         new_origins.append(-1)
         new_view.extend(self.view[tail.start:])
@@ -426,8 +454,6 @@ class Compactor:
                                 timings, summary=summary, dump=dump, give_up=True)
         old_view = self.view
         self._rewrite(new_view, new_origins)
-        if mid_turn:
-            self._turn.request_index = 0 if new_view[0] is not summary_msg else -1
         kv = self._kv_figures(old_view, new_view)
         timings["total"] = time.perf_counter() - t0
         event = CompactionEvent(
@@ -473,7 +499,7 @@ class Compactor:
             try:
                 result = FallbackSummarizer(primary, self._extractive).summarize(
                     request, on_token=self.observer.summary_token, timeout_s=cfg.summary.timeout_s)
-            except Exception as exc:  # a summarizer outside the protocol's contract must not stop compaction
+            except Exception as exc:  # noqa: BLE001 - a summarizer outside the contract must not stop compaction
                 failure = f"{self.summarizer.name} raised {type(exc).__name__}: {exc}"
             else:
                 failure = result.primary_failure
@@ -549,19 +575,26 @@ class Compactor:
             self.view.append(m)
             self.view_origins.append(first + k)
             if m.is_user_turn:
-                self._turn.request_index = len(self.view) - 1
+                self._turn.request = m
         self.accounting.sync(self.view)
         self._pending.extend(messages)
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
+        if len(view) != len(self.view):
+            self._archive_watermark = 0  # a summary rebuild: positions moved
         self.view = view
         self.view_origins = origins
         self.accounting.reset(self.header, view)
 
     def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:
-        """Reuse of the engine's prefix cache across a rewrite, over per-message counts: the exact
-        common prefix (page-aligned), what must be prefilled again, and what a position-shifting
-        engine could move instead (verbatim messages found again after the divergence: approximate)."""
+        """Reuse of the engine's KV cache across a rewrite: the exact common prefix (page-aligned),
+        what must be prefilled again, and what a position-shifting engine could move instead
+        (verbatim spans found again after the divergence: approximate)."""
+        if self.kv_plan == "tokens":
+            plan = plan_kv_resync(self._request_ids(old), self._request_ids(new),
+                                  page_size_tokens=self.page_size_tokens, min_shift_tokens=MIN_SHIFT_TOKENS)
+            return KvPlanFigures(tokens_reused=plan.reuse_tokens, tokens_to_prefill=plan.prefill_tokens,
+                                 tokens_shift_reusable=plan.shifted_tokens, exact=True)
         new_tokens = self.accounting.tokens()
         k = 0
         while k < min(len(old), len(new)) and old[k] is new[k]:
@@ -573,15 +606,32 @@ class Compactor:
         return KvPlanFigures(tokens_reused=reused, tokens_to_prefill=self.accounting.total_tokens - reused,
                              tokens_shift_reusable=shiftable)
 
+    def _request_ids(self, messages: Sequence[Message]) -> npt.NDArray[np.int32]:
+        """The token ids of the request for ``messages``, as a server would tokenize the prompt."""
+        rendered = self.accounting.renderer.render(replace(self.header, messages=list(messages)),
+                                                   self.accounting.options)
+        tokenizer = self.counter.tokenizer  # type: ignore[attr-defined]
+        return np.asarray(tokenizer.encode(rendered.text(), add_special_tokens=False).ids, dtype=np.int32)
+
+    def _request_index(self) -> int:
+        """View index of this turn's request, -1 when it is not in the view (summarized away)."""
+        request = self._turn.request
+        if request is not None:
+            for i in range(len(self.view) - 1, -1, -1):
+                if self.view[i] is request:
+                    return i
+        return -1
+
     def _state(self) -> dict[str, Any]:
         return {"turn": self._turn.number, "failures": self._turn.failures, "gave_up": self._turn.gave_up,
-                "request_index": self._turn.request_index, "occupancy_tokens": self.occupancy_tokens(),
+                "request_index": self._request_index(), "occupancy_tokens": self.occupancy_tokens(),
                 "compactions": len(self.events)}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self._turn = _TurnState(number=int(state.get("turn", 0)), failures=int(state.get("failures", 0)),
                                 gave_up=bool(state.get("gave_up", False)),
-                                request_index=int(state.get("request_index", -1)))
+                                request=self.view[r] if 0 <= (r := int(state.get("request_index", -1))) < len(self.view)
+                                else None)
 
     def _log_view(self, event: CompactionEvent) -> None:
         if self.session is None:
@@ -609,7 +659,8 @@ class _Summary:
     fallback_from: str | None  # why the configured summarizer was not used, when the extractive one stood in
 
 
-SUMMARY_FRAME_TOKENS = 64  # the frame around a summary, an upper bound for every tokenizer we ship
+SUMMARY_FRAME_TOKENS = 64
+MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)  # the frame around a summary, an upper bound for every tokenizer we ship
 
 
 def frame_summary(summary: str, history_path: str | None) -> str:

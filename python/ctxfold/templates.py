@@ -97,7 +97,15 @@ class ChatTemplate:
 class RenderOptions:
     """Per-request switches of a template."""
 
-    thinking: bool = False  # thinking mode (deepseek-reasoner, Qwen3 with thinking)
+    # Thinking mode (deepseek-reasoner, Qwen3 with thinking). None: on when any message of the
+    # conversation carries reasoning, which is how a recorded reasoner trace shows itself.
+    thinking: bool | None = None
+
+    def resolved(self, messages: Sequence[Message]) -> RenderOptions:
+        """These options with ``thinking`` decided for ``messages``."""
+        if self.thinking is not None:
+            return self
+        return RenderOptions(thinking=any(m.reasoning for m in messages))
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +328,7 @@ class Renderer:
     def render(self, conversation: Conversation, opts: RenderOptions = RenderOptions()) -> RenderedRequest:
         """The whole request for ``conversation``, ending with the generation prompt."""
         msgs = conversation.messages
+        opts = opts.resolved(msgs)
         last_user = last_user_index(msgs)
         keep_all = self.keeps_all_reasoning(bool(conversation.tools))
         segs = tuple(

@@ -213,7 +213,7 @@ def turn_start_cutoff(messages: Sequence[Message], keep_recent_user_turns: int) 
     first_kept = -1
     for i in range(len(messages) - 1, -1, -1):
         m = messages[i]
-        if m.role is Role.USER and not m.queued and not m.resume:  # Message.is_user_turn, inlined
+        if m.role is Role.USER and not (m.queued or m.resume or m.summary):  # Message.is_user_turn, inlined
             seen += 1
             if seen == keep_recent_user_turns:
                 first_kept = i

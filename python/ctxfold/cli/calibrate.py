@@ -15,12 +15,12 @@ from ctxfold.errors import ConfigError
 EPILOG = """examples:
   ctxfold calibrate --tokenizer deepseek-v4 --corpus traces/ -o deepseek-v4.json
   ctxfold calibrate --tokenizer path/to/tokenizer.json --corpus a.jsonl b.traj -o mine.json
-  ctxfold replay run.json --tokenizer mine.json        use the calibration as an estimator
+  ctxfold count run.json --tokenizer mine.json          use the calibration as a counter
 
-The file records the coefficients, the corpus, and the held-out error (median and p95, per message
-and per conversation) beside chars/4 on the same texts.
+Conversations are split by a hash of their id: 20% (--held-out) never enter the fit and the
+error printed and stored in the file is measured on them, beside chars/4 on the same texts.
 
-exit codes: 0 success, 2 usage error, 3 input error (missing or malformed corpus file),
+exit codes: 0 success, 2 usage error, 3 input error (missing or malformed file),
 4 tokenizer unavailable, 5 internal error."""
 
 
