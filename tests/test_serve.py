@@ -322,6 +322,24 @@ def test_slow_upstream_is_a_504(upstream: tuple[ScriptedUpstream, str], tmp_path
         srv.close()
 
 
+def test_a_stream_that_stalls_ends_with_an_error_event(upstream: tuple[ScriptedUpstream, str],
+                                                       tmp_path: Path) -> None:
+    up, url = upstream
+    up.stall_after_chunks, up.stall_s = 2, 1.0
+    _, srv = start_proxy(url, tmp_path / "d", read_timeout_s=0.3)
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=chat(("user", "x" * 40), stream=True),
+                          timeout=30) as r:
+            assert r.status_code == 200
+            raw = b"".join(r.iter_raw())
+    finally:
+        srv.close()
+    first_two = b"".join(e + b"\n\n" for e in up.sent[-1].split(b"\n\n")[:2])
+    assert raw.startswith(first_two) and b"[DONE]" not in raw
+    err = json.loads(SseReader().feed(raw)[-1][1] or "")["error"]
+    assert err["code"] == "upstream_stream_cut" and "sent nothing for 0.3 s" in err["message"]
+
+
 def test_upstream_errors_are_passed_through(upstream: tuple[ScriptedUpstream, str],
                                             proxy: tuple[ProxyApp, str]) -> None:
     up, _ = upstream

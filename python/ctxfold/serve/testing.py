@@ -102,6 +102,8 @@ class ScriptedUpstream:
         self.fail_count = 0  # ...this many times
         self.cut_after_chunks: int | None = None  # close a stream after this many chunks (once)
         self.fail_summaries = False  # answer every summary request with a 500
+        self.stall_after_chunks: int | None = None  # pause a stream after this many chunks (once)...
+        self.stall_s = 0.0  # ...for this long
         self.summary_text = (
             "Goals: finish the user's task. Files: none recorded. Commands: none. Decisions: keep the "
             "verbatim tail. Next steps: continue from the last user message."
@@ -216,6 +218,9 @@ class ScriptedUpstream:
                     assert request.transport is not None
                     request.transport.close()
                     return resp
+                if self.stall_after_chunks is not None and n == self.stall_after_chunks:
+                    self.stall_after_chunks = None
+                    await asyncio.sleep(self.stall_s)
                 await resp.write(data)
             await resp.write_eof()
         except ConnectionError:
