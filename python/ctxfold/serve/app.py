@@ -608,10 +608,10 @@ class ProxyApp:
                                     out.append(raw_event)
                             if out:
                                 await send(b"".join(out))
+                    except TimeoutError:  # aiohttp's read timeout is one too; caught before its base class below
+                        cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
                     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                         cut = f"the upstream stream was cut: {e}"
-                    except TimeoutError:
-                        cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
             except Exception as e:  # noqa: BLE001 - connection or timeout before any byte: 502/504
                 if not resp.prepared:
                     return self._upstream_failure(e)
