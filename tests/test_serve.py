@@ -422,3 +422,21 @@ def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixtu
     assert "not an http(s) URL" in capsys.readouterr().err
     assert main(["serve", "--upstream", "http://127.0.0.1:1", "--read-timeout-s", "0"]) == 2
     assert "read_timeout_s: must be positive" in capsys.readouterr().err
+
+
+def test_without_aiohttp_the_cli_works_and_serve_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "from ctxfold.cli import main\n"
+            "assert main(['serve', '--help']) == 0\n")
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent / "python")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0 and "ctxfold serve --upstream" in out.stdout, out.stderr
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "from ctxfold.cli import main\n"
+            "sys.exit(main(['serve', '--upstream', 'http://127.0.0.1:1']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 4
+    assert "pip install 'ctxfold[serve]'" in out.stderr and "Traceback" not in out.stderr

@@ -28,7 +28,7 @@ or the port cannot be used, 5 internal error."""
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
-    from ctxfold.serve.app import DEFAULT_MAX_BODY_BYTES
+    from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -93,6 +93,9 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ctxfold.serve import require_aiohttp
+
+    require_aiohttp()
     from ctxfold.serve.app import serve
 
     config = build_config(args)

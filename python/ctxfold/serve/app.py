@@ -46,6 +46,7 @@ from ctxfold.errors import ConfigError, FormatError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
@@ -60,7 +61,6 @@ from ctxfold.serve.sse import AnswerAssembler, SseReader
 
 log = logging.getLogger("ctxfold.serve")
 
-DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB of JSON
 # Request headers worth passing upstream; hop-by-hop ones and Accept-Encoding stay here (the proxy
 # reads the stream, so it must arrive uncompressed).
 _FORWARD_HEADERS = ("authorization", "openai-organization", "openai-project", "api-key", "user-agent")
