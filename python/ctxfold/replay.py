@@ -169,6 +169,11 @@ def replay_conversation(
                 if any(e.applied for e in new_events):
                     report.orphans += count_orphans(compactor.view)
                 report.events.extend((point.index, e) for e in new_events)
+                if observer is not None:
+                    # No engine runs in a replay: the plan's prefill is reported as done at once.
+                    for e in new_events:
+                        if e.applied and e.kv is not None:
+                            observer.prefill_progress(e.kv.tokens_to_prefill, e.kv.tokens_to_prefill)
                 seen_events = len(compactor.events)
                 if on_request is not None:
                     on_request(point)

@@ -94,6 +94,10 @@ def add_policy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name for --summarizer URL (default: $CTXFOLD_SUMMARY_MODEL)")
     p.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
                    help="KV cache page size the reuse figures round down to (default: 16)")
+    p.add_argument("--kv-plan", choices=("segments", "tokens"), default="segments",
+                   help="how the KV plan is computed: from per-message counts (segments, free) or over "
+                   "the token ids of both requests, with the spans a shifting engine can move (tokens: "
+                   "needs a tokenizer.json --tokenizer and a --template; two encodes per compaction)")
     p.add_argument("--reply-reserve", type=non_negative_int, metavar="TOKENS", help="tokens kept free for "
                    "each answer (default: the config's, else the longest recorded answer, at least 256 "
                    "and at most a quarter of the window)")

@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         session_dir = None if args.session_dir is None else Path(args.session_dir) / label
         compactor = Compactor(conv, config=cfg, counter=counter, template=template,
                               summarizer=make_summarizer(cfg, counter),
-                              session_dir=session_dir, page_size_tokens=args.page_size)
+                              session_dir=session_dir, page_size_tokens=args.page_size,
+                              kv_plan=args.kv_plan)
         try:
             event = compactor.compact_now(args.reason)
             result = compactor.conversation()

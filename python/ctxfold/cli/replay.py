@@ -119,6 +119,7 @@ class Settings:
     tokenizer: str  # counter spec for load_counter
     template: str | None  # chat template spec, None for plain text
     page_size_tokens: int  # KV page size the reuse figures round down to
+    kv_plan: str  # "segments" or "tokens" (see Compactor)
     auto_reserve: bool  # reply reserve from each conversation's longest answer (default_reply_reserve)
     session_root: str | None  # keep sessions here, one directory per conversation
 
@@ -148,7 +149,7 @@ def replay_one(job: Job, settings: Settings, observer: Any = None,
         job.conversation, config=config, session_dir=session_dir, observer=observer, on_request=on_request,
         counter=counter, template=template,
         summarizer=make_summarizer(config, counter),
-        page_size_tokens=settings.page_size_tokens,
+        page_size_tokens=settings.page_size_tokens, kv_plan=settings.kv_plan,
     )
     entry = {"label": job.label, "file": job.file, "format": job.format, **report.to_json()}
     return entry
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
 
     config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
     settings = Settings(config=config, tokenizer=args.tokenizer, template=args.template,
-                        page_size_tokens=args.page_size,
+                        page_size_tokens=args.page_size, kv_plan=args.kv_plan,
                         auto_reserve=auto_reserve, session_root=args.session_dir)
 
     num_workers = min(args.jobs or _cpus(), len(jobs))

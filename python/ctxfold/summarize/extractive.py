@@ -192,6 +192,39 @@ def _is_observation(m: Message) -> bool:
     return m.role is Role.USER and bool(_OBSERVATION_RE.match(m.text[:200]))
 
 
+def _carry(summary: str, f: _Facts) -> None:
+    """Carry an earlier summary into the facts of the next one.
+
+    A summary in this module's own format is merged section by section (its goals before the new
+    goals, so the task statement stays first; its files, commands and errors before the new ones),
+    so repeated compactions keep the durable state without nesting summaries inside summaries.
+    Stale notes and pending steps are dropped: the conversation since has superseded them. Any other
+    summary (a model's prose) is kept whole as an earlier summary.
+    """
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in summary.strip().splitlines():
+        if line.startswith("## "):
+            current = sections.setdefault(line[3:].strip().lower(), [])
+        elif line.startswith("- ") and current is not None:
+            current.append(line[2:].strip())
+    if not sections:
+        f.earlier.append(summary.strip())
+        return
+    f.earlier.extend(sections.get("earlier summary", ()))
+    f.goals.extend(sections.get("user goals and constraints", ()))
+    for item in sections.get("files", ()):
+        kind, _, path = item.partition(": ")
+        if kind == "edited":
+            f.edited.setdefault(path, -1)
+        elif kind == "inspected":
+            f.inspected.setdefault(path, -1)
+        elif path:
+            f.mentioned[path] += 1
+    f.commands.extend(sections.get("commands and tool calls (most recent last)", ()))
+    f.errors.extend(sections.get("errors seen", ()))
+
+
 def _collect(messages: Sequence[Message]) -> _Facts:
     f = _Facts()
     calls: dict[str, tuple[str, int]] = {}  # call id -> (rendered call, index into f.commands)
@@ -204,7 +237,7 @@ def _collect(messages: Sequence[Message]) -> _Facts:
         text = m.text
         if m.summary:
             inner = m.extra.get(SUMMARY_TEXT_KEY)
-            f.earlier.append((inner if isinstance(inner, str) else text).strip())
+            _carry(inner if isinstance(inner, str) else text, f)
             continue
         if m.role is Role.USER and not _is_observation(m):
             if m.is_user_turn and text.strip() and not _NOT_A_GOAL_RE.match(text):
@@ -333,7 +366,9 @@ def _first_then_recent(n: int) -> list[int]:
 
 
 def _sections(f: _Facts) -> list[_Section]:
-    goals = [_one_line(g, _GOAL_FIRST_CHARS if k == 0 else _GOAL_CHARS) for k, g in enumerate(f.goals)]
+    # Unique: a carried summary and the transcript after it can both hold a goal (the summary also
+    # covered the verbatim tail it was kept with).
+    goals = [_one_line(g, _GOAL_FIRST_CHARS if k == 0 else _GOAL_CHARS) for k, g in enumerate(dict.fromkeys(f.goals))]
     earlier = [e if len(e) <= 4000 else e[:4000] + " …" for e in f.earlier]
     files: list[str] = []
     edited = sorted(f.edited, key=lambda p: -f.edited[p])
