@@ -31,7 +31,7 @@ EXIT_ENVIRONMENT = 4
 EXIT_INTERNAL = 5
 
 # Subcommand modules, in the order `ctxfold --help` lists them.
-COMMANDS: tuple[str, ...] = ("replay", "count", "compact", "restore", "calibrate")
+COMMANDS: tuple[str, ...] = ("replay", "count", "compact", "restore", "calibrate", "serve")
 
 EPILOG = """exit codes: 0 success, 1 problem found (overflow, orphan, failed check), 2 usage error,
 3 input error (missing or malformed file), 4 environment error (tokenizer, package or endpoint

@@ -1,0 +1,218 @@
+"""Load test of ``ctxfold serve``: latency the proxy adds when nothing fires, and no lost or mixed-up request.
+
+Three processes on loopback: the scripted upstream (``python -m ctxfold.serve.testing``), the proxy
+(``python -m ctxfold serve``), and this script, the load generator. For ``--duration-s`` each, the
+same workload runs twice, first straight at the upstream (the baseline) and then through the proxy:
+``--conversations`` concurrent conversations, each a closed loop of requests that carry the whole
+history so far; every request's last user message names its conversation and request number, the
+upstream echoes it, and every answer is checked against what was sent. A sequential pass (one
+request at a time) measures the added latency without queueing, a paced pass the same with 64
+conversations that think between requests, and a saturated pass the throughput limit.
+
+Prints one JSON object: per phase (sequential; paced: the conversations wait ``--think-ms`` between
+requests; saturated: no wait), requests, errors, mismatches, median and p99 latency in ms, the added
+median and p99 (proxy minus direct), and the proxy's CPU time per request.
+
+Run: ``PYTHONPATH=python python bench/bench_serve.py [--duration-s 3] [--conversations 64] [--stream]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_REQUESTS_PER_CONVERSATION = 40
+
+
+def start(cmd: list[str], *, marker: str, stream: str = "stdout") -> tuple[subprocess.Popen[str], str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    pipe = proc.stdout if stream == "stdout" else proc.stderr
+    assert pipe is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = pipe.readline()
+        if not line:
+            break
+        if marker in line:
+            url = line.split(marker, 1)[1].split()[0].rstrip(",")
+            return proc, url
+    proc.kill()
+    raise RuntimeError(f"{cmd[2:4]} did not start: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def new_state(conv: int) -> dict[str, Any]:
+    return {"conv": conv, "req": 0, "started": False,
+            "messages": [{"role": "system", "content": f"You are conversation {conv}. " + "Policy. " * 50}]}
+
+
+async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, Any], stop_at: float, stream: bool,
+                       out: dict[str, Any], think_s: float = 0.0) -> None:
+    """Drive one conversation until ``stop_at``; its state carries over to the next slice."""
+    rng = random.Random(st["conv"] * 7919 + st["req"])
+    if think_s and not st["started"]:
+        await asyncio.sleep(rng.uniform(0, think_s))  # spread the starts: no lockstep bursts
+    st["started"] = True
+    messages: list[dict[str, Any]] = st["messages"]
+    while time.monotonic() < stop_at:
+        if st["req"] == MAX_REQUESTS_PER_CONVERSATION:  # start over: agent conversations are tens of turns
+            st.update(new_state(st["conv"] + 1_000_000), started=True)
+            messages = st["messages"]
+        tag = f"conv={st['conv']} req={st['req']}"
+        messages.append({"role": "user", "content": f"{tag} please answer briefly about item {st['req']}"})
+        body = {"model": "bench", "messages": messages, "stream": stream}
+        t0 = time.perf_counter()
+        try:
+            async with session.post(url, json=body) as r:
+                raw = await r.read()
+                status = r.status
+        except aiohttp.ClientError as e:
+            out["errors"].append(f"{tag}: {e}")
+            return
+        dt = time.perf_counter() - t0
+        if status != 200:
+            out["errors"].append(f"{tag}: HTTP {status} {raw[:200]!r}")
+            return
+        if stream:
+            text = "".join(
+                (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+                for line in raw.decode().split("\n\n") if line.startswith("data: {"))
+        else:
+            text = json.loads(raw)["choices"][0]["message"]["content"]
+        if not text.startswith(f"echo: {tag} "):
+            out["mismatches"].append(f"sent {tag!r}, got {text[:60]!r}")
+        out["latencies"].append(dt)
+        messages.append({"role": "assistant", "content": text})
+        st["req"] += 1
+        if think_s:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * think_s)  # the agent works between model calls
+
+
+async def phase(url: str, states: list[dict[str, Any]], duration_s: float, stream: bool, out: dict[str, Any],
+                think_s: float = 0.0) -> None:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        stop_at = time.monotonic() + duration_s
+        await asyncio.gather(*(conversation(s, url, st, stop_at, stream, out, think_s) for st in states))
+
+
+def summary(out: dict[str, Any]) -> dict[str, Any]:
+    lat = out["latencies"]
+    return {
+        "requests": len(lat), "errors": len(out["errors"]), "mismatches": len(out["mismatches"]),
+        "median_ms": statistics.median(lat) * 1e3 if lat else None, "p99_ms": percentile(lat, 0.99) * 1e3,
+        "first_problems": (out["errors"] + out["mismatches"])[:5],
+    }
+
+
+def interleaved(direct_url: str, via_url: str, conversations: int, duration_s: float, stream: bool,
+                slice_s: float, think_s: float = 0.0, first_conv: int = 0) -> dict[str, Any]:
+    """Direct and proxied load in alternating slices, so both see the same machine (other processes come
+    and go); each side's conversations carry on from slice to slice."""
+    direct: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
+    via: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
+    sides = ((direct_url, direct, [new_state(first_conv + c) for c in range(conversations)]),
+             (via_url, via, [new_state(first_conv + 100_000 + c) for c in range(conversations)]))
+    warm = [new_state(9_000_000 + first_conv + c) for c in range(min(conversations, 4))]
+    asyncio.run(phase(via_url, warm, 0.2, stream, {"latencies": [], "errors": [], "mismatches": []}))
+    elapsed = 0.0
+    while elapsed < duration_s:
+        for url, out, states in sides:
+            asyncio.run(phase(url, states, slice_s, stream, out, think_s))
+        elapsed += slice_s
+    d, v = summary(direct), summary(via)
+    return {"direct": d, "proxy": v, "added_median_ms": (v["median_ms"] or 0) - (d["median_ms"] or 0),
+            "added_p99_ms": v["p99_ms"] - d["p99_ms"]}
+
+
+def overhead_from_metrics(proxy_url: str) -> dict[str, Any]:
+    """The proxy's own measure of the time from a request's arrival to its forwarding (histogram)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{proxy_url}/metrics", timeout=10).read().decode()
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith("ctxfold_proxy_overhead_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), int(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1] if buckets else 0
+    def quantile(q: float) -> float | None:
+        for le, n in buckets:
+            if total and n >= q * total:
+                return le * 1e3
+        return None
+    return {"requests": total, "median_at_most_ms": quantile(0.5), "p99_at_most_ms": quantile(0.99)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    up, up_url = start([sys.executable, "-m", "ctxfold.serve.testing", "--port", "0"], marker="listening on ")
+    data = tempfile.mkdtemp(prefix="ctxfold-bench-serve-")
+    cmd = [sys.executable, "-m", "ctxfold", "serve", "--upstream", up_url, "--port", "0", "--data-dir", data,
+           "--summarizer", "extractive"]
+    if not args.fsync:
+        cmd.append("--no-fsync")
+    proxy, proxy_url = start(cmd, marker="listening on ", stream="stderr")
+    try:
+        direct_url = f"{up_url}/v1/chat/completions"
+        via_url = f"{proxy_url}/v1/chat/completions"
+        result: dict[str, Any] = {"conversations": args.conversations, "duration_s": args.duration_s,
+                                  "stream": args.stream, "fsync": args.fsync}
+        # sequential: one request at a time. paced: the conversations each wait --think-ms between requests,
+        # as agents do, so the servers are busy but not saturated. saturated: no wait at all, which on a
+        # small machine measures queueing (throughput), not what the proxy adds to a request.
+        phases = (("sequential", 1, 0.0), ("paced", args.conversations, args.think_ms / 1e3),
+                  ("saturated", args.conversations, 0.0))
+        for k, (name, n, think_s) in enumerate(phases):
+            cpu0 = cpu_seconds(proxy.pid)
+            result[name] = interleaved(direct_url, via_url, n, args.duration_s, args.stream, args.slice_s,
+                                       think_s, first_conv=k * 10_000)
+            # CPU the proxy spent per request it forwarded: its real cost, apart from waiting for a core.
+            result[name]["proxy_cpu_ms_per_request"] = (cpu_seconds(proxy.pid) - cpu0) * 1e3 / max(
+                1, result[name]["proxy"]["requests"])
+        result["proxy_overhead"] = overhead_from_metrics(proxy_url)
+        return result
+    finally:
+        for p in (proxy, up):
+            p.terminate()
+            p.wait(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration-s", type=float, default=3.0, help="per phase, each side (default 3)")
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--slice-s", type=float, default=0.5, help="direct and proxied load alternate in slices")
+    ap.add_argument("--think-ms", type=float, default=200.0, help="wait between a conversation's requests (paced)")
+    ap.add_argument("--stream", action="store_true", help="streaming requests")
+    ap.add_argument("--fsync", action="store_true", help="the proxy fsyncs every session event (its default)")
+    args = ap.parse_args(argv)
+    print(json.dumps(run(args), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""``ctxfold serve --upstream URL``: the compacting OpenAI-compatible proxy."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from ctxfold.config import CompactConfig, load_config
+
+EPILOG = """examples:
+  ctxfold serve --upstream http://127.0.0.1:8000/v1 --context-tokens 131072
+  ctxfold serve --upstream http://gpu-1:8000/v1 --context-tokens 32k --port 8080 --data-dir /var/lib/ctxfold
+  ctxfold serve --upstream https://api.deepseek.com/v1 --context-tokens 128k --max-output-tokens 8192
+  ctxfold serve --upstream http://127.0.0.1:8000/v1 --config agent.yml --summarizer config
+  ctxfold serve --upstream http://vllm:8000/v1 --context-tokens 64k --archive-url s3://bucket/ctxfold
+
+Point the client's OpenAI base URL at http://HOST:PORT/v1. A conversation is named by the
+X-Ctxfold-Session header, else by its system prompt and first message. Sessions, history dumps
+and archives live in --data-dir; a restarted proxy resumes every conversation. GET /health, GET
+/metrics (Prometheus text). Details: docs/serve.md.
+
+exit codes: 0 stopped by a signal, 2 usage error (bad option or setting), 3 the data directory
+or the port cannot be used, 5 internal error."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
+    from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="run an OpenAI-compatible proxy that compacts every conversation to fit the upstream's window",
+        description=wrap("Accept OpenAI chat.completions requests (streaming and not), keep each conversation "
+        "as a ctxfold session in the data directory, compact it when it nears the window, forward the "
+        "compacted request to the upstream and stream the answer back unchanged."),
+        epilog=EPILOG, formatter_class=FORMATTER,
+    )
+    p.add_argument("--upstream", required=True, metavar="URL",
+                   help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=non_negative_int, default=8080,
+                   help="port to listen on (default 8080; 0: any free port)")
+    p.add_argument("--data-dir", type=Path, default=Path("ctxfold-data"),
+                   help="sessions, history dumps and archives (default ./ctxfold-data)")
+    p.add_argument("--archive-url", metavar="URL",
+                   help="fsspec URL for archives shared by several proxy replicas (s3://bucket/prefix, ...)")
+    p.add_argument("--config", type=Path, metavar="FILE", help="compaction settings (YAML or TOML, agent.compact)")
+    p.add_argument("--context-tokens", "--ctx", type=positive_int, metavar="TOKENS",
+                   help="the upstream model's context window (16k, 128k, ...); unset: token triggers are off")
+    p.add_argument("--max-output-tokens", type=positive_int, metavar="TOKENS",
+                   help="the model's reply cap (sets the reply reserve)")
+    p.add_argument("--reply-reserve-tokens", type=non_negative_int, metavar="TOKENS",
+                   help="tokens kept free for the answer (default: min(max output or 8192, 20480))")
+    p.add_argument("--tokenizer", default="estimate:deepseek-v4", metavar="SPEC",
+                   help="token counter for the upstream's model: deepseek-v4, qwen3, mistral, o200k_base, "
+                   "cl100k_base, a tokenizer.json or .model file, estimate:NAME, or chars4 (default: "
+                   "estimate:deepseek-v4; the upstream's usage figures calibrate it per conversation)")
+    p.add_argument("--template", default="deepseek-v4", metavar="NAME",
+                   help="chat template the upstream renders requests with: deepseek-v3.2, deepseek-v4, chatml, "
+                   "mistral-v7, or none for message text alone (default: deepseek-v4)")
+    p.add_argument("--summarizer", choices=("upstream", "config", "extractive"), default="upstream",
+                   help="who writes summaries: the upstream model (default), the summarizer section of --config, "
+                   "or no model (extractive); a failed summary always falls back to the extractive one")
+    p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="to connect upstream (default 10)")
+    p.add_argument("--read-timeout-s", type=float, default=600.0,
+                   help="longest silence from the upstream before 504 or a cut stream (default 600)")
+    p.add_argument("--max-recall-rounds", type=non_negative_int, default=4,
+                   help="read_archive rounds the proxy answers within one request (default 4)")
+    p.add_argument("--no-fsync", action="store_true",
+                   help="do not fsync session events (a process crash loses nothing; a machine crash may)")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from ctxfold.serve.app import ProxyConfig
+
+    overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
+                 if getattr(args, k) is not None}
+    compact = load_config(args.config, **overrides) if args.config else CompactConfig.from_mapping(overrides)
+    return ProxyConfig(
+        upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
+        summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
+        connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
+        max_recall_rounds=args.max_recall_rounds, durable=not args.no_fsync, tokenizer=args.tokenizer,
+        template=None if args.template == "none" else args.template,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ctxfold.serve import require_aiohttp
+
+    require_aiohttp()
+    from ctxfold.serve.app import serve
+
+    config = build_config(args)
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+
+    def ready(url: str) -> None:
+        print(f"ctxfold serve: listening on {url}, forwarding to {config.completions_url}, data in "
+              f"{config.data_dir}", file=sys.stderr, flush=True)
+
+    try:
+        asyncio.run(serve(config, args.host, args.port, ready=ready, stop_on_signals=True))
+    except KeyboardInterrupt:
+        pass
+    return 0

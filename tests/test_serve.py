@@ -1,0 +1,442 @@
+"""The compacting proxy over real HTTP on loopback: passthrough, sessions, recall, bad input, faults."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ctxfold.archive import make_marker
+from ctxfold.config import CompactConfig
+from ctxfold.serve import ProxyApp, ProxyConfig
+from ctxfold.serve.sse import AnswerAssembler, SseReader
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
+from ctxfold.session import Session
+
+
+@pytest.fixture()
+def upstream() -> Iterator[tuple[ScriptedUpstream, str]]:
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as srv:
+        yield up, srv.url
+
+
+def start_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp, BackgroundServer]:
+    compact = kw.pop("compact", CompactConfig(context_tokens=None))
+    cfg = ProxyConfig(upstream=upstream_url, data_dir=data_dir, compact=compact, summarizer="extractive",
+                      durable=False, **kw)
+    proxy = ProxyApp(cfg)
+    return proxy, BackgroundServer(proxy.app()).__enter__()
+
+
+@pytest.fixture()
+def proxy(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> Iterator[tuple[ProxyApp, str]]:
+    p, srv = start_proxy(upstream[1], tmp_path / "data")
+    try:
+        yield p, srv.url
+    finally:
+        srv.close()
+
+
+def chat(*turns: tuple[str, str], system: str = "You are terse.", **extra: Any) -> dict[str, Any]:
+    msgs = [{"role": "system", "content": system}] + [{"role": r, "content": c} for r, c in turns]
+    return {"model": "m", "messages": msgs, **extra}
+
+
+def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None,
+         timeout: float = 30.0) -> httpx.Response:
+    data = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(f"{url}/v1/chat/completions", content=data, timeout=timeout,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+# -- passthrough -------------------------------------------------------------------------------------
+
+def test_json_answer_comes_back_byte_for_byte(upstream: tuple[ScriptedUpstream, str],
+                                              proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    r = post(proxy[1], chat(("user", "hello there")))
+    assert r.status_code == 200
+    assert r.content == up.sent[-1]
+    assert r.json()["choices"][0]["message"]["content"] == "echo: hello there"
+
+
+def test_stream_passes_through_unchanged(upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    body = chat(("user", "stream me a fairly long answer please " * 5), stream=True)
+    with httpx.stream("POST", f"{proxy[1]}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        got = b"".join(r.iter_raw())
+    assert got == up.sent[-1]
+    assert got.count(b"data: ") > 10 and got.endswith(b"data: [DONE]\n\n")
+
+
+def test_stream_with_the_recall_tool_offered_is_still_unchanged(upstream: tuple[ScriptedUpstream, str],
+                                                                proxy: tuple[ProxyApp, str]) -> None:
+    """With tools in the request the recall tool is offered and the stream is read event by event
+    (closing events held to the end): an answer without read_archive calls still arrives byte for byte."""
+    up, _ = upstream
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+    for answer in ({"role": "assistant", "content": "plain text answer " * 4},
+                   {"role": "assistant", "content": "running it", "tool_calls": [
+                       {"id": "b1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]}):
+        body = chat(("user", "go"), stream=True, tools=tools, stream_options={"include_usage": True},
+                    x_replay_answer=answer)
+        with httpx.stream("POST", f"{proxy[1]}/v1/chat/completions", json=body, timeout=30) as r:
+            got = b"".join(r.iter_raw())
+        assert got == up.sent[-1]
+        assert any(t["function"]["name"] == "read_archive" for t in up.received[-1]["tools"])
+
+
+def test_unknown_top_level_fields_pass_through(upstream: tuple[ScriptedUpstream, str],
+                                               proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    r = post(proxy[1], chat(("user", "hi"), temperature=0.3, x_vendor={"a": [1, 2]}, seed=7))
+    assert r.status_code == 200
+    sent = up.received[-1]
+    assert sent["temperature"] == 0.3 and sent["x_vendor"] == {"a": [1, 2]} and sent["seed"] == 7
+
+
+# -- sessions ----------------------------------------------------------------------------------------
+
+def _sessions(data: Path) -> list[Path]:
+    return sorted(p for p in (data / "sessions").glob("*/*") if (p / "events.jsonl").is_file())
+
+
+def test_a_conversation_continues_its_session_and_records_answers(
+        upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
+    turns: list[tuple[str, str]] = [("user", "first question")]
+    for k in range(4):
+        r = post(proxy[1], chat(*turns))
+        turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
+        turns.append(("user", f"follow-up {k}"))
+    post(proxy[1], chat(("user", "another conversation")))
+    sessions = _sessions(tmp_path / "data")
+    assert len(sessions) == 2
+    restored = max((Session(p).restore() for p in sessions), key=len)
+    assert restored.system == "You are terse."
+    # Every message the client sent and every answer, in order (the last follow-up was never sent).
+    assert [(m.role.value, m.text) for m in restored.messages] == turns[:-1]
+
+
+def test_a_rewritten_history_forks_a_new_session(upstream: tuple[ScriptedUpstream, str],
+                                                 proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
+    post(proxy[1], chat(("user", "q")))
+    post(proxy[1], chat(("user", "q"), ("assistant", "echo: q"), ("user", "next")))
+    # The client edits the assistant's answer: no stored session is a prefix any more.
+    post(proxy[1], chat(("user", "q"), ("assistant", "EDITED"), ("user", "next")))
+    sessions = _sessions(tmp_path / "data")
+    assert len(sessions) == 2
+    assert sorted(len(Session(p).restore()) for p in sessions) == [4, 4]
+
+
+def test_requests_of_one_conversation_are_served_in_turn(upstream: tuple[ScriptedUpstream, str],
+                                                         proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    up.delay_s = 0.3
+    with httpx.Client() as client:
+        import concurrent.futures
+
+        def send(k: int) -> int:
+            body = chat(("user", f"turn {k}"))
+            return client.post(f"{proxy[1]}/v1/chat/completions", json=body, timeout=30,
+                               headers={"X-Ctxfold-Session": "one"}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(send, range(4))) == [200] * 4
+    assert up.max_in_flight == 1  # the conversation's lock held each request until its answer was stored
+
+
+def test_session_header_separates_identical_openings(upstream: tuple[ScriptedUpstream, str],
+                                                     proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
+    for key in ("alice", "bob"):
+        assert post(proxy[1], chat(("user", "same start")), headers={"X-Ctxfold-Session": key}).status_code == 200
+    assert len(_sessions(tmp_path / "data")) == 2
+    r = post(proxy[1], chat(("user", "x")), headers={"X-Ctxfold-Session": "k" * 500})
+    assert r.status_code == 400 and "X-Ctxfold-Session" in r.json()["error"]["message"]
+
+
+def test_restart_resumes_sessions_from_the_data_dir(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    _, srv = start_proxy(upstream[1], data)
+    post(srv.url, chat(("user", "before restart")))
+    srv.close()
+    _, srv2 = start_proxy(upstream[1], data)
+    try:
+        post(srv2.url, chat(("user", "before restart"), ("assistant", "echo: before restart"), ("user", "after")))
+    finally:
+        srv2.close()
+    sessions = _sessions(data)
+    assert len(sessions) == 1
+    assert [m.text for m in Session(sessions[0]).restore().messages] == [
+        "before restart", "echo: before restart", "after", "echo: after"]
+
+
+# -- recall ------------------------------------------------------------------------------------------
+
+def test_read_archive_calls_are_answered_by_the_proxy(upstream: tuple[ScriptedUpstream, str],
+                                                      proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
+    up, _ = upstream
+    app, url = proxy
+    post(url, chat(("user", "start")))
+    session = app.sessions.loaded()[0]
+    big = "line of archived output\n" * 200
+    aid = session.compactor.store.put(big)
+    marker = make_marker(aid, big, preview_chars=40)
+    answers: Iterator[dict[str, Any]] = iter(())
+    up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+    history = chat(("user", "start"), ("assistant", "echo: start"), ("user", "what did it say?"))
+    history["messages"].insert(3, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "t0", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]})
+    history["messages"].insert(4, {"role": "tool", "tool_call_id": "t0", "content": marker})
+    for stream in (False, True):
+        # The model first thinks and asks for the archive, then answers with what it read.
+        answers = iter([
+            {"role": "assistant", "content": None, "reasoning_content": "I should look at the archive.",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "read_archive", "arguments": json.dumps({"id": aid, "limit": 50})}}]},
+            {"role": "assistant", "content": "the archive says: line of archived output"},
+        ])
+        n = len(up.received)
+        body = dict(history, stream=stream)
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+                raw = b"".join(r.iter_raw())
+            asm = AnswerAssembler()
+            for _, payload in SseReader().feed(raw):
+                asm.add(payload)
+            text = asm.message()["content"]
+            # The client saw the first answer's events but its read_archive call, then the final answer's
+            # bytes unchanged.
+            assert raw.endswith(up.sent[-1])
+            first_part = raw[: len(raw) - len(up.sent[-1])]
+            assert b"read_archive" not in first_part and b"[DONE]" not in first_part
+            assert asm.message()["reasoning_content"] == "I should look at the archive."
+            assert "tool_calls" not in asm.message()
+        else:
+            text = post(url, body).json()["choices"][0]["message"]["content"]
+        assert text == "the archive says: line of archived output"
+        assert len(up.received) == n + 2
+        first, second = up.received[n], up.received[n + 1]
+        assert any(t["function"]["name"] == "read_archive" for t in first["tools"])
+        tool_answer = second["messages"][-1]
+        assert tool_answer["role"] == "tool" and tool_answer["tool_call_id"] == "c1"
+        assert tool_answer["content"].startswith(f"[read_archive id={aid} chars 0-50 of {len(big)}")
+    assert app.metrics.recall_calls.get() == 2
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("raw", "code", "needle"), [
+    (b'{"model": "m", "messages": [', "invalid_json", "not valid JSON"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "caf\xe9"}]}', "invalid_utf8", "not valid UTF-8"),
+    (b'[1, 2]', "invalid_type", "must be a JSON object"),
+    (b'{"model": "m"}', "invalid_type", "'messages' must be a non-empty array"),
+    (b'{"model": "m", "messages": []}', "invalid_type", "non-empty"),
+    (b'{"model": "m", "messages": ["hi"]}', "invalid_type", "messages[0] must be an object"),
+    (b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "invalid_message", "wizard"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "invalid_message", "content"),
+    (b'{"model": "m", "messages": [{"role": "tool", "content": "x"}]}', "invalid_message", "tool_call_id"),
+    (b'{"model": 3, "messages": [{"role": "user", "content": "x"}]}', "invalid_type", "'model' must be a str"),
+    (b'{"stream": "yes", "messages": [{"role": "user", "content": "x"}]}', "invalid_type", "'stream'"),
+])
+def test_bad_requests_get_a_400_that_says_what_is_wrong(proxy: tuple[ProxyApp, str], raw: bytes, code: str,
+                                                        needle: str) -> None:
+    r = post(proxy[1], None, raw=raw)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["type"] == "invalid_request_error"
+    assert needle in err["message"], err["message"]
+    # ...and the proxy keeps serving.
+    assert post(proxy[1], chat(("user", "still there?"))).status_code == 200
+
+
+def test_a_huge_body_is_refused_from_its_headers(proxy: tuple[ProxyApp, str]) -> None:
+    """100 MB announced: 413 at once, after a few KB were sent; the proxy never reads the rest."""
+    host, port = proxy[1].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000000\r\n\r\n" + b'{"messages": [' + b" " * 4096)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert b"request_too_large" in body and b"100000000 bytes" in body
+    assert post(proxy[1], chat(("user", "still there?"))).status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    _, srv = start_proxy(upstream[1], tmp_path / "d", max_body_bytes=100_000)
+    try:
+        def parts() -> Iterator[bytes]:
+            yield b'{"messages": [{"role": "user", "content": "'
+            for _ in range(100):
+                yield b"x" * 10_000
+
+        r = httpx.post(f"{srv.url}/v1/chat/completions", content=parts(), timeout=30)
+        assert r.status_code == 413 and "exceeds 100000 bytes" in r.json()["error"]["message"]
+    except httpx.HTTPError:
+        pass  # the proxy may close before the client has sent everything: also a refusal
+    finally:
+        srv.close()
+
+
+# -- faults ------------------------------------------------------------------------------------------
+
+def test_upstream_down_is_a_502(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: connection refused
+        _, srv = start_proxy(dead, tmp_path / "d")
+        try:
+            r = post(srv.url, chat(("user", "anyone?")))
+        finally:
+            srv.close()
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["code"] == "upstream_unreachable" and "cannot reach the upstream" in err["message"]
+    # The client's message is kept: a retry continues the same session.
+    assert len(_sessions(tmp_path / "d")) == 1
+
+
+def test_slow_upstream_is_a_504(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    up, url = upstream
+    up.delay_s = 1.0
+    _, srv = start_proxy(url, tmp_path / "d", read_timeout_s=0.3)
+    try:
+        for stream in (False, True):
+            r = post(srv.url, chat(("user", "slow"), stream=stream))
+            assert r.status_code == 504
+            assert r.json()["error"]["code"] == "upstream_timeout" and "0.3 s" in r.json()["error"]["message"]
+    finally:
+        srv.close()
+
+
+def test_a_stream_that_stalls_ends_with_an_error_event(upstream: tuple[ScriptedUpstream, str],
+                                                       tmp_path: Path) -> None:
+    up, url = upstream
+    up.stall_after_chunks, up.stall_s = 2, 1.0
+    _, srv = start_proxy(url, tmp_path / "d", read_timeout_s=0.3)
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=chat(("user", "x" * 40), stream=True),
+                          timeout=30) as r:
+            assert r.status_code == 200
+            raw = b"".join(r.iter_raw())
+    finally:
+        srv.close()
+    first_two = b"".join(e + b"\n\n" for e in up.sent[-1].split(b"\n\n")[:2])
+    assert raw.startswith(first_two) and b"[DONE]" not in raw
+    err = json.loads(SseReader().feed(raw)[-1][1] or "")["error"]
+    assert err["code"] == "upstream_stream_cut" and "sent nothing for 0.3 s" in err["message"]
+
+
+def test_upstream_errors_are_passed_through(upstream: tuple[ScriptedUpstream, str],
+                                            proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    for stream in (False, True):
+        up.fail_status, up.fail_count = 500, 1
+        r = post(proxy[1], chat(("user", "boom"), stream=stream))
+        assert r.status_code == 500 and r.json()["error"]["message"] == "scripted failure"
+    up.fail_status, up.fail_count = 429, 1
+    assert post(proxy[1], chat(("user", "boom"))).status_code == 429
+    # Not retried: exactly one upstream call per client request; the next one succeeds.
+    assert post(proxy[1], chat(("user", "boom"))).status_code == 200
+    assert proxy[0].metrics.upstream_errors.get("status") == 3
+
+
+def test_a_cut_stream_ends_with_an_error_event_and_leaves_the_session_clean(
+        upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
+    up, _ = upstream
+    up.cut_after_chunks = 3
+    body = chat(("user", "a long answer please " * 10), stream=True)
+    with httpx.stream("POST", f"{proxy[1]}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+    events = SseReader().feed(raw)
+    assert b"[DONE]" not in raw
+    err = json.loads(events[-1][1] or "")["error"]
+    assert err["code"] == "upstream_stream_cut"
+    assert raw.startswith(b"".join(up.sent[-1].split(b"\n\n")[i] + b"\n\n" for i in range(3)))
+    # The cut answer is not recorded; the retry continues the same session and records the full one.
+    with httpx.stream("POST", f"{proxy[1]}/v1/chat/completions", json=body, timeout=30) as r:
+        assert b"".join(r.iter_raw()) == up.sent[-1]
+    sessions = _sessions(tmp_path / "data")
+    assert len(sessions) == 1
+    msgs = Session(sessions[0]).restore().messages
+    assert [m.role.value for m in msgs] == ["user", "assistant"]
+    assert msgs[1].text == "echo: " + ("a long answer please " * 10)[:200]
+
+
+def test_health_and_metrics(upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str]) -> None:
+    post(proxy[1], chat(("user", "hi")))
+    post(proxy[1], None, raw=b"{")
+    h = httpx.get(f"{proxy[1]}/health").json()
+    assert h["status"] == "ok" and h["sessions_loaded"] == 1
+    text = httpx.get(f"{proxy[1]}/metrics").text
+    assert 'ctxfold_requests_total{stream="false"} 1' in text
+    assert 'ctxfold_bad_requests_total{reason="invalid_json"} 1' in text
+    assert "# TYPE ctxfold_summary_seconds histogram" in text
+    assert "ctxfold_proxy_overhead_seconds_count 1" in text
+
+
+def test_replicas_share_archives_through_an_fsspec_url(upstream: tuple[ScriptedUpstream, str],
+                                                       tmp_path: Path) -> None:
+    """Two proxies, each with its own data dir, one archive URL: what one archived, the other can recall."""
+    up, url = upstream
+    archive_url = f"memory://ctxfold-replicas-{tmp_path.name}"
+    a, srv_a = start_proxy(url, tmp_path / "a", archive_url=archive_url)
+    _, srv_b = start_proxy(url, tmp_path / "b", archive_url=archive_url)
+    try:
+        post(srv_a.url, chat(("user", "shared start")))
+        store_a = a.sessions.loaded()[0].compactor.store
+        assert store_a.location.startswith("memory://")
+        aid = store_a.put("archived on replica a\n" * 20)
+        call = {"id": "c9", "type": "function",
+                "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
+        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "assistant", "content": "done"}])
+        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+        body = chat(("user", "shared start"), ("assistant", "echo: shared start"), ("user", "recall it"),
+                    tools=[{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}])
+        assert post(srv_b.url, body).json()["choices"][0]["message"]["content"] == "done"
+        assert up.received[-1]["messages"][-1]["content"].startswith(f"[read_archive id={aid} chars 0-440 of 440")
+    finally:
+        srv_a.close()
+        srv_b.close()
+
+
+def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from ctxfold.cli import main
+
+    assert main(["serve", "--upstream", "ftp://models.example"]) == 2
+    assert "not an http(s) URL" in capsys.readouterr().err
+    assert main(["serve", "--upstream", "http://127.0.0.1:1", "--read-timeout-s", "0"]) == 2
+    assert "read_timeout_s: must be positive" in capsys.readouterr().err
+
+
+def test_without_aiohttp_the_cli_works_and_serve_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "from ctxfold.cli import main\n"
+            "assert main(['serve', '--help']) == 0\n")
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent / "python")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0 and "ctxfold serve --upstream" in out.stdout, out.stderr
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "from ctxfold.cli import main\n"
+            "sys.exit(main(['serve', '--upstream', 'http://127.0.0.1:1']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 4
+    assert "pip install 'ctxfold[serve]'" in out.stderr and "Traceback" not in out.stderr

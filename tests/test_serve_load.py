@@ -1,0 +1,42 @@
+"""64 concurrent conversations through the proxy, the load generator in its own process.
+
+Runs ``bench/bench_serve.py`` briefly: no request lost or answered with another conversation's
+answer, and the added latency (median, p99) printed beside the direct call to the upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_64_concurrent_conversations_no_lost_or_mixed_requests() -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_serve.py"), "--conversations", "64", "--duration-s", "0.5",
+         "--slice-s", "0.25"],
+        capture_output=True, text=True, env=env, timeout=180, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    for phase in ("sequential", "paced", "saturated"):
+        for side in ("direct", "proxy"):
+            r = result[phase][side]
+            assert r["errors"] == 0 and r["mismatches"] == 0, r["first_problems"]
+            assert r["requests"] > 0
+    assert result["paced"]["proxy"]["requests"] >= 64  # every conversation got through at least once
+    print("\nserve latency (ms)        direct median/p99     proxy median/p99      added median/p99")
+    for phase in ("sequential", "paced", "saturated"):
+        r = result[phase]
+        print(f"{phase:<24}  {r['direct']['median_ms']:8.2f} {r['direct']['p99_ms']:8.2f}    "
+              f"{r['proxy']['median_ms']:8.2f} {r['proxy']['p99_ms']:8.2f}    "
+              f"{r['added_median_ms']:8.2f} {r['added_p99_ms']:8.2f}   "
+              f"(proxy CPU {r['proxy_cpu_ms_per_request']:.2f} ms/request)")
+    print(f"proxy's own overhead before forwarding: {result['proxy_overhead']}")
