@@ -157,6 +157,7 @@ class Compactor:
         template: ChatTemplate | None = None,
         summarizer: Summarizer | None = None,
         session_dir: str | Path | None = None,
+        store: ArchiveStore | None = None,
         durable: bool = True,
         page_size_tokens: int = 16,
         kv_plan: str = "segments",
@@ -189,7 +190,11 @@ class Compactor:
         self.session: Session | None = None
         if session_dir is not None:
             self.session = Session(session_dir, durable=durable)
-        self.store = ArchiveStore(self.session.archive_dir if self.session is not None else MemoryBackend())
+        # The archive: given (shared by several sessions, or on object storage), else the session's
+        # own directory, else memory.
+        if store is None:
+            store = ArchiveStore(self.session.archive_dir if self.session is not None else MemoryBackend())
+        self.store = store
 
         if self.session is not None and self.session.exists():
             resumed = self.session.load()

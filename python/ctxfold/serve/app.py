@@ -256,16 +256,16 @@ class ProxyApp:
             summarizer = OpenAICompatibleSummarizer(self.config.base_url, model,
                                                     connect_timeout_s=self.config.connect_timeout_s,
                                                     timeout_s=self.config.compact.summary.timeout_s)
-        c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
-                      summarizer=summarizer, session_dir=path, durable=self.config.durable)
         # One archive per key, shared by the sessions a key forks into: they share their early history,
         # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
         # With archive_url, replicas share it through object storage; event logs stay on local disk.
         key = path.parent.name
         if self.config.archive_url is not None:
-            c.store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{key}")
+            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{key}")
         else:
-            c.store = ArchiveStore(path.parent / "archive")
+            store = ArchiveStore(path.parent / "archive")
+        c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
+                      summarizer=summarizer, session_dir=path, store=store, durable=self.config.durable)
         return c
 
     # -- app -----------------------------------------------------------------------------------------
