@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.resources
 import itertools
 import json
-import os
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -33,9 +32,8 @@ from ctxfold.archive import (
 from ctxfold.archive.marker import marker_chars
 from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Message, Role
+from synth import TRACES_DIR
 
-# For the table printed by ``python bench/bench_archive.py``; the benchmarks use bench/conftest.py.
-TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"))
 NUM_MESSAGES = 2000
 PARAMS = ArchiveParams()
 

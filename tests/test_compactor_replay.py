@@ -23,8 +23,8 @@ from ctxfold.counting import load_counter
 from ctxfold.demo import demo_conversation
 from ctxfold.formats import load
 from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation, Role
-from ctxfold.replay import default_reply_reserve, replay_conversation
+from ctxfold.messages import Conversation
+from ctxfold.replay import default_reply_reserve, feed_recorded, replay_conversation
 from ctxfold.session import Session
 
 
@@ -69,7 +69,8 @@ CHILD = textwrap.dedent(
     from ctxfold.config import CompactConfig
     from ctxfold.counting import load_counter
     from ctxfold.demo import demo_conversation
-    from ctxfold.messages import Conversation, Role
+    from ctxfold.messages import Conversation
+    from ctxfold.replay import feed_recorded
 
     class Beacon(NullObserver):
         def compaction_started(self, reason, kind):
@@ -81,13 +82,7 @@ CHILD = textwrap.dedent(
     c = Compactor(head, config=config, counter=load_counter("estimate:deepseek-v4"), session_dir=sys.argv[1],
                   durable=True, observer=Beacon())
     for m in conv.messages:
-        if m.role is Role.ASSISTANT:
-            c.before_request()
-            c.append(m)
-        elif m.role is Role.TOOL:
-            c.append_tool_result(m)
-        else:
-            c.append(m)
+        feed_recorded(c, m)
     print("done", flush=True)
     """
 )
@@ -102,13 +97,7 @@ def resume_and_finish(session_dir: Path, conv: Conversation) -> Compactor:
     assert [m.id for m in c.originals] == [m.id for m in conv.messages[:done]], "originals are a prefix"
     assert count_orphans(c.view) == 0, "the resumed view is whole"
     for m in conv.messages[done:]:
-        if m.role is Role.ASSISTANT:
-            c.before_request()
-            c.append(m)
-        elif m.role is Role.TOOL:
-            c.append_tool_result(m)
-        else:
-            c.append(m)
+        feed_recorded(c, m)
     return c
 
 

@@ -21,7 +21,7 @@ from ctxfold.codec import encode_message
 from ctxfold.compactor import CompactionEvent, Compactor, Observer
 from ctxfold.config import CompactConfig
 from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation, Role
+from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session
 
 
@@ -111,6 +111,18 @@ class ReplayReport:
         }
 
 
+def feed_recorded(compactor: Compactor, message: Message) -> None:
+    """Hand one recorded message to ``compactor`` the way an agent loop would: a model request
+    (``before_request``) before each assistant message, tool results through the hard trigger."""
+    if message.role is Role.ASSISTANT:
+        compactor.before_request()
+        compactor.append(message)
+    elif message.role is Role.TOOL:
+        compactor.append_tool_result(message)
+    else:
+        compactor.append(message)
+
+
 def default_reply_reserve(conversation: Conversation, count: Callable[[str], int], context_tokens: int | None) -> int:
     """The reply reserve for a replay: the longest recorded answer (what the model really needed),
     at least 256 tokens and at most a quarter of the window."""
@@ -179,10 +191,8 @@ def replay_conversation(
                     on_request(point)
                 t0 = time.perf_counter()
                 compactor.append(message)
-            elif message.role is Role.TOOL:
-                compactor.append_tool_result(message)
             else:
-                compactor.append(message)
+                feed_recorded(compactor, message)
             in_ctxfold += time.perf_counter() - t0
         new_events = compactor.events[seen_events:]
         report.events.extend((len(report.requests), e) for e in new_events)

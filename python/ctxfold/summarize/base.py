@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from ctxfold.summarize._run import run_sync
 from ctxfold.summarize.request import SummaryRequest
 
 CutReason = Literal["eos", "control_boundary", "token_cap", "room", "none"]
@@ -104,3 +105,28 @@ def failed(name: str, reason: str, seconds: float, *, detail: str | None = None)
 
 def is_cancelled(cancel: threading.Event | asyncio.Event | None) -> bool:
     return cancel is not None and cancel.is_set()
+
+
+class CoroutineSummarizer:
+    """Base of summarizers written as coroutines: the blocking API runs ``asummarize`` to completion
+    on a private event loop (usable from inside a running loop too)."""
+
+    async def asummarize(
+        self,
+        request: SummaryRequest,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: threading.Event | asyncio.Event | None = None,
+        timeout_s: float | None = None,
+    ) -> SummaryResult:
+        raise NotImplementedError
+
+    def summarize(
+        self,
+        request: SummaryRequest,
+        *,
+        on_token: TokenCallback | None = None,
+        cancel: threading.Event | None = None,
+        timeout_s: float | None = None,
+    ) -> SummaryResult:
+        return run_sync(self.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s))

@@ -17,8 +17,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from ctxfold.messages import Message, Role
-from ctxfold.summarize._run import run_sync
-from ctxfold.summarize.base import Summarizer, SummaryResult, TokenCallback, TokenCounter, count_tokens
+from ctxfold.summarize.base import (
+    CoroutineSummarizer,
+    Summarizer,
+    SummaryResult,
+    TokenCallback,
+    TokenCounter,
+    count_tokens,
+)
 from ctxfold.summarize.extractive import ExtractiveSummarizer
 from ctxfold.summarize.postprocess import trim_to_tokens
 from ctxfold.summarize.request import SummaryRequest, build_summary_request, contract_text, render_plain
@@ -62,7 +68,7 @@ def render_chunk(chunk: Sequence[Message], budget_tokens: int, counter: TokenCou
     return trim_to_tokens(text, budget_tokens, counter)
 
 
-class ChunkedSummarizer:
+class ChunkedSummarizer(CoroutineSummarizer):
     """Wraps a summarizer; summarizes transcript[:BOTTOM] chunk by chunk within ``window_tokens``.
 
     The answer of every chunk request is capped at ``request.cap_tokens``; the chunk budget is what the window
@@ -87,16 +93,6 @@ class ChunkedSummarizer:
     def chunk_budget_tokens(self, request: SummaryRequest) -> int:
         fixed = count_tokens(self._counter, contract_text(request.reason) + _FRAME)
         return self._window_tokens - fixed - 2 * request.cap_tokens - _MARGIN_TOKENS
-
-    def summarize(
-        self,
-        request: SummaryRequest,
-        *,
-        on_token: TokenCallback | None = None,
-        cancel: threading.Event | None = None,
-        timeout_s: float | None = None,
-    ) -> SummaryResult:
-        return run_sync(self.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s))
 
     async def asummarize(
         self,

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 
 from ctxfold.errors import ConfigError
-from ctxfold.summarize._run import run_limited, run_sync
-from ctxfold.summarize.base import SummaryResult, TokenCallback, TokenCounter, failed
+from ctxfold.summarize._run import run_limited
+from ctxfold.summarize.base import CoroutineSummarizer, SummaryResult, TokenCallback, TokenCounter, failed
 from ctxfold.summarize.postprocess import StreamCutter, result_from_cutter
 from ctxfold.summarize.request import SummaryRequest
 
@@ -57,7 +57,7 @@ def _error_message(body: str) -> str:
     return body.strip()[:300]
 
 
-class OpenAICompatibleSummarizer:
+class OpenAICompatibleSummarizer(CoroutineSummarizer):
     """Streams a summary from an OpenAI-compatible chat.completions endpoint.
 
     ``base_url`` ends where ``/chat/completions`` is appended (``http://127.0.0.1:8000/v1``). Thread-safe:
@@ -124,16 +124,6 @@ class OpenAICompatibleSummarizer:
                     temperature=self._temperature)
         body.update(self._extra_body)
         return body
-
-    def summarize(
-        self,
-        request: SummaryRequest,
-        *,
-        on_token: TokenCallback | None = None,
-        cancel: threading.Event | None = None,
-        timeout_s: float | None = None,
-    ) -> SummaryResult:
-        return run_sync(self.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s))
 
     async def asummarize(
         self,
