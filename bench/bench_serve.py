@@ -33,12 +33,15 @@ from typing import Any
 
 import aiohttp
 
+import ctxfold
+
 REPO = Path(__file__).resolve().parent.parent
 MAX_REQUESTS_PER_CONVERSATION = 40
 
 
 def start(cmd: list[str], *, marker: str, stream: str = "stdout") -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    # The children run the ctxfold this script imports (installed, or the tree on PYTHONPATH).
+    env = dict(os.environ, PYTHONPATH=str(Path(ctxfold.__file__).resolve().parent.parent))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     pipe = proc.stdout if stream == "stdout" else proc.stderr
     assert pipe is not None

@@ -27,6 +27,7 @@ from ctxfold.archive import ArchiveParams, ArchiveStore, archive_turn_start, is_
 from ctxfold.archive.store import LocalBackend
 from ctxfold.errors import ArchiveError
 from ctxfold.messages import Message, Role, ToolCall
+from subprocess_env import ctxfold_env
 
 SYSCALLS = ("open", "write", "fsync", "close", "replace")
 PARAMS = ArchiveParams(keep_recent_user_turns=1, archive_threshold_chars=1000, archive_preview_chars=100)
@@ -284,7 +285,7 @@ def test_real_read_only_or_full_file_system(tmp_path: Path, mount: str, err: str
     root.mkdir()
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = ctxfold_env()
     cmd = f"{mount.format(d=root)} && exec {sys.executable} {script} {root}"
     done = subprocess.run(
         ["unshare", "-m", "sh", "-c", cmd], check=False, capture_output=True, text=True, env=env, timeout=120

@@ -7,23 +7,19 @@ subprocess are in test_cli_replay.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import ctxfold
 from ctxfold import __version__, formats
 from ctxfold.cli import COMMANDS, EXIT_INPUT, EXIT_OK, EXIT_USAGE, main
 from ctxfold.cli._common import positive_int, table, tokens
 from ctxfold.session import Session
+from subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parent.parent
-# Subprocesses run the ctxfold this test imports: the installed one in CI, the source tree in a
-# development loop (PYTHONPATH=python).
-PACKAGE_ROOT = str(Path(ctxfold.__file__).resolve().parent.parent)
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -165,7 +161,7 @@ def test_malformed_trace_names_file_and_place(capsys: pytest.CaptureFixture[str]
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"weather": "sunny"}')
-    env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT}
+    env = ctxfold_env()
     quiet = subprocess.run([sys.executable, "-m", "ctxfold", "count", str(bad)], capture_output=True, text=True, check=False,
                            env=env, timeout=60)
     loud = subprocess.run([sys.executable, "-m", "ctxfold", "count", str(bad), "--debug"], capture_output=True, check=False,

@@ -21,15 +21,12 @@ from typing import Any, ClassVar
 
 import pytest
 
-import ctxfold
 from ctxfold import formats
 from ctxfold.integrity import validate
 from ctxfold.messages import Role
+from subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parent.parent
-# Subprocesses run the ctxfold this test imports: the installed one in CI, the source tree in a
-# development loop (PYTHONPATH=python).
-PACKAGE_ROOT = str(Path(ctxfold.__file__).resolve().parent.parent)
 CTX = 16384
 
 # Replay needs the compactor and every piece it stands on, count the token accounting; until those are
@@ -57,7 +54,7 @@ def trace_files(traces_dir: Path) -> list[Path]:
 
 
 def ctxfold(*argv: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, **(env or {})}
+    full_env = ctxfold_env(**(env or {}))
     return subprocess.run([sys.executable, "-m", "ctxfold", *argv], capture_output=True, text=True, env=full_env,
                           timeout=timeout, check=False)
 
@@ -206,7 +203,7 @@ def _on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
     """Run with stderr on a pseudo-terminal; what the terminal received."""
     master, slave = pty.openpty()
     full_env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
-    full_env.update({"PYTHONPATH": PACKAGE_ROOT, "TERM": "xterm-256color", **env})
+    full_env.update({"TERM": "xterm-256color", **env})
     proc = subprocess.Popen([sys.executable, "-m", "ctxfold", *argv], stdout=subprocess.DEVNULL, stderr=slave,
                             env=full_env)
     os.close(slave)

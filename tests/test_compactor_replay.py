@@ -26,6 +26,7 @@ from ctxfold.integrity import count_orphans
 from ctxfold.messages import Conversation
 from ctxfold.replay import default_reply_reserve, feed_recorded, replay_conversation
 from ctxfold.session import Session
+from subprocess_env import ctxfold_env
 
 
 def all_conversations(traces_dir: Path) -> dict[str, list[Conversation]]:
@@ -104,7 +105,7 @@ def resume_and_finish(session_dir: Path, conv: Conversation) -> Compactor:
 @pytest.mark.slow
 def test_kill_9_during_compactions_then_resume(tmp_path: Path) -> None:
     conv = demo_conversation()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = ctxfold_env()
     for trial, (compaction, delay_ms) in enumerate([(1, 0), (2, 1), (3, 3), (5, 0), (6, 2), (8, 5)]):
         root = tmp_path / f"s{trial}"
         proc = subprocess.Popen([sys.executable, "-c", CHILD, str(root)], stdout=subprocess.PIPE, env=env)

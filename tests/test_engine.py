@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 
 from ctxfold.config import CompactConfig
 from ctxfold.engine import DEEPSEEK_V4, Decision, EngineSequence, SegmentKind, SequenceRegistry
+from subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parent.parent
 USER, ASSISTANT, EOS, END_THINK = 128803, 128804, 1, 128822
@@ -198,7 +198,7 @@ def test_registry_many_sequences_from_many_threads() -> None:
 
 
 def test_worked_example_runs(traces_dir: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), CTXFOLD_TRACES=str(traces_dir))
+    env = ctxfold_env(CTXFOLD_TRACES=str(traces_dir))
     out = subprocess.run([sys.executable, str(REPO / "examples" / "engine_example.py"), "--context-tokens", "16384"],
                          capture_output=True, text=True, env=env, timeout=120, check=False)
     assert out.returncode == 0, out.stderr

@@ -17,6 +17,7 @@ from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
+from subprocess_env import ctxfold_env
 
 
 @pytest.fixture()
@@ -431,7 +432,7 @@ def test_without_aiohttp_the_cli_works_and_serve_says_what_to_install() -> None:
     code = ("import sys; sys.modules['aiohttp'] = None\n"
             "from ctxfold.cli import main\n"
             "assert main(['serve', '--help']) == 0\n")
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent / "python")}
+    env = ctxfold_env({})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert out.returncode == 0 and "ctxfold serve --upstream" in out.stdout, out.stderr
     code = ("import sys; sys.modules['aiohttp'] = None\n"

@@ -10,7 +10,6 @@ full history in its data directory. Then the same through a proxy killed with SI
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, deepseek_counter
 from ctxfold.session import Session
+from subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parent.parent
 CONTEXT_TOKENS = 6144  # the longest tau-bench conversations hold about 10k tokens
@@ -131,7 +131,7 @@ def test_trace_replay_stays_inside_the_window(traces_dir: Path, tmp_path: Path, 
 
 class ProxyProcess:
     def __init__(self, upstream_url: str, data_dir: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+        env = ctxfold_env()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ctxfold", "serve", "--upstream", upstream_url, "--port", "0", "--data-dir",
              str(data_dir), "--context-tokens", str(CONTEXT_TOKENS), "--reply-reserve-tokens", "1024",

@@ -7,19 +7,20 @@ answer, and the added latency (median, p99) printed beside the direct call to th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from subprocess_env import ctxfold_env
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
 def test_64_concurrent_conversations_no_lost_or_mixed_requests() -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    env = ctxfold_env()
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "bench_serve.py"), "--conversations", "64", "--duration-s", "0.5",
          "--slice-s", "0.25"],

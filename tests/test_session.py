@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from ctxfold.codec import decode_message, encode_message
 from ctxfold.errors import FormatError
 from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
 from ctxfold.session import Session, ViewEntry
+from subprocess_env import ctxfold_env
 
 
 def _conversation() -> Conversation:
@@ -121,7 +121,7 @@ def test_kill_at_any_point_leaves_old_or_new_view(tmp_path: Path) -> None:
             print(round, flush=True)
         """
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = ctxfold_env()
     for trial in range(6):
         root = tmp_path / f"s{trial}"
         proc = subprocess.Popen([sys.executable, "-c", script, str(root)], stdout=subprocess.PIPE, env=env)
