@@ -166,8 +166,8 @@ class Compactor:
         self.config = config if config is not None else CompactConfig()
         self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
         self.accounting = RequestAccounting(self.counter, template)
-        self.summarizer: Summarizer = summarizer if summarizer is not None else ExtractiveSummarizer()
-        self._extractive = ExtractiveSummarizer(counter=self.counter)
+        self._extractive = ExtractiveSummarizer(counter=self.counter)  # the default and the fallback
+        self.summarizer: Summarizer = summarizer if summarizer is not None else self._extractive
         self.observer: Observer = observer if observer is not None else NullObserver()
         self.page_size_tokens = page_size_tokens
         if kv_plan not in ("segments", "tokens"):
@@ -208,14 +208,15 @@ class Compactor:
             last_answer = next((i for i in range(len(self.view) - 1, -1, -1)
                                 if self.view[i].role is Role.ASSISTANT), 0)
             self._pending = list(self.view[last_answer:])
+            self.accounting.reset(self.header, self.view)
         else:
             self.originals = []
             self.view = []
             self.view_origins = []
             if self.session is not None:
                 self.session.create(self.header)
+            self.accounting.reset(self.header, [])
             self._ingest(conversation.messages)
-        self.accounting.reset(self.header, self.view)
 
     # -- figures ------------------------------------------------------------------------------------
     @property
