@@ -443,8 +443,10 @@ class Compactor:
             new_origins.extend(self.view_origins[i] for i in keep)
         new_view.append(summary_msg)
         new_origins.append(-1)
-        new_view.extend(self.view[tail.start:])
-        new_origins.extend(self.view_origins[tail.start:])
+        # An earlier resume instruction has done its job; a new one follows if this is mid-turn.
+        kept = [i for i in range(tail.start, len(self.view)) if not self.view[i].resume]
+        new_view.extend(self.view[i] for i in kept)
+        new_origins.extend(self.view_origins[i] for i in kept)
         last = new_view[-1]
         if mid_turn and not (last.role is Role.ASSISTANT and last.tool_calls):
             # The hidden instruction makes the model resume after the summary. Not after a call in
