@@ -56,21 +56,23 @@ PLAIN = ChatTemplate(
 )
 
 
+# How far back a result's call is looked for. Calls and results sit a few messages apart; the bound
+# keeps a result whose call is gone (an orphan in the recording) from costing a scan to the start.
+_OPENER_LOOKBACK = 256
+
+
 def _opener(messages: Sequence[Message], i: int) -> int:
     """Index of the assistant message that made the call ``messages[i]`` answers, else ``i``.
 
-    Found by call id, walking back over results, queued inserts and resume messages (which can sit
-    between a call and its result), so the call and every result share one atomic group and a tail
-    can never start between them. Stops at a real user turn: a call does not outlive its turn.
+    Found by call id, walking back over whatever sits between a call and its result (other results,
+    queued inserts, resume messages, a user who interjected), so the call and every result share one
+    atomic group and a tail can never start between them.
     """
     call_id = messages[i].tool_call_id
-    for j in range(i - 1, -1, -1):
+    for j in range(i - 1, max(i - 1 - _OPENER_LOOKBACK, -1), -1):
         m = messages[j]
-        if m.role is Role.ASSISTANT:
-            if any(c.id == call_id for c in m.tool_calls):
-                return j
-        elif m.is_user_turn:
-            break
+        if m.role is Role.ASSISTANT and any(c.id == call_id for c in m.tool_calls):
+            return j
     return i
 
 

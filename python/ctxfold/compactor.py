@@ -183,7 +183,10 @@ class Compactor:
         self.header = replace(conversation, messages=[])
         self.events: list[CompactionEvent] = []
         self._turn = _TurnState()
-        self._pending: list[Message] = []  # appended since the last request (decides turn start vs continuation)
+        # The first message the model has not seen yet (appended since the last request), found in
+        # the view by identity, so rewrites that move it keep it; None when the model saw it all.
+        self._first_unseen: Message | None = None
+        self._rewrites = 0  # summary rewrites so far in this session: numbers the messages they write
         self._archive_watermark = 0  # view index before which the turn-start pass has judged every output
         self._archive_params = ArchiveParams.from_config(self.config.minor)
 
@@ -203,11 +206,7 @@ class Compactor:
             self.view = resumed.conversation.messages
             self.view_origins = resumed.view_origins
             self._load_state(resumed.state)
-            # What the model has not seen yet: everything from its last answer on (in an agent loop,
-            # its answer and the tool results that followed), or all of it before any answer.
-            last_answer = next((i for i in range(len(self.view) - 1, -1, -1)
-                                if self.view[i].role is Role.ASSISTANT), 0)
-            self._pending = list(self.view[last_answer:])
+            self._mark_unseen_after_last_answer()
             self.accounting.reset(self.header, self.view)
         else:
             self.originals = []
@@ -258,20 +257,24 @@ class Compactor:
             if self._fits(result):
                 self._ingest([result])
                 return AppendResult(result, fitted=True, events=tuple(events))
-            room = ctx - self.occupancy_tokens()
-            oversized = archive_oversized(result, self.store, max_tokens=max(room, 0), count_tokens=self.counter.count,
+            # The last resort: the result goes to the archive and the model gets a marker with a
+            # tool error saying how to read it in pieces. With no room at all, the marker still goes
+            # in (a line, against a result that cannot fit): nothing is dropped.
+            before = self.occupancy_tokens()
+            room = max(ctx - before, 1)
+            oversized = archive_oversized(result, self.store, max_tokens=room, count_tokens=self.counter.count,
                                           preview_chars=self.config.minor.archive_preview_chars)
             appended = oversized.message
             self._ingest([result], shown=[appended])
-            before = self.occupancy_tokens() - self.accounting.message_tokens(appended)
             events.append(CompactionEvent(
                 kind="last_resort", trigger="hard", reason="tool result does not fit even after compaction",
-                applied=oversized.fits, tokens_before=before + self.accounting.message_tokens(result),
-                tokens_after=self.occupancy_tokens(),
+                applied=oversized.fits, tokens_before=before, tokens_after=self.occupancy_tokens(),
                 archived=tuple(ArchivedOutput(a.message_id, a.archive_id, a.chars_before, a.chars_after)
                                for a in oversized.report.archived),
                 failure=oversized.report.error,
             ))
+            if appended is not result:
+                self._log_view(events[-1])  # the view shows a stand-in: a resumed session must too
             self._record(events[-1])
             return AppendResult(appended, fitted=False, events=tuple(events))
 
@@ -291,15 +294,13 @@ class Compactor:
                 last = self._run_automatic(turn_start, queued)
             if queued:
                 self._ingest([replace(m, queued=True) if not m.queued else m for m in queued])
-            self._pending.clear()
+            self._first_unseen = None  # the request goes out: the model sees it all
             return last
 
     def compact_now(self, reason: str = "manual compaction") -> CompactionEvent:
         """Manual compaction: always a summary pass, even when automatic passes are off."""
         with self._lock:
-            event = self._summary_pass(trigger="manual", reason=reason, mid_turn=False, manual=True)
-            self._pending.clear()
-            return event
+            return self._summary_pass(trigger="manual", reason=reason, mid_turn=False, manual=True)
 
     def _run_automatic(self, turn_start: bool, queued: Sequence[Message]) -> CompactionEvent | None:
         cfg = self.config
@@ -359,7 +360,10 @@ class Compactor:
             return None  # nothing to do: no event, no log line
         before = self.occupancy_tokens()
         if report.archived:
+            unseen = self._unseen_start()
             self._rewrite(result.messages, list(self.view_origins))
+            if unseen < len(self.view):  # the pass keeps positions; the unseen one may be a marker now
+                self._first_unseen = self.view[unseen]
         event = CompactionEvent(
             kind="archive", trigger=trigger, reason=reason, applied=bool(report.archived),
             tokens_before=before, tokens_after=self.occupancy_tokens(),
@@ -381,8 +385,13 @@ class Compactor:
         before = self.occupancy_tokens(queued)
         # BOTTOM: what arrived since the last request (the new user turn, the latest tool results)
         # has not been seen by the model yet, so it is never summarized unseen (ds4 would): it stays
-        # verbatim after the tail. A manual compaction summarizes everything.
-        bottom = max(len(self.view) - (0 if manual else len(self._pending)), 0)
+        # verbatim after the tail. BOTTOM never splits a call group: the calls stay with their results.
+        bottom = self._unseen_start()
+        groups = self.accounting.group_starts()
+        while 0 < bottom < len(self.view) and groups[bottom] < bottom:
+            bottom = int(groups[bottom])
+        if (opener := _open_call_group(self.view, bottom)) >= 0:
+            bottom = opener  # a call still waiting for its results stays with them
         tokens = self.accounting.tokens()
         flags = self.accounting.flags()
         fresh = int(tokens[:bottom][(flags[:bottom] & SegmentFlag.SUMMARY) == 0].sum())
@@ -430,7 +439,7 @@ class Compactor:
         summary_msg = Message(
             Role.USER, frame_summary(summary.text, dump.relative_to(self.session.root).as_posix()
                                      if dump is not None and self.session is not None else None),
-            id=f"ctxfold-summary-{len(self.events)}", summary=True, extra={SUMMARY_TEXT_KEY: summary.text},
+            id=f"ctxfold-summary-{self._rewrites}", summary=True, extra={SUMMARY_TEXT_KEY: summary.text},
         )
         new_view: list[Message] = []
         new_origins: list[int] = []
@@ -447,11 +456,10 @@ class Compactor:
         kept = [i for i in range(tail.start, len(self.view)) if not self.view[i].resume]
         new_view.extend(self.view[i] for i in kept)
         new_origins.extend(self.view_origins[i] for i in kept)
-        last = new_view[-1]
-        if mid_turn and not (last.role is Role.ASSISTANT and last.tool_calls):
-            # The hidden instruction makes the model resume after the summary. Not after a call in
-            # flight (the hard trigger's case): its result comes next and must follow its call.
-            new_view.append(resume_message(len(self.events)))
+        if mid_turn and _open_call_group(new_view, len(new_view)) < 0:
+            # The hidden instruction makes the model resume after the summary. Not while a call is in
+            # flight (the hard trigger's case): its results come next and must follow their call.
+            new_view.append(resume_message(self._rewrites))
             new_origins.append(-1)
 
         after = self.accounting.count_view(self.header, new_view) + self.config.reply_reserve()
@@ -461,6 +469,8 @@ class Compactor:
                                 f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
                                 timings, summary=summary, dump=dump, give_up=True)
         old_view = self.view
+        self._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
+        self._rewrites += 1
         self._rewrite(new_view, new_origins)
         kv = self._kv_figures(old_view, new_view)
         timings["total"] = time.perf_counter() - t0
@@ -546,8 +556,23 @@ class Compactor:
         ctx = self.context_tokens
         return ctx is None or self.occupancy_tokens() + self.accounting.message_tokens(result) <= ctx
 
+    def _unseen_start(self) -> int:
+        """View index of the first message the model has not seen yet (len(view) when none)."""
+        first = self._first_unseen
+        if first is not None:
+            for i in range(len(self.view) - 1, -1, -1):
+                if self.view[i] is first:
+                    return i
+        return len(self.view)
+
+    def _mark_unseen_after_last_answer(self) -> None:
+        """For a resumed session: the model saw everything up to its last answer (as _ingest
+        keeps it), not what came after it."""
+        last_answer = next((i for i in range(len(self.view) - 1, -1, -1) if self.view[i].role is Role.ASSISTANT), -1)
+        self._first_unseen = self.view[last_answer + 1] if last_answer + 1 < len(self.view) else None
+
     def _at_turn_start(self) -> bool:
-        return any(m.is_user_turn for m in self._pending)
+        return any(m.is_user_turn for m in self.view[self._unseen_start():])
 
     def _new_turn(self) -> None:
         self._turn.number += 1
@@ -556,10 +581,12 @@ class Compactor:
 
     def _failed(self, trigger: str, reason: str, before: int, why: str, timings: dict[str, float], *,
                 summary: _Summary | None = None, dump: Path | None = None, give_up: bool = False) -> CompactionEvent:
-        """Record a summary pass that was not applied. ``give_up``: no retry can do better this turn."""
-        self._turn.failures += 1
-        if give_up or self._turn.failures >= self.config.max_consecutive_failures:
-            self._turn.gave_up = True
+        """Record a summary pass that was not applied. ``give_up``: no retry can do better this turn.
+        A manual pass that fails leaves the automatic passes alone."""
+        if trigger != "manual":
+            self._turn.failures += 1
+            if give_up or self._turn.failures >= self.config.max_consecutive_failures:
+                self._turn.gave_up = True
         event = CompactionEvent(
             kind="summary", trigger=trigger, reason=reason, applied=False, tokens_before=before,
             tokens_after=before, summary=summary.text if summary else None,
@@ -576,20 +603,22 @@ class Compactor:
         messages = list(messages)
         shown = messages if shown is None else list(shown)
         first = len(self.originals)
-        self.originals.extend(messages)
-        if self.session is not None:
+        if self.session is not None:  # the log first: memory never holds what the log does not
             self.session.append_messages(messages)
+        self.originals.extend(messages)
         for k, m in enumerate(shown):
             self.view.append(m)
             self.view_origins.append(first + k)
             if m.is_user_turn:
                 self._turn.request = m
+            # The model has seen everything up to its own latest answer; what follows it is new.
+            if m.role is Role.ASSISTANT:
+                self._first_unseen = None
+            elif self._first_unseen is None:
+                self._first_unseen = m
         self.accounting.sync(self.view)
-        self._pending.extend(messages)
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
-        if len(view) != len(self.view):
-            self._archive_watermark = 0  # a summary rebuild: positions moved
         self.view = view
         self.view_origins = origins
         self.accounting.reset(self.header, view)
@@ -633,13 +662,15 @@ class Compactor:
     def _state(self) -> dict[str, Any]:
         return {"turn": self._turn.number, "failures": self._turn.failures, "gave_up": self._turn.gave_up,
                 "request_index": self._request_index(), "occupancy_tokens": self.occupancy_tokens(),
-                "compactions": len(self.events)}
+                "compactions": len(self.events), "rewrites": self._rewrites}
 
     def _load_state(self, state: dict[str, Any]) -> None:
+        # The turn's request is the last real user turn in the view: turns that arrived after the
+        # last logged state are in the view, not in the state.
+        request = next((m for m in reversed(self.view) if m.is_user_turn), None)
         self._turn = _TurnState(number=int(state.get("turn", 0)), failures=int(state.get("failures", 0)),
-                                gave_up=bool(state.get("gave_up", False)),
-                                request=self.view[r] if 0 <= (r := int(state.get("request_index", -1))) < len(self.view)
-                                else None)
+                                gave_up=bool(state.get("gave_up", False)), request=request)
+        self._rewrites = int(state.get("rewrites", 0))
 
     def _log_view(self, event: CompactionEvent) -> None:
         if self.session is None:
@@ -678,6 +709,20 @@ def frame_summary(summary: str, history_path: str | None) -> str:
     return ("[ctxfold compacted the earlier conversation. Durable task-state summary follows.]\n"
             f"{summary.rstrip()}\n{pointer}"
             "[End of summary. The recent conversation continues verbatim below.]")
+
+
+def _open_call_group(view: Sequence[Message], end: int) -> int:
+    """Index of the assistant message whose calls are still waiting for results in view[:end]
+    (the group is open at ``end``), else -1."""
+    answered: set[str | None] = set()
+    for i in range(end - 1, -1, -1):
+        m = view[i]
+        if m.role is Role.TOOL:
+            answered.add(m.tool_call_id)
+        elif m.role is Role.ASSISTANT:
+            return i if any(c.id not in answered for c in m.tool_calls) else -1
+        # A user message can sit between a call and its results (queued, or typed meanwhile): go on.
+    return -1
 
 
 def resume_message(n: int) -> Message:

@@ -356,10 +356,15 @@ class CompactConfig:
     # ---- derived figures --------------------------------------------------------------------------
 
     def reply_reserve(self) -> int:
-        """Tokens kept free for the model's answer: the explicit value, else min(max_output or 8192, 20480)."""
+        """Tokens kept free for the model's answer: the explicit value, else min(max_output or 8192, 20480),
+        and without an explicit max_output at most a quarter of a known window (as ds4 caps its free-token
+        line), so a small window is not all reserve."""
         if self.reply_reserve_tokens is not None:
             return self.reply_reserve_tokens
-        return min(self.max_output_tokens or DEFAULT_REPLY_RESERVE_TOKENS, MAX_REPLY_RESERVE_TOKENS)
+        reserve = min(self.max_output_tokens or DEFAULT_REPLY_RESERVE_TOKENS, MAX_REPLY_RESERVE_TOKENS)
+        if self.max_output_tokens is None and self.context_tokens is not None:
+            reserve = min(reserve, self.context_tokens // 4)
+        return reserve
 
     def summary_max_tokens(self, room_tokens: int | None) -> int:
         """ds4: ``min(room, summary.max_tokens)``; room None means unknown (the cap alone applies)."""

@@ -433,18 +433,21 @@ class ProxyApp:
         c = session.compactor
         first = len(c.events)
         plain: list[Message] = []
-        for m in new:
-            if m.role is Role.TOOL:
-                if plain:
-                    c.append(*plain)
-                    plain = []
-                c.append_tool_result(m)
-            else:
-                plain.append(m)
-        if plain:
-            c.append(*plain)
-        c.before_request()
-        session.refresh_fingerprints()
+        try:
+            for m in new:
+                if m.role is Role.TOOL:
+                    if plain:
+                        c.append(*plain)
+                        plain = []
+                    c.append_tool_result(m)
+                else:
+                    plain.append(m)
+            if plain:
+                c.append(*plain)
+            c.before_request()
+        finally:
+            # Whatever was stored before a failure is known, so a retry does not store it twice.
+            session.refresh_fingerprints()
         return list(c.events[first:])
 
     def _count_events(self, events: list[CompactionEvent]) -> None:
