@@ -228,7 +228,7 @@ class Session:
             raise FileNotFoundError(f"{self.events_path}: no session here (expected {EVENTS_FILE})")
         header: dict[str, Any] | None = None
         originals: list[Message] = []
-        view: list[ViewEntry] | None = None  # None: no rewrite yet, the view is every original
+        last_view: tuple[list[dict[str, Any]], str] | None = None  # None: no rewrite yet, the view is every original
         view_len_at = 0  # originals logged when the last view was written
         state: dict[str, Any] = {}
         compactions = 0
@@ -246,13 +246,7 @@ class Session:
             elif kind == "append":
                 originals.append(decode_message(event["message"], where=f"{self.events_path}, {where}"))
             elif kind == "view":
-                view = []
-                for e in event["view"]:
-                    if "ref" in e:
-                        view.append(ViewEntry(origin=int(e["ref"])))
-                    else:
-                        view.append(ViewEntry(origin=int(e["origin"]),
-                                              message=decode_message(e["message"], where=where)))
+                last_view = (event["view"], where)  # only the last view matters: decoded after the loop
                 view_len_at = len(originals)
                 state = dict(event.get("state") or {})
                 compactions += 1
@@ -262,9 +256,14 @@ class Session:
                 raise FormatError(f"unknown event type {kind!r}", source=str(self.events_path), location=where)
         if header is None:
             raise FormatError("event log has no header", source=str(self.events_path), location="line 1")
-        entries = view if view is not None else [ViewEntry(origin=i) for i in range(len(originals))]
-        if view is not None:
-            entries = entries + [ViewEntry(origin=i) for i in range(view_len_at, len(originals))]
+        if last_view is None:
+            entries = [ViewEntry(origin=i) for i in range(len(originals))]
+        else:
+            raw, where = last_view
+            entries = [ViewEntry(origin=int(e["ref"])) if "ref" in e
+                       else ViewEntry(origin=int(e["origin"]), message=decode_message(e["message"], where=where))
+                       for e in raw]
+            entries += [ViewEntry(origin=i) for i in range(view_len_at, len(originals))]
         messages = [originals[e.origin] if e.message is None else e.message for e in entries]
         self._num_originals = len(originals)
         self._seq = seq
