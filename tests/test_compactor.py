@@ -456,9 +456,10 @@ def test_token_level_kv_plan_agrees_with_the_accounting(counter: TokenCounter) -
     c = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v3.2"),
                   kv_plan="tokens", page_size_tokens=16)
     seg = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v3.2"))
+    turns = [(user(f"q{k}"), Message(Role.ASSISTANT, readme_lines(k * 100, 50), id=f"a{k}")) for k in range(6)]
     for comp in (c, seg):
-        for k in range(6):
-            comp.append(user(f"q{k}"), Message(Role.ASSISTANT, readme_lines(k * 100, 50), id=f"a{k}"))
+        for turn in turns:
+            comp.append(*turn)
             comp.before_request()
     exact, approx = c.compact_now().kv, seg.compact_now().kv
     assert exact is not None and approx is not None and exact.exact and not approx.exact
@@ -484,3 +485,24 @@ def test_repeated_compactions_carry_the_summary_without_nesting(counter: TokenCo
     assert summary.count("Summary of the earlier conversation") == 1
     assert summary.count("## Earlier summary") <= 1
     assert "module0.py" in summary  # the first goal survives four rewrites
+
+
+def test_the_model_can_read_the_history_behind_a_summary(counter: TokenCounter, tmp_path: Path) -> None:
+    """Each summary points at the history since the previous one, in the archive, readable with the
+    recall tool; following the chain gives back every message, each dump written once."""
+    from ctxfold.archive import read_archive
+    from ctxfold.codec import decode_message
+
+    c = make(counter, tmp_path, context_tokens=100_000)
+    for k in range(3):
+        c.append(user(f"goal {k}"), Message(Role.ASSISTANT, readme_lines(k * 100, 40), id=f"a{k}"))
+        assert c.compact_now().applied
+    pointer = c.view[0].text.split('read_archive("')[1].split('")')[0]
+    history: list[Message] = []
+    while pointer:
+        answer = read_archive(c.store, {"id": pointer, "offset": 0, "limit": 100_000})  # what the model gets
+        header, *records = [json.loads(x) for x in answer.splitlines() if x.startswith("{")]
+        history = [decode_message(r) for r in records] + history
+        pointer = header["previous"]
+    assert [m.id for m in history] == [m.id for m in c.originals]
+    assert len(list((tmp_path / "session" / "history").iterdir())) == 3

@@ -46,10 +46,11 @@ from ctxfold.archive import (
 )
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
+from ctxfold.errors import ArchiveError
 from ctxfold.kvplan import plan_kv_resync
 from ctxfold.ledger import SegmentFlag
 from ctxfold.messages import Conversation, Message, Role
-from ctxfold.session import Session, ViewEntry
+from ctxfold.session import Session, ViewEntry, history_dump_text
 from ctxfold.summarize import (
     SUMMARY_TEXT_KEY,
     ChunkedSummarizer,
@@ -187,6 +188,8 @@ class Compactor:
         # the view by identity, so rewrites that move it keep it; None when the model saw it all.
         self._first_unseen: Message | None = None
         self._rewrites = 0  # summary rewrites so far in this session: numbers the messages they write
+        self._dumped = 0  # originals already in a history dump
+        self._history_id: str | None = None  # archive id of the newest history dump
         self._archive_watermark = 0  # view index before which the turn-start pass has judged every output
         self._archive_params = ArchiveParams.from_config(self.config.minor)
 
@@ -401,13 +404,19 @@ class Compactor:
             return self._failed(trigger, reason, before, "nothing before BOTTOM worth summarizing", timings,
                                 give_up=True)
 
+        # The history since the last dump, written before the rewrite (write-ahead) to the session
+        # and to the archive, where the model can read it back with read_archive.
         dump = None
-        if self.session is not None:
-            try:
-                dump = self.session.write_history_dump(self.originals, self.header)
-            except OSError as exc:
-                # The dump is the write-ahead record of the rewrite: without it, no rewrite.
-                return self._failed(trigger, reason, before, f"cannot write the history dump: {exc}", timings)
+        new_originals = self.originals[self._dumped:]
+        try:
+            if self.session is not None:
+                dump = self.session.write_history_dump(new_originals, self.header, first_index=self._dumped,
+                                                       previous=self._history_id)
+            history_id = self.store.put(history_dump_text(new_originals, self.header, first_index=self._dumped,
+                                                          previous=self._history_id))
+        except (OSError, ArchiveError) as exc:
+            # The dump is the write-ahead record of the rewrite: without it, no rewrite.
+            return self._failed(trigger, reason, before, f"cannot write the history dump: {exc}", timings)
         timings["dump"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -437,8 +446,7 @@ class Compactor:
         timings["tail"] = time.perf_counter() - t2
 
         summary_msg = Message(
-            Role.USER, frame_summary(summary.text, dump.relative_to(self.session.root).as_posix()
-                                     if dump is not None and self.session is not None else None),
+            Role.USER, frame_summary(summary.text, history_id),
             id=f"ctxfold-summary-{self._rewrites}", summary=True, extra={SUMMARY_TEXT_KEY: summary.text},
         )
         new_view: list[Message] = []
@@ -471,6 +479,7 @@ class Compactor:
         old_view = self.view
         self._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
         self._rewrites += 1
+        self._dumped, self._history_id = len(self.originals), history_id
         self._rewrite(new_view, new_origins)
         kv = self._kv_figures(old_view, new_view)
         timings["total"] = time.perf_counter() - t0
@@ -662,7 +671,8 @@ class Compactor:
     def _state(self) -> dict[str, Any]:
         return {"turn": self._turn.number, "failures": self._turn.failures, "gave_up": self._turn.gave_up,
                 "request_index": self._request_index(), "occupancy_tokens": self.occupancy_tokens(),
-                "compactions": len(self.events), "rewrites": self._rewrites}
+                "compactions": len(self.events), "rewrites": self._rewrites, "dumped": self._dumped,
+                "history_id": self._history_id}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         # The turn's request is the last real user turn in the view: turns that arrived after the
@@ -671,6 +681,9 @@ class Compactor:
         self._turn = _TurnState(number=int(state.get("turn", 0)), failures=int(state.get("failures", 0)),
                                 gave_up=bool(state.get("gave_up", False)), request=request)
         self._rewrites = int(state.get("rewrites", 0))
+        self._dumped = int(state.get("dumped", 0))
+        history_id = state.get("history_id")
+        self._history_id = history_id if isinstance(history_id, str) else None
 
     def _log_view(self, event: CompactionEvent) -> None:
         if self.session is None:
@@ -702,10 +715,11 @@ SUMMARY_FRAME_TOKENS = 64
 MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)  # the frame around a summary, an upper bound for every tokenizer we ship
 
 
-def frame_summary(summary: str, history_path: str | None) -> str:
+def frame_summary(summary: str, history_id: str | None) -> str:
     """The summary as the rebuilt view shows it: framed, with a pointer to the full history."""
-    pointer = (f"The full history before this point is saved in the session as {history_path}.\n"
-               if history_path else "")
+    pointer = (f'The conversation before this summary is archived: read_archive("{history_id}") gives it '
+               "(JSON lines, one message each; the first line names the earlier part, if any).\n"
+               if history_id else "")
     return ("[ctxfold compacted the earlier conversation. Durable task-state summary follows.]\n"
             f"{summary.rstrip()}\n{pointer}"
             "[End of summary. The recent conversation continues verbatim below.]")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +66,16 @@ class ResumedState:
     state: dict[str, Any] = field(default_factory=dict)  # compactor state saved with the last event
     num_compactions: int = 0
     torn_lines: int = 0  # lines ignored because a write was cut off
+
+
+def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
+                      previous: str | None = None) -> str:
+    """A history dump: a header line (the conversation, where this part starts, the part before
+    it), then one message a line. Deterministic: no clock in it."""
+    header = {"type": "header", "first_index": first_index, "previous": previous,
+              "conversation": encode_conversation_header(conversation)}
+    return json.dumps(header, ensure_ascii=False) + "\n" + "".join(
+        json.dumps(encode_message(m), ensure_ascii=False) + "\n" for m in messages)
 
 
 class Session:
@@ -110,21 +119,21 @@ class Session:
             self._write_event({"type": "append", "index": self._num_originals, "message": encode_message(m)})
             self._num_originals += 1
 
-    def write_history_dump(self, messages: Sequence[Message], conversation: Conversation) -> Path:
-        """Write the full history as JSONL under history/ (atomically) and return its path.
+    def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
+                           first_index: int = 0, previous: str | None = None) -> Path:
+        """Write history as JSONL under history/ (atomically) and return its path.
 
-        The name is a sequence number and the content's sha256: deterministic (a replay is
-        reproducible to the token, since the summary quotes the name), and two different dumps
-        can never share one. The wall-clock time goes into the header line, not the name.
+        A dump holds the originals ``first_index`` onwards; its header line names the dump before
+        it (``previous``), so each compaction writes only what came since the last one and the
+        dumps together hold the whole history. The name is a sequence number and the content's
+        sha256: deterministic (a replay is reproducible to the token, since the summary quotes it),
+        and two different dumps never share one.
         """
-        header = {"type": "header", "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "conversation": encode_conversation_header(conversation)}
-        body = "".join(json.dumps(encode_message(m), ensure_ascii=False) + "\n" for m in messages)
-        digest = hashlib.sha256(body.encode()).hexdigest()[:16]
+        text = history_dump_text(messages, conversation, first_index=first_index, previous=previous)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         existing = sum(1 for _ in self.history_dir.glob("*.jsonl")) if self.history_dir.is_dir() else 0
         path = self.history_dir / f"{existing:06d}-{digest}.jsonl"
-        data = (json.dumps(header, ensure_ascii=False) + "\n" + body).encode()
-        LocalBackend(self.history_dir).write_atomic(path.name, data)
+        LocalBackend(self.history_dir).write_atomic(path.name, text.encode())
         return path
 
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
