@@ -142,13 +142,6 @@ class Conversation:
         return pairs
 
 
-def text_content(content: Content) -> str:
-    """The text of a content value (see :attr:`Message.text`)."""
-    if isinstance(content, str):
-        return content
-    return "\n".join(p.text for p in content if p.text is not None)
-
-
 def as_parts(values: Sequence[Mapping[str, Any]]) -> tuple[ContentPart, ...]:
     """Neutral parts from OpenAI/Anthropic-style part dicts (``{"type": "text", "text": ...}``)."""
     parts = []
