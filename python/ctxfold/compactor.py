@@ -209,7 +209,8 @@ class Compactor:
             self.view = resumed.conversation.messages
             self.view_origins = resumed.view_origins
             self._load_state(resumed.state)
-            self._mark_unseen_after_last_answer()
+            for m in self.view:  # a resumed session: the same rule over the whole view
+                self._track_unseen(m)
             self.accounting.reset(self.header, self.view)
         else:
             self.originals = []
@@ -574,11 +575,12 @@ class Compactor:
                     return i
         return len(self.view)
 
-    def _mark_unseen_after_last_answer(self) -> None:
-        """For a resumed session: the model saw everything up to its last answer (as _ingest
-        keeps it), not what came after it."""
-        last_answer = next((i for i in range(len(self.view) - 1, -1, -1) if self.view[i].role is Role.ASSISTANT), -1)
-        self._first_unseen = self.view[last_answer + 1] if last_answer + 1 < len(self.view) else None
+    def _track_unseen(self, m: Message) -> None:
+        """The model has seen everything up to its own latest answer; what follows it is new."""
+        if m.role is Role.ASSISTANT:
+            self._first_unseen = None
+        elif self._first_unseen is None:
+            self._first_unseen = m
 
     def _at_turn_start(self) -> bool:
         return any(m.is_user_turn for m in self.view[self._unseen_start():])
@@ -620,11 +622,7 @@ class Compactor:
             self.view_origins.append(first + k)
             if m.is_user_turn:
                 self._turn.request = m
-            # The model has seen everything up to its own latest answer; what follows it is new.
-            if m.role is Role.ASSISTANT:
-                self._first_unseen = None
-            elif self._first_unseen is None:
-                self._first_unseen = m
+            self._track_unseen(m)
         self.accounting.sync(self.view)
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
