@@ -1,19 +1,22 @@
 """Load test of ``ctxfold serve``: latency the proxy adds when nothing fires, and no lost or mixed-up request.
 
-Three processes on loopback: the scripted upstream (``python -m ctxfold.serve.testing``), the proxy
-(``python -m ctxfold serve``), and this script, the load generator. For ``--duration-s`` each, the
-same workload runs twice, first straight at the upstream (the baseline) and then through the proxy:
+Four processes on loopback: the scripted upstream (``python -m ctxfold.serve.testing``), the proxy
+(``python -m ctxfold serve``), a bare pass-through proxy (``bench/passthrough.py``: the same aiohttp
+stack forwarding bytes, nothing else: the cost of the hop itself), and this script, the load
+generator. The same workload runs straight at the upstream (the baseline), through the pass-through
+and through ctxfold, in alternating slices of ``--slice-s`` for ``--duration-s`` each:
 ``--conversations`` concurrent conversations, each a closed loop of requests that carry the whole
 history so far; every request's last user message names its conversation and request number, the
 upstream echoes it, and every answer is checked against what was sent. A sequential pass (one
 request at a time) measures the added latency without queueing, a paced pass the same with 64
-conversations that think between requests, and a saturated pass the throughput limit.
+conversations that think between requests (each resumes its pause across slices: no bursts), and
+a saturated pass the throughput limit.
 
-Prints one JSON object: per phase (sequential; paced: the conversations wait ``--think-ms`` between
-requests; saturated: no wait), requests, errors, mismatches, median and p99 latency in ms, the added
-median and p99 (proxy minus direct), and the proxy's CPU time per request.
+Prints one JSON object: per phase and side, requests, errors, mismatches, median and p99 latency in
+ms, the added median and p99 (minus direct), and each proxy's CPU time per request.
 
-Run: ``PYTHONPATH=python python bench/bench_serve.py [--duration-s 3] [--conversations 64] [--stream]``
+Run: ``PYTHONPATH=python python bench/bench_serve.py [--duration-s 3] [--conversations 64] [--stream]
+[--fsync] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def new_state(conv: int) -> dict[str, Any]:
-    return {"conv": conv, "req": 0, "started": False,
+    return {"conv": conv, "req": 0, "started": False, "wait_s": 0.0,
             "messages": [{"role": "system", "content": f"You are conversation {conv}. " + "Policy. " * 50}]}
 
 
@@ -71,8 +74,19 @@ async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, A
                        out: dict[str, Any], think_s: float = 0.0) -> None:
     """Drive one conversation until ``stop_at``; its state carries over to the next slice."""
     rng = random.Random(st["conv"] * 7919 + st["req"])
-    if think_s and not st["started"]:
-        await asyncio.sleep(rng.uniform(0, think_s))  # spread the starts: no lockstep bursts
+
+    async def pause(wait_s: float) -> bool:
+        """Wait, unless the slice ends first: then the rest of the wait opens the conversation's next
+        slice. Starting every conversation at once at each slice would measure a burst of N requests."""
+        if time.monotonic() + wait_s >= stop_at:
+            st["wait_s"] = time.monotonic() + wait_s - stop_at
+            return False
+        await asyncio.sleep(wait_s)
+        return True
+
+    if think_s and not await pause(st["wait_s"] if st["started"] else rng.uniform(0, think_s)):
+        st["started"] = True
+        return
     st["started"] = True
     messages: list[dict[str, Any]] = st["messages"]
     while time.monotonic() < stop_at:
@@ -105,8 +119,8 @@ async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, A
         out["latencies"].append(dt)
         messages.append({"role": "assistant", "content": text})
         st["req"] += 1
-        if think_s:
-            await asyncio.sleep(rng.uniform(0.5, 1.5) * think_s)  # the agent works between model calls
+        if think_s and not await pause(rng.uniform(0.5, 1.5) * think_s):  # the agent works between model calls
+            return
 
 
 async def phase(url: str, states: list[dict[str, Any]], duration_s: float, stream: bool, out: dict[str, Any],
@@ -126,24 +140,33 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def interleaved(direct_url: str, via_url: str, conversations: int, duration_s: float, stream: bool,
-                slice_s: float, think_s: float = 0.0, first_conv: int = 0) -> dict[str, Any]:
-    """Direct and proxied load in alternating slices, so both see the same machine (other processes come
-    and go); each side's conversations carry on from slice to slice."""
-    direct: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
-    via: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
-    sides = ((direct_url, direct, [new_state(first_conv + c) for c in range(conversations)]),
-             (via_url, via, [new_state(first_conv + 100_000 + c) for c in range(conversations)]))
-    warm = [new_state(9_000_000 + first_conv + c) for c in range(min(conversations, 4))]
-    asyncio.run(phase(via_url, warm, 0.2, stream, {"latencies": [], "errors": [], "mismatches": []}))
+def interleaved(urls: dict[str, str], conversations: int, duration_s: float, stream: bool, slice_s: float,
+                think_s: float = 0.0, first_conv: int = 0) -> dict[str, Any]:
+    """The same load against each of ``urls`` (name -> URL; the first is the baseline) in alternating
+    slices, so all see the same machine (other processes come and go); each side's conversations carry
+    on from slice to slice. Adds to each later side its median and p99 minus the baseline's."""
+    sides = []
+    for k, (name, url) in enumerate(urls.items()):
+        out: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
+        sides.append((name, url, out, [new_state(first_conv + k * 100_000 + c) for c in range(conversations)]))
+        if k:  # a first request through each proxy: connections to the upstream are open before timing
+            warm = [new_state(9_000_000 + first_conv + k * 100_000 + c) for c in range(min(conversations, 4))]
+            asyncio.run(phase(url, warm, 0.2, stream, {"latencies": [], "errors": [], "mismatches": []}))
     elapsed = 0.0
     while elapsed < duration_s:
-        for url, out, states in sides:
+        for _, url, out, states in sides:
             asyncio.run(phase(url, states, slice_s, stream, out, think_s))
         elapsed += slice_s
-    d, v = summary(direct), summary(via)
-    return {"direct": d, "proxy": v, "added_median_ms": (v["median_ms"] or 0) - (d["median_ms"] or 0),
-            "added_p99_ms": v["p99_ms"] - d["p99_ms"]}
+    result: dict[str, Any] = {}
+    base: dict[str, Any] | None = None
+    for name, _, out, _ in sides:
+        s = result[name] = summary(out)
+        if base is None:
+            base = s
+        elif s["median_ms"] is not None and base["median_ms"] is not None:
+            s["added_median_ms"] = s["median_ms"] - base["median_ms"]
+            s["added_p99_ms"] = s["p99_ms"] - base["p99_ms"]
+    return result
 
 
 def overhead_from_metrics(proxy_url: str) -> dict[str, Any]:
@@ -178,30 +201,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "--summarizer", "extractive"]
     if not args.fsync:
         cmd.append("--no-fsync")
-    proxy, proxy_url = start(cmd, marker="listening on ", stream="stderr")
+    procs = [up]
     try:
-        direct_url = f"{up_url}/v1/chat/completions"
-        via_url = f"{proxy_url}/v1/chat/completions"
+        proxy, proxy_url = start(cmd, marker="listening on ", stream="stderr")
+        procs.append(proxy)
+        bare, bare_url = start([sys.executable, str(Path(__file__).with_name("passthrough.py")), "--upstream",
+                                up_url], marker="listening on ")
+        procs.append(bare)
+        urls = {"direct": f"{up_url}/v1/chat/completions", "passthrough": f"{bare_url}/v1/chat/completions",
+                "ctxfold": f"{proxy_url}/v1/chat/completions"}
         result: dict[str, Any] = {"conversations": args.conversations, "duration_s": args.duration_s,
-                                  "stream": args.stream, "fsync": args.fsync}
+                                  "think_ms": args.think_ms, "stream": args.stream, "fsync": args.fsync,
+                                  "event_loop": _event_loop_name()}
         # sequential: one request at a time. paced: the conversations each wait --think-ms between requests,
         # as agents do, so the servers are busy but not saturated. saturated: no wait at all, which on a
         # small machine measures queueing (throughput), not what the proxy adds to a request.
         phases = (("sequential", 1, 0.0), ("paced", args.conversations, args.think_ms / 1e3),
                   ("saturated", args.conversations, 0.0))
         for k, (name, n, think_s) in enumerate(phases):
-            cpu0 = cpu_seconds(proxy.pid)
-            result[name] = interleaved(direct_url, via_url, n, args.duration_s, args.stream, args.slice_s,
-                                       think_s, first_conv=k * 10_000)
-            # CPU the proxy spent per request it forwarded: its real cost, apart from waiting for a core.
-            result[name]["proxy_cpu_ms_per_request"] = (cpu_seconds(proxy.pid) - cpu0) * 1e3 / max(
-                1, result[name]["proxy"]["requests"])
+            cpu0 = {p.pid: cpu_seconds(p.pid) for p in (proxy, bare)}
+            result[name] = interleaved(urls, n, args.duration_s, args.stream, args.slice_s, think_s,
+                                       first_conv=k * 10_000)
+            # CPU each proxy spent per request it forwarded: its real cost, apart from waiting for a core.
+            for side, p in (("ctxfold", proxy), ("passthrough", bare)):
+                result[name][side]["cpu_ms_per_request"] = (cpu_seconds(p.pid) - cpu0[p.pid]) * 1e3 / max(
+                    1, result[name][side]["requests"])
         result["proxy_overhead"] = overhead_from_metrics(proxy_url)
         return result
     finally:
-        for p in (proxy, up):
+        for p in reversed(procs):
             p.terminate()
             p.wait(10)
+
+
+def _event_loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,8 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think-ms", type=float, default=200.0, help="wait between a conversation's requests (paced)")
     ap.add_argument("--stream", action="store_true", help="streaming requests")
     ap.add_argument("--fsync", action="store_true", help="the proxy fsyncs every session event (its default)")
+    ap.add_argument("--json", type=Path, metavar="PATH", help="also write the result there")
     args = ap.parse_args(argv)
-    print(json.dumps(run(args), indent=2))
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text + "\n", encoding="utf-8")
     return 0
 
 

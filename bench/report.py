@@ -4,7 +4,8 @@
 
 RESULTS_DIR holds what ``bench/run.py`` wrote: ``benchmarks.json`` (pytest-benchmark's
 ``--benchmark-json``), ``junit.xml`` (what was skipped or failed, and why), ``machine.json`` and
-``quality.json``. Any of them may be missing; the page says what is not there instead.
+``quality.json``, ``serve.json`` and ``serve_fsync.json`` (bench/bench_serve.py without and with
+fsync). Any of them may be missing; the page says what is not there instead.
 
 How each benchmark is read (the convention of bench/README.md):
 - ``extra_info["role"]``: "ctxfold" or "baseline". Without it, a test whose name contains one of
@@ -482,6 +483,44 @@ def render_quality(quality: dict[str, Any]) -> list[str]:
     return lines
 
 
+def render_serve(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The proxy's latency (bench/bench_serve.py): per run (the event log fsynced or not) and phase,
+    the direct call's median and p99, what a bare pass-through proxy and ctxfold add to them, and the
+    CPU each proxy spends per request."""
+    if not runs:
+        return ["_The proxy benchmark did not run._"]
+    lines = [
+        "The same load straight at a scripted upstream, through a bare aiohttp pass-through (the cost of "
+        "the extra hop alone) and through `ctxfold serve`, in alternating slices (`bench/bench_serve.py`). "
+        "*Added* is the side's median (p99) minus the direct call's, in ms; nothing fires (no compaction). "
+        "Every answer is checked against its conversation.",
+        "",
+    ]
+    for run in runs:
+        if run.get("status", "ok") != "ok":
+            lines += [f"_Not available: {run['status']}_", ""]
+            continue
+        lines += [f"**{run['conversations']} conversations, think {run['think_ms']:g} ms (paced), event log "
+                  f"{'fsynced' if run['fsync'] else 'not fsynced'}, {run['event_loop']} event loop**", ""]
+        rows = []
+        for phase in ("sequential", "paced", "saturated"):
+            r = run.get(phase)
+            if not r:
+                continue
+            d, b, c = r["direct"], r["passthrough"], r["ctxfold"]
+            problems = sum(x["errors"] + x["mismatches"] for x in (d, b, c))
+            rows.append([
+                phase, c["requests"], f"{d['median_ms']:.2f} / {d['p99_ms']:.2f}",
+                f"{b['added_median_ms']:+.2f} / {b['added_p99_ms']:+.2f}",
+                f"{c['added_median_ms']:+.2f} / {c['added_p99_ms']:+.2f}",
+                f"{c['cpu_ms_per_request']:.2f} ({b['cpu_ms_per_request']:.2f})", problems,
+            ])
+        lines += md_table(["phase", "requests via ctxfold", "direct median / p99", "pass-through added",
+                           "ctxfold added", "CPU ms/request: ctxfold (pass-through)", "errors + mismatches"],
+                          rows) + [""]
+    return lines
+
+
 # ---- the page ---------------------------------------------------------------------------------------
 
 
@@ -497,6 +536,7 @@ def render(results: Path, out: Path) -> Path:
     bench = read("benchmarks.json")
     machine = read("machine.json")
     quality = read("quality.json")
+    serve = [r for r in (read("serve.json"), read("serve_fsync.json")) if r]
     junit = read_junit(results / "junit.xml")
     entries = load_entries(bench)
     plot_dir = out.parent / "bench"
@@ -551,6 +591,7 @@ def render(results: Path, out: Path) -> Path:
         lines += [f"### {g}", "", *render_scaling_group(g, groups[g], plot_dir, plot_rel), ""]
         lines += [f"- {n}" for n in sorted({e.note for e in groups[g] if e.note})]
         lines.append("")
+    lines += ["## Proxy latency", "", *render_serve(serve), ""]
     lines += ["## Quality beside speed", "", *render_quality(quality), ""]
     nm = render_not_measured(junit)
     lines += ["## Not measured in this run", ""] + (nm or ["Everything in bench/ ran.", ""])

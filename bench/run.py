@@ -5,14 +5,16 @@
     python bench/run.py -k tail          # only the benchmarks pytest's -k selects
     python bench/run.py --render-only    # re-render the page from the last run's results
 
-Three steps, each allowed to fail without stopping the others:
+Four steps, each allowed to fail without stopping the others:
 1. pytest over bench/ with pytest-benchmark enabled (the project's pytest settings disable it so
    that a plain ``pytest`` stays fast), ``--benchmark-json`` and a junit XML that records what was
    skipped and why (a missing optional package or a part of ctxfold not in this build skips its
    benchmarks; the page lists them);
 2. the quality figures of ``bench/quality.py`` (no timing: budget use, orphans, estimator error,
    tokens prefilled again);
-3. machine and versions, then ``bench/report.py`` renders the page.
+3. the proxy's latency under load, ``bench/bench_serve.py``, with and without fsync (left out with
+   ``-k`` or ``--no-serve``);
+4. machine and versions, then ``bench/report.py`` renders the page.
 
 Results go to build/bench/ (or --results). Needs ctxfold importable: a built extension in
 python/ctxfold (the development build) or an installed ctxfold.
@@ -209,6 +211,23 @@ def run_quality(results: Path, env: dict[str, str], timeout_s: float) -> None:
             out.write_text(json.dumps({"sections": [{"title": "Quality figures", "status": why}]}))
 
 
+def run_serve(results: Path, env: dict[str, str], timeout_s: float) -> None:
+    """The proxy's latency under load (bench/bench_serve.py), with the event log not fsynced and fsynced
+    (the default of ``ctxfold serve``)."""
+    for name, extra in (("serve.json", []), ("serve_fsync.json", ["--fsync"])):
+        out = results / name
+        cmd = [sys.executable, str(BENCH_DIR / "bench_serve.py"), "--json", str(out), *extra]
+        print("+", " ".join(cmd), flush=True)
+        try:
+            r = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, timeout=timeout_s, stdout=subprocess.DEVNULL)
+            why = None if r.returncode == 0 else f"bench/bench_serve.py exited with status {r.returncode}"
+        except subprocess.TimeoutExpired:
+            why = f"bench/bench_serve.py took more than {timeout_s:.0f} s"
+        if why is not None:
+            print(f"run: {why}; the page will say so", file=sys.stderr)
+            out.write_text(json.dumps({"status": why}))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Run ctxfold's benchmark suite (pytest-benchmark over bench/, baselines in the same run) "
@@ -243,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cpu", type=int, metavar="N", help="pin the benchmarks to CPU N (taskset; the page records it)"
     )
     ap.add_argument("--no-quality", action="store_true", help="skip the quality figures")
+    ap.add_argument("--no-serve", action="store_true", help="skip the proxy latency benchmark")
     ap.add_argument(
         "--quality-timeout", type=float, default=900, help="seconds allowed for bench/quality.py (900)"
     )
@@ -267,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"run: {problem}", file=sys.stderr)
         return 2
     results.mkdir(parents=True, exist_ok=True)
-    for name in ("benchmarks.json", "junit.xml", "quality.json", "machine.json"):
+    for name in ("benchmarks.json", "junit.xml", "quality.json", "machine.json", "serve.json", "serve_fsync.json"):
         (results / name).unlink(missing_ok=True)  # a stale file must not pass for this run's
 
     started = time.monotonic()
@@ -281,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc = run_pytest(results, env, args)
     if not args.no_quality:
         run_quality(results, env, args.quality_timeout)
+    if not args.no_serve and not args.k:
+        run_serve(results, env, timeout_s=300)
     machine["load_after"] = _load()
     machine["run"].update(wall_s=round(time.monotonic() - started), pytest_rc=rc)
     (results / "machine.json").write_text(json.dumps(machine, indent=1), encoding="utf-8")

@@ -163,6 +163,28 @@ def test_session_header_separates_identical_openings(upstream: tuple[ScriptedUps
     assert r.status_code == 400 and "X-Ctxfold-Session" in r.json()["error"]["message"]
 
 
+def test_least_recently_used_conversations_are_closed_and_come_back_from_disk(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    proxy, srv = start_proxy(upstream[1], tmp_path / "data", max_loaded_conversations=2)
+    try:
+        histories: dict[str, list[tuple[str, str]]] = {f"c{k}": [] for k in range(5)}
+        for round_ in range(3):
+            for name, turns in histories.items():  # round robin: every conversation is evicted in between
+                turns.append(("user", f"{name} question {round_}"))
+                r = post(srv.url, chat(*turns), headers={"X-Ctxfold-Session": name})
+                assert r.status_code == 200
+                turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
+                assert proxy.sessions.num_sessions <= 2
+                assert len(proxy._models) <= 2
+    finally:
+        srv.close()
+    sessions = _sessions(tmp_path / "data")
+    # Each conversation continued its own session after being read back: no fork, nothing missing.
+    assert len(sessions) == 5
+    assert sorted([(m.role.value, m.text) for m in Session(p).restore().messages] for p in sessions) == sorted(
+        histories.values())
+
+
 def test_restart_resumes_sessions_from_the_data_dir(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     data = tmp_path / "data"
     _, srv = start_proxy(upstream[1], data)

@@ -130,12 +130,12 @@ def test_trace_replay_stays_inside_the_window(traces_dir: Path, tmp_path: Path, 
 # -- kill and restart --------------------------------------------------------------------------------
 
 class ProxyProcess:
-    def __init__(self, upstream_url: str, data_dir: Path) -> None:
+    def __init__(self, upstream_url: str, data_dir: Path, *extra: str) -> None:
         env = ctxfold_env()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ctxfold", "serve", "--upstream", upstream_url, "--port", "0", "--data-dir",
              str(data_dir), "--context-tokens", str(CONTEXT_TOKENS), "--reply-reserve-tokens", "1024",
-             "--summarizer", "extractive"],
+             "--summarizer", "extractive", *extra],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         assert self.proc.stderr is not None
         line = self.proc.stderr.readline()
@@ -184,8 +184,9 @@ def test_sigkill_mid_conversation_loses_nothing(traces_dir: Path, tmp_path: Path
         t.join(10)
         assert failed, "the in-flight request should have failed with the proxy"
         up.delay_s = 0.0
-        # Restarted on the same data directory: the client retries and carries on.
-        proxy = ProxyProcess(upstream.url, data)
+        # Restarted on the same data directory (on asyncio's own event loop, the first ran on the default:
+        # uvloop where installed): the client retries and carries on.
+        proxy = ProxyProcess(upstream.url, data, "--event-loop", "asyncio")
         try:
             for _, body in reqs[half:]:
                 status, raw = stream(proxy.url, body)

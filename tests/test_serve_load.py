@@ -1,7 +1,8 @@
 """64 concurrent conversations through the proxy, the load generator in its own process.
 
 Runs ``bench/bench_serve.py`` briefly: no request lost or answered with another conversation's
-answer, and the added latency (median, p99) printed beside the direct call to the upstream.
+answer, and the added latency (median, p99) printed beside the direct call to the upstream and a bare
+pass-through proxy.
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ def test_64_concurrent_conversations_no_lost_or_mixed_requests() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     for phase in ("sequential", "paced", "saturated"):
-        for side in ("direct", "proxy"):
+        for side in ("direct", "passthrough", "ctxfold"):
             r = result[phase][side]
             assert r["errors"] == 0 and r["mismatches"] == 0, r["first_problems"]
             assert r["requests"] > 0
-    assert result["paced"]["proxy"]["requests"] >= 64  # every conversation got through at least once
-    print("\nserve latency (ms)        direct median/p99     proxy median/p99      added median/p99")
+    assert result["paced"]["ctxfold"]["requests"] >= 64  # every conversation got through at least once
+    print("\nserve latency (ms)   direct median/p99   passthrough added   ctxfold added median/p99")
     for phase in ("sequential", "paced", "saturated"):
         r = result[phase]
-        print(f"{phase:<24}  {r['direct']['median_ms']:8.2f} {r['direct']['p99_ms']:8.2f}    "
-              f"{r['proxy']['median_ms']:8.2f} {r['proxy']['p99_ms']:8.2f}    "
-              f"{r['added_median_ms']:8.2f} {r['added_p99_ms']:8.2f}   "
-              f"(proxy CPU {r['proxy_cpu_ms_per_request']:.2f} ms/request)")
-    print(f"proxy's own overhead before forwarding: {result['proxy_overhead']}")
+        d, b, c = r["direct"], r["passthrough"], r["ctxfold"]
+        print(f"{phase:<18}  {d['median_ms']:8.2f} {d['p99_ms']:8.2f}   {b['added_median_ms']:8.2f} "
+              f"{b['added_p99_ms']:8.2f}   {c['added_median_ms']:8.2f} {c['added_p99_ms']:8.2f}   "
+              f"(ctxfold CPU {c['cpu_ms_per_request']:.2f} ms/request)")
+    print(f"ctxfold's own overhead before forwarding: {result['proxy_overhead']}")

@@ -166,7 +166,8 @@ class Compactor:
     ) -> None:
         self.config = config if config is not None else CompactConfig()
         self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
-        self.accounting = RequestAccounting(self.counter, template)
+        self._accounting = RequestAccounting(self.counter, template)
+        self._accounting_stale = False  # messages were appended to the view since the last sync
         self._extractive = ExtractiveSummarizer(counter=self.counter)  # the default and the fallback
         self.summarizer: Summarizer = summarizer if summarizer is not None else self._extractive
         self.observer: Observer = observer if observer is not None else NullObserver()
@@ -211,17 +212,29 @@ class Compactor:
             self._load_state(resumed.state)
             for m in self.view:  # a resumed session: the same rule over the whole view
                 self._track_unseen(m)
-            self.accounting.reset(self.header, self.view)
+            self._accounting.reset(self.header, self.view)
         else:
             self.originals = []
             self.view = []
             self.view_origins = []
             if self.session is not None:
                 self.session.create(self.header)
-            self.accounting.reset(self.header, [])
+            self._accounting.reset(self.header, [])
             self._ingest(conversation.messages)
 
     # -- figures ------------------------------------------------------------------------------------
+    @property
+    def accounting(self) -> RequestAccounting:
+        """The token accounting of the view. Appends only mark it stale and the first read brings it
+        up to date: an answer and the next request's messages are then rendered and counted in one
+        pass (appending re-renders the message before, so two appends cost more than one of two)."""
+        if self._accounting_stale:
+            with self._lock:
+                if self._accounting_stale:
+                    self._accounting.sync(self.view)
+                    self._accounting_stale = False
+        return self._accounting
+
     @property
     def context_tokens(self) -> int | None:
         return self.config.context_tokens
@@ -623,12 +636,13 @@ class Compactor:
             if m.is_user_turn:
                 self._turn.request = m
             self._track_unseen(m)
-        self.accounting.sync(self.view)
+        self._accounting_stale = True
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
         self.view = view
         self.view_origins = origins
-        self.accounting.reset(self.header, view)
+        self._accounting.reset(self.header, view)
+        self._accounting_stale = False
 
     def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:
         """Reuse of the engine's KV cache across a rewrite: the exact common prefix (page-aligned),

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ctxfold.config import CompactConfig, load_config
+from ctxfold.errors import ConfigError
 
 EPILOG = """examples:
   ctxfold serve --upstream http://127.0.0.1:8000/v1 --context-tokens 131072
@@ -29,6 +31,7 @@ or the port cannot be used, 5 internal error."""
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
     from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
+    from ctxfold.serve.sessions import DEFAULT_MAX_LOADED_KEYS
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -74,6 +77,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="read_archive rounds the proxy answers within one request (default 4)")
     p.add_argument("--no-fsync", action="store_true",
                    help="do not fsync session events (a process crash loses nothing; a machine crash may)")
+    p.add_argument("--max-loaded-conversations", type=positive_int, default=DEFAULT_MAX_LOADED_KEYS, metavar="N",
+                   help="conversations kept in memory with their event logs open; the least recently used beyond "
+                   f"are closed and read back from --data-dir when they return (default {DEFAULT_MAX_LOADED_KEYS})")
+    p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="asyncio event loop: uvloop (faster; in the serve extra), asyncio, or auto: uvloop when "
+                   "it is installed (default)")
     return p
 
 
@@ -87,7 +96,8 @@ def build_config(args: argparse.Namespace) -> Any:
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
         summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
-        max_recall_rounds=args.max_recall_rounds, durable=not args.no_fsync, tokenizer=args.tokenizer,
+        max_recall_rounds=args.max_recall_rounds, max_loaded_conversations=args.max_loaded_conversations,
+        durable=not args.no_fsync, tokenizer=args.tokenizer,
         template=None if args.template == "none" else args.template,
     )
 
@@ -105,8 +115,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"ctxfold serve: listening on {url}, forwarding to {config.completions_url}, data in "
               f"{config.data_dir}", file=sys.stderr, flush=True)
 
+    loop_factory = event_loop_factory(args.event_loop)
     try:
-        asyncio.run(serve(config, args.host, args.port, ready=ready, stop_on_signals=True))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(config, args.host, args.port, ready=ready, stop_on_signals=True))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop for ``--event-loop``: uvloop's when asked for (or, with auto, installed), else None
+    (asyncio's own). uvloop cuts the proxy's CPU per request by about a tenth (bench/bench_serve.py)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError("--event-loop uvloop: uvloop is not installed; pip install 'ctxfold[serve]' "
+                             "or uvloop") from None
+        return None
+    return uvloop.new_event_loop

@@ -15,7 +15,8 @@ Per request (``POST /v1/chat/completions``, streaming or not):
    asks the upstream again (at most ``max_recall_rounds`` times); the client never sees those calls
    (a stream shows the text and reasoning of every round, then the final answer's events);
 5. record the answer in the session and use the upstream's ``usage.prompt_tokens`` to calibrate the
-   token estimate of that conversation.
+   token estimate of that conversation: once the client has the answer, still under the conversation's
+   lock, so the bookkeeping adds nothing to the latency and the next request finds it recorded.
 
 Errors: upstream unreachable -> 502, upstream too slow -> 504, an upstream error status is passed
 through as it came (not retried: a retry could bill and generate twice; the client decides), a
@@ -49,6 +50,7 @@ from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
+    DEFAULT_MAX_LOADED_KEYS,
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
     ProxySession,
@@ -86,6 +88,9 @@ class ProxyConfig:
     connect_timeout_s: float = 10.0  # to open a connection upstream
     read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
     max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
+    # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
+    # and read back from the data directory when they return.
+    max_loaded_conversations: int = DEFAULT_MAX_LOADED_KEYS
     durable: bool = True  # fsync every session event (off: a crash of the machine may lose the last events)
     tokenizer: str = "estimate:deepseek-v4"  # token counter spec (ctxfold.counting.load_counter)
     # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
@@ -100,6 +105,8 @@ class ProxyConfig:
         for name in ("max_body_bytes", "connect_timeout_s", "read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.max_loaded_conversations < 1:
+            raise ConfigError(f"max_loaded_conversations: must be >= 1, got {self.max_loaded_conversations}")
         if self.max_recall_rounds < 0:
             raise ConfigError(f"max_recall_rounds: must be >= 0, got {self.max_recall_rounds}")
 
@@ -238,7 +245,8 @@ class ProxyApp:
         # One counter and template for every conversation: both are stateless and thread-safe.
         self.counter = load_counter(config.tokenizer)
         self.template = get_template(config.template) if config.template is not None else None
-        self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor)
+        self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
+                                     max_loaded_keys=config.max_loaded_conversations)
         self._client: aiohttp.ClientSession | None = None
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
 
@@ -332,6 +340,8 @@ class ProxyApp:
                 self._models.setdefault(key, model)
             async with self.sessions.lock(key):
                 resp = await self._handle(request, parsed, key, t0)
+            for evicted in self.sessions.trim():
+                self._models.pop(evicted, None)
         except BadRequest as e:
             self.metrics.bad_requests.inc(e.code)
             self.metrics.responses.inc(str(e.status))
@@ -493,9 +503,14 @@ class ProxyApp:
                 body = await self._answer_recall(session, body, message)
                 payload = _dumps(body)
                 continue
-            # Recorded before the client has the answer: once it has, the session holds it too.
-            await self._record(session, message, data.get("usage"), estimate if rounds == 0 else None)
-            return web.Response(body=raw, status=200, headers={"Content-Type": ctype})
+            resp = web.Response(body=raw, status=200, headers={"Content-Type": ctype})
+            try:
+                await resp.prepare(request)
+                await resp.write_eof()
+            except (ConnectionError, RuntimeError):
+                return resp  # the client went away without the answer: its retry will not carry it
+            await self._record_after(session, message, data.get("usage"), estimate if rounds == 0 else None)
+            return resp
 
     async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any]
                              ) -> dict[str, Any]:
@@ -512,6 +527,18 @@ class ProxyApp:
         out = dict(body)
         out["messages"] = list(body["messages"]) + [message] + results
         return out
+
+    async def _record_after(self, session: ProxySession, message: dict[str, Any], usage: Any,
+                            estimate: int | None) -> None:
+        """Record an answer the client already has, still under the conversation's lock (its next request
+        waits for it). After the response, not before: the bookkeeping (and with fsync, a thread hop
+        and a disk flush) stays off the latency the client sees. Nothing is lost if the proxy dies in
+        between or the recording fails: the client's next request carries the answer, and a message
+        the session does not hold yet is appended then like any other."""
+        try:
+            await self._record(session, message, usage, estimate)
+        except Exception:  # the response is out: a failure here can only be logged
+            log.exception("answer not recorded; the conversation's next request will bring it")
 
     async def _record(self, session: ProxySession, message: dict[str, Any], usage: Any, estimate: int | None) -> None:
         """Keep the answer in the session and calibrate the estimate with the upstream's count."""
@@ -637,11 +664,13 @@ class ProxyApp:
                 payload = _dumps(body)
                 continue
             tail = b"".join(held) + reader.rest()
-            if tail or not resp.prepared:
-                await send(tail)
-            # Recorded before the stream's end: once the client has the whole answer, the session holds it.
-            await self._record(session, answer.message(), answer.usage, estimate if rounds == 0 else None)
-            await resp.write_eof()
+            try:
+                if tail or not resp.prepared:
+                    await send(tail)
+                await resp.write_eof()
+            except (ConnectionError, RuntimeError):
+                return resp  # the client went away without the whole answer
+            await self._record_after(session, answer.message(), answer.usage, estimate if rounds == 0 else None)
             return resp
 
 

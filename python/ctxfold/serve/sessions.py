@@ -24,6 +24,8 @@ import asyncio
 import hashlib
 import json
 import os
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,10 @@ from ctxfold.messages import Conversation, Message
 
 SESSION_HEADER = "X-Ctxfold-Session"
 MAX_SESSION_KEY_CHARS = 200
+# Conversations kept in memory: each holds its compactor and an open event log, so an unbounded set
+# would run a long-lived proxy out of memory and file descriptors. The least recently used beyond
+# this are closed and read back from disk when they come back.
+DEFAULT_MAX_LOADED_KEYS = 512
 
 
 def _text(value: Any) -> str:
@@ -131,19 +137,44 @@ CompactorFactory = Callable[[Conversation, Path], Compactor]
 
 
 class SessionStore:
-    """The sessions of one data directory, loaded lazily, one asyncio lock per key."""
+    """The sessions of one data directory, loaded lazily, one asyncio lock per key; at most
+    ``max_loaded_keys`` keys stay loaded (least recently used first out, see :meth:`trim`)."""
 
-    def __init__(self, data_dir: Path, make_compactor: CompactorFactory) -> None:
+    def __init__(self, data_dir: Path, make_compactor: CompactorFactory, *,
+                 max_loaded_keys: int = DEFAULT_MAX_LOADED_KEYS) -> None:
+        if max_loaded_keys < 1:
+            raise ValueError(f"max_loaded_keys: must be >= 1, got {max_loaded_keys}")
         self.root = Path(data_dir) / "sessions"
         self.make_compactor = make_compactor
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._sessions: dict[str, list[ProxySession]] = {}
+        self.max_loaded_keys = max_loaded_keys
+        # A lock lives as long as someone holds or awaits it: the entry goes with the last reference,
+        # so the table does not grow with every conversation ever seen, and a key never has two locks.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._sessions: OrderedDict[str, list[ProxySession]] = OrderedDict()  # least recently used first
 
     def lock(self, key: str) -> asyncio.Lock:
         lock = self._locks.get(key)
         if lock is None:
-            lock = self._locks[key] = asyncio.Lock()
+            lock = asyncio.Lock()
+            self._locks[key] = lock
         return lock
+
+    def trim(self) -> list[str]:
+        """Close and forget the least recently used keys beyond ``max_loaded_keys``; returns them.
+        A key whose lock is held stays (its sessions are in use). Everything is on disk: the next
+        request of an evicted conversation loads it again and continues the same session."""
+        excess = len(self._sessions) - self.max_loaded_keys
+        if excess <= 0:
+            return []
+        evicted: list[str] = []
+        for key in list(self._sessions)[:excess]:
+            lock = self._locks.get(key)
+            if lock is not None and lock.locked():
+                continue
+            for s in self._sessions.pop(key):
+                s.compactor.close()
+            evicted.append(key)
+        return evicted
 
     @property
     def num_sessions(self) -> int:
@@ -158,6 +189,8 @@ class SessionStore:
         if candidates is None:
             candidates = await asyncio.to_thread(self._load_key, key)
             self._sessions[key] = candidates
+        else:
+            self._sessions.move_to_end(key)
         best: ProxySession | None = None
         for s in candidates:
             if s.matches(system, fps) and (best is None or len(s.fingerprints) > len(best.fingerprints)):
