@@ -16,7 +16,7 @@ Prints one JSON object: per phase and side, requests, errors, mismatches, median
 ms, the added median and p99 (minus direct), and each proxy's CPU time per request.
 
 Run: ``PYTHONPATH=python python bench/bench_serve.py [--duration-s 3] [--conversations 64] [--stream]
-[--fsync] [--json PATH]``
+[--fsync MODE] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -199,8 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data = tempfile.mkdtemp(prefix="ctxfold-bench-serve-")
     cmd = [sys.executable, "-m", "ctxfold", "serve", "--upstream", up_url, "--port", "0", "--data-dir", data,
            "--summarizer", "extractive"]
-    if not args.fsync:
-        cmd.append("--no-fsync")
+    cmd += ["--fsync", args.fsync]
     procs = [up]
     try:
         proxy, proxy_url = start(cmd, marker="listening on ", stream="stderr")
@@ -249,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slice-s", type=float, default=0.5, help="direct and proxied load alternate in slices")
     ap.add_argument("--think-ms", type=float, default=200.0, help="wait between a conversation's requests (paced)")
     ap.add_argument("--stream", action="store_true", help="streaming requests")
-    ap.add_argument("--fsync", action="store_true", help="the proxy fsyncs every session event (its default)")
+    ap.add_argument("--fsync", choices=("compactions", "always", "never"), default="compactions",
+                    help="the proxy's --fsync (default: compactions, its own default)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="also write the result there")
     args = ap.parse_args(argv)
     result = run(args)

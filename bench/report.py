@@ -4,8 +4,8 @@
 
 RESULTS_DIR holds what ``bench/run.py`` wrote: ``benchmarks.json`` (pytest-benchmark's
 ``--benchmark-json``), ``junit.xml`` (what was skipped or failed, and why), ``machine.json`` and
-``quality.json``, ``serve.json`` and ``serve_fsync.json`` (bench/bench_serve.py without and with
-fsync). Any of them may be missing; the page says what is not there instead.
+``quality.json``, ``serve.json`` and ``serve_fsync_always.json`` (bench/bench_serve.py with the
+proxy's default fsync and with ``--fsync always``). Any of them may be missing; the page says what is not there instead.
 
 How each benchmark is read (the convention of bench/README.md):
 - ``extra_info["role"]``: "ctxfold" or "baseline". Without it, a test whose name contains one of
@@ -484,24 +484,23 @@ def render_quality(quality: dict[str, Any]) -> list[str]:
 
 
 def render_serve(runs: Sequence[dict[str, Any]]) -> list[str]:
-    """The proxy's latency (bench/bench_serve.py): per run (the event log fsynced or not) and phase,
+    """The proxy's latency (bench/bench_serve.py): per run (an fsync mode) and phase,
     the direct call's median and p99, what a bare pass-through proxy and ctxfold add to them, and the
     CPU each proxy spends per request."""
     if not runs:
         return ["_The proxy benchmark did not run._"]
-    lines = [
-        "The same load straight at a scripted upstream, through a bare aiohttp pass-through (the cost of "
-        "the extra hop alone) and through `ctxfold serve`, in alternating slices (`bench/bench_serve.py`). "
-        "*Added* is the side's median (p99) minus the direct call's, in ms; nothing fires (no compaction). "
-        "Every answer is checked against its conversation.",
-        "",
-    ]
+    intro = ("The same load straight at a scripted upstream, through a bare aiohttp pass-through (the cost "
+             "of the extra hop alone) and through `ctxfold serve`, in alternating slices "
+             "(`bench/bench_serve.py`). *Added* is the side's median (p99) minus the direct call's, in ms; "
+             "nothing fires (no compaction). Every answer is checked against its conversation.")
+    lines = [intro, ""]
     for run in runs:
         if run.get("status", "ok") != "ok":
             lines += [f"_Not available: {run['status']}_", ""]
             continue
-        lines += [f"**{run['conversations']} conversations, think {run['think_ms']:g} ms (paced), event log "
-                  f"{'fsynced' if run['fsync'] else 'not fsynced'}, {run['event_loop']} event loop**", ""]
+        title = (f"**{run['conversations']} conversations, think {run['think_ms']:g} ms (paced), "
+                 f"`--fsync {run['fsync']}`, {run['event_loop']} event loop**")
+        lines += [title, ""]
         rows = []
         for phase in ("sequential", "paced", "saturated"):
             r = run.get(phase)
@@ -536,7 +535,7 @@ def render(results: Path, out: Path) -> Path:
     bench = read("benchmarks.json")
     machine = read("machine.json")
     quality = read("quality.json")
-    serve = [r for r in (read("serve.json"), read("serve_fsync.json")) if r]
+    serve = [r for r in (read("serve.json"), read("serve_fsync_always.json")) if r]
     junit = read_junit(results / "junit.xml")
     entries = load_entries(bench)
     plot_dir = out.parent / "bench"

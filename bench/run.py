@@ -12,8 +12,8 @@ Four steps, each allowed to fail without stopping the others:
    benchmarks; the page lists them);
 2. the quality figures of ``bench/quality.py`` (no timing: budget use, orphans, estimator error,
    tokens prefilled again);
-3. the proxy's latency under load, ``bench/bench_serve.py``, with and without fsync (left out with
-   ``-k`` or ``--no-serve``);
+3. the proxy's latency under load, ``bench/bench_serve.py``, with its default fsync mode and with
+   ``--fsync always`` (left out with ``-k`` or ``--no-serve``);
 4. machine and versions, then ``bench/report.py`` renders the page.
 
 Results go to build/bench/ (or --results). Needs ctxfold importable: a built extension in
@@ -212,9 +212,9 @@ def run_quality(results: Path, env: dict[str, str], timeout_s: float) -> None:
 
 
 def run_serve(results: Path, env: dict[str, str], timeout_s: float) -> None:
-    """The proxy's latency under load (bench/bench_serve.py), with the event log not fsynced and fsynced
-    (the default of ``ctxfold serve``)."""
-    for name, extra in (("serve.json", []), ("serve_fsync.json", ["--fsync"])):
+    """The proxy's latency under load (bench/bench_serve.py), with its default fsync mode and with every
+    message fsynced."""
+    for name, extra in (("serve.json", []), ("serve_fsync_always.json", ["--fsync", "always"])):
         out = results / name
         cmd = [sys.executable, str(BENCH_DIR / "bench_serve.py"), "--json", str(out), *extra]
         print("+", " ".join(cmd), flush=True)
@@ -287,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"run: {problem}", file=sys.stderr)
         return 2
     results.mkdir(parents=True, exist_ok=True)
-    for name in ("benchmarks.json", "junit.xml", "quality.json", "machine.json", "serve.json", "serve_fsync.json"):
+    for name in ("benchmarks.json", "junit.xml", "quality.json", "machine.json", "serve.json",
+                 "serve_fsync_always.json"):
         (results / name).unlink(missing_ok=True)  # a stale file must not pass for this run's
 
     started = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 from ctxfold.archive import make_marker
 from ctxfold.config import CompactConfig
+from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
@@ -30,7 +32,7 @@ def upstream() -> Iterator[tuple[ScriptedUpstream, str]]:
 def start_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp, BackgroundServer]:
     compact = kw.pop("compact", CompactConfig(context_tokens=None))
     cfg = ProxyConfig(upstream=upstream_url, data_dir=data_dir, compact=compact, summarizer="extractive",
-                      durable=False, **kw)
+                      fsync="never", **kw)
     proxy = ProxyApp(cfg)
     return proxy, BackgroundServer(proxy.app()).__enter__()
 
@@ -174,6 +176,10 @@ def test_least_recently_used_conversations_are_closed_and_come_back_from_disk(
                 r = post(srv.url, chat(*turns), headers={"X-Ctxfold-Session": name})
                 assert r.status_code == 200
                 turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
+                # The handler trims after the client has its answer (and the answer is recorded): wait for it.
+                deadline = time.monotonic() + 5
+                while proxy.sessions.num_sessions > 2 and time.monotonic() < deadline:
+                    time.sleep(0.001)
                 assert proxy.sessions.num_sessions <= 2
                 assert len(proxy._models) <= 2
     finally:
@@ -445,6 +451,26 @@ def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixtu
     assert "not an http(s) URL" in capsys.readouterr().err
     assert main(["serve", "--upstream", "http://127.0.0.1:1", "--read-timeout-s", "0"]) == 2
     assert "read_timeout_s: must be positive" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="fsync: 'sometimes' is not one of compactions, always, never"):
+        ProxyConfig(upstream="http://127.0.0.1:1", data_dir=Path("d"), fsync="sometimes")
+    with pytest.raises(ConfigError, match="max_loaded_conversations: must be >= 1"):
+        ProxyConfig(upstream="http://127.0.0.1:1", data_dir=Path("d"), max_loaded_conversations=0)
+
+
+def test_without_uvloop_auto_falls_back_and_asking_for_it_says_what_to_install(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['uvloop'] = None\n"
+            "from ctxfold.cli.serve import event_loop_factory\n"
+            "assert event_loop_factory('auto') is None and event_loop_factory('asyncio') is None\n"
+            "from ctxfold.cli import main\n"
+            f"sys.exit(main(['serve', '--upstream', 'http://127.0.0.1:1', '--event-loop', 'uvloop', "
+            f"'--data-dir', {str(tmp_path)!r}]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ctxfold_env({}),
+                         check=False)
+    assert out.returncode == 2, out.stderr
+    assert "uvloop is not installed" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_without_aiohttp_the_cli_works_and_serve_says_what_to_install() -> None:

@@ -95,7 +95,7 @@ def test_trace_replay_stays_inside_the_window(traces_dir: Path, tmp_path: Path, 
     compact = CompactConfig.from_mapping({"context_tokens": CONTEXT_TOKENS, "reply_reserve_tokens": 1024})
     with BackgroundServer(up.app()) as upstream:
         cfg = ProxyConfig(upstream=upstream.url, data_dir=tmp_path / "data", compact=compact,
-                          summarizer="extractive" if summarizer == "extractive" else "upstream", durable=False)
+                          summarizer="extractive" if summarizer == "extractive" else "upstream", fsync="never")
         proxy = ProxyApp(cfg)
         with BackgroundServer(proxy.app()) as srv:
             for i, body in requests_of(traj):
@@ -224,7 +224,7 @@ def test_an_oversized_tool_result_is_archived_and_recalled_through_the_proxy(tmp
     up.answer_for = answer  # type: ignore[method-assign]
     with BackgroundServer(up.app()) as upstream:
         proxy = ProxyApp(ProxyConfig(upstream=upstream.url, data_dir=tmp_path / "data", compact=compact,
-                                     summarizer="extractive", durable=False))
+                                     summarizer="extractive", fsync="never"))
         with BackgroundServer(proxy.app()) as srv:
             body = {"model": "m", "messages": [*history, {"role": "tool", "tool_call_id": "t1", "content": huge}],
                     "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]}

@@ -57,6 +57,34 @@ def test_restore_and_resume_through_rewrites(tmp_path: Path) -> None:
     assert len(lines) == 4 and json.loads(lines[0])["type"] == "header"
 
 
+@pytest.mark.parametrize(("durable", "fsync_appends", "expected"), [
+    (True, True, ["header", "append", "append", "append", "view"]),
+    (True, False, ["header", "view"]),  # the view event's fsync makes the appends before it durable too
+    (False, True, []),
+])
+def test_which_events_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool,
+                                  fsync_appends: bool, expected: list[str]) -> None:
+    import os
+
+    s = Session(tmp_path / "s", durable=durable, fsync_appends=fsync_appends)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:  # the real fsync, noting which event it made durable
+        last = json.loads(s.events_path.read_bytes().splitlines()[-1])
+        synced.append(last["type"])
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    conv = _conversation()
+    s.create(conv)
+    s.append_messages(conv.messages[:3])
+    s.log_view([ViewEntry(2)], kind="summary", reason="test", dump=None, state={})
+    s.close()
+    assert synced == expected
+    assert Session(tmp_path / "s").restore().messages == conv.messages[:3]  # written either way
+
+
 def test_history_dumps_never_collide(tmp_path: Path) -> None:
     conv = _conversation()
     s = Session(tmp_path, durable=False)

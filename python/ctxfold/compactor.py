@@ -160,6 +160,7 @@ class Compactor:
         session_dir: str | Path | None = None,
         store: ArchiveStore | None = None,
         durable: bool = True,
+        fsync_appends: bool = True,
         page_size_tokens: int = 16,
         kv_plan: str = "segments",
         observer: Observer | None = None,
@@ -196,7 +197,7 @@ class Compactor:
 
         self.session: Session | None = None
         if session_dir is not None:
-            self.session = Session(session_dir, durable=durable)
+            self.session = Session(session_dir, durable=durable, fsync_appends=fsync_appends)
         # The archive: given (shared by several sessions, or on object storage), else the session's
         # own directory, else memory.
         if store is None:

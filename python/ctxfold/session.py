@@ -16,7 +16,8 @@ wrote (summary, markers, resume instruction). So:
 - resume = the last view plus every original appended after it, and the last saved state.
 
 Each event is one line written by a single ``write`` on an ``O_APPEND`` descriptor and fsynced
-(unless ``durable=False``). A process killed mid-write leaves at most one torn last line, which
+(unless ``durable=False``; with ``fsync_appends=False`` appended messages wait for the next fsynced
+event). A process killed mid-write leaves at most one torn last line, which
 resume ignores and the next append cuts off, so a session is always the old view or the new one,
 never a mix. History dumps are written whole to a temporary name and renamed into place before the
 view event that points at them is logged (write-ahead).
@@ -81,9 +82,13 @@ def history_dump_text(messages: Sequence[Message], conversation: Conversation, *
 class Session:
     """The directory of one conversation. Not thread-safe: the compactor that owns it serialises access."""
 
-    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True, fsync_appends: bool = True) -> None:
         self.root = Path(root)
-        self.durable = durable  # fsync every event (dumps are always durable); off for replays and benchmarks
+        self.durable = durable  # fsync events (dumps are always durable); off for replays and benchmarks
+        # With durable, fsync appended messages too. Off where the messages have another durable home
+        # (the proxy: the client sends its whole history with every request): appends are then written
+        # (a killed process loses nothing) and made durable by the next fsynced event (a compaction).
+        self.fsync_appends = fsync_appends
         self._fd: int | None = None
         self._num_originals = 0
         self._seq = 0
@@ -115,8 +120,9 @@ class Session:
 
     def append_messages(self, messages: Iterable[Message]) -> None:
         """Log original messages, in order. One event per message."""
+        sync = self.fsync_appends
         for m in messages:
-            self._write_event({"type": "append", "index": self._num_originals, "message": encode_message(m)})
+            self._write_event({"type": "append", "index": self._num_originals, "message": encode_message(m)}, sync=sync)
             self._num_originals += 1
 
     def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
@@ -201,7 +207,7 @@ class Session:
         except FileNotFoundError:
             return
 
-    def _write_event(self, event: dict[str, Any]) -> None:
+    def _write_event(self, event: dict[str, Any], *, sync: bool = True) -> None:
         event = {"seq": self._seq, **event}
         data = (json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
         fd = self._open()
@@ -210,7 +216,7 @@ class Session:
             self.close()
             self._cut_torn_tail()
             raise OSError(f"{self.events_path}: short write ({written} of {len(data)} bytes); disk full?")
-        if self.durable:
+        if self.durable and sync:
             os.fsync(fd)
         self._seq += 1
 

@@ -30,8 +30,7 @@ or the port cannot be used, 5 internal error."""
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
-    from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
-    from ctxfold.serve.sessions import DEFAULT_MAX_LOADED_KEYS
+    from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -75,11 +74,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="longest silence from the upstream before 504 or a cut stream (default 600)")
     p.add_argument("--max-recall-rounds", type=non_negative_int, default=4,
                    help="read_archive rounds the proxy answers within one request (default 4)")
-    p.add_argument("--no-fsync", action="store_true",
-                   help="do not fsync session events (a process crash loses nothing; a machine crash may)")
-    p.add_argument("--max-loaded-conversations", type=positive_int, default=DEFAULT_MAX_LOADED_KEYS, metavar="N",
+    p.add_argument("--fsync", choices=FSYNC_MODES, default="compactions",
+                   help="fsync of the session logs: compactions (default: the session's start, compactions and "
+                   "archives; appended messages are written, and the client resends them anyway), always (every "
+                   "message too: a disk flush on each request's path), never (a machine crash may lose the last "
+                   "compactions; a killed proxy loses nothing in any mode)")
+    p.add_argument("--no-fsync", dest="fsync", action="store_const", const="never", help="the same as --fsync never")
+    p.add_argument("--max-loaded-conversations", type=positive_int, default=DEFAULT_MAX_LOADED_CONVERSATIONS, metavar="N",
                    help="conversations kept in memory with their event logs open; the least recently used beyond "
-                   f"are closed and read back from --data-dir when they return (default {DEFAULT_MAX_LOADED_KEYS})")
+                   f"are closed and read back from --data-dir when they return (default {DEFAULT_MAX_LOADED_CONVERSATIONS})")
     p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="asyncio event loop: uvloop (faster; in the serve extra), asyncio, or auto: uvloop when "
                    "it is installed (default)")
@@ -97,7 +100,7 @@ def build_config(args: argparse.Namespace) -> Any:
         summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
         max_recall_rounds=args.max_recall_rounds, max_loaded_conversations=args.max_loaded_conversations,
-        durable=not args.no_fsync, tokenizer=args.tokenizer,
+        fsync=args.fsync, tokenizer=args.tokenizer,
         template=None if args.template == "none" else args.template,
     )
 

@@ -16,6 +16,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB of JSON
+# Conversations kept in memory: each holds its compactor and an open event log, so an unbounded set
+# would run a long-lived proxy out of memory and file descriptors. The least recently used beyond
+# this are closed and read back from disk when they come back.
+DEFAULT_MAX_LOADED_CONVERSATIONS = 512
+FSYNC_MODES = ("compactions", "always", "never")  # ProxyConfig.fsync, the first is the default
 
 if TYPE_CHECKING:
     from ctxfold.serve.app import BadRequest, ProxyApp, ProxyConfig, parse_request, serve
@@ -48,6 +53,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_LOADED_CONVERSATIONS",
+    "FSYNC_MODES",
     "SESSION_HEADER",
     "BadRequest",
     "ProxyApp",

@@ -47,10 +47,9 @@ from ctxfold.errors import ConfigError, FormatError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.serve import DEFAULT_MAX_BODY_BYTES
+from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
-    DEFAULT_MAX_LOADED_KEYS,
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
     ProxySession,
@@ -90,14 +89,21 @@ class ProxyConfig:
     max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
     # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
     # and read back from the data directory when they return.
-    max_loaded_conversations: int = DEFAULT_MAX_LOADED_KEYS
-    durable: bool = True  # fsync every session event (off: a crash of the machine may lose the last events)
+    max_loaded_conversations: int = DEFAULT_MAX_LOADED_CONVERSATIONS
+    # fsync of the session logs. "compactions" (default): what the client cannot send again (the session's
+    # start, compactions and their summaries, archives) is fsynced; appended messages are written (a
+    # killed proxy loses nothing) and become durable with the next fsync, since every request carries
+    # the whole history anyway. "always": every event, a thread hop and a disk flush per message on
+    # the request's path. "never": nothing (a crash of the machine may lose the last compactions).
+    fsync: str = "compactions"
     tokenizer: str = "estimate:deepseek-v4"  # token counter spec (ctxfold.counting.load_counter)
     # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
     # The template's control tokens also bound the accounting's work per append.
     template: str | None = "deepseek-v4"
 
     def __post_init__(self) -> None:
+        if self.fsync not in FSYNC_MODES:
+            raise ConfigError(f"fsync: {self.fsync!r} is not one of {', '.join(FSYNC_MODES)}")
         if self.summarizer not in ("upstream", "config", "extractive"):
             raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
         if not self.upstream.startswith(("http://", "https://")):
@@ -273,7 +279,8 @@ class ProxyApp:
         else:
             store = ArchiveStore(path.parent / "archive")
         c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
-                      summarizer=summarizer, session_dir=path, store=store, durable=self.config.durable)
+                      summarizer=summarizer, session_dir=path, store=store, durable=self.config.fsync != "never",
+                      fsync_appends=self.config.fsync == "always")
         return c
 
     # -- app -----------------------------------------------------------------------------------------
@@ -417,20 +424,21 @@ class ProxyApp:
         return await self._forward_json(request, session, body, payload, headers, recall, estimate)
 
     def _inline(self, c: Compactor, new: list[Message]) -> bool:
-        """Whether appending ``new`` is cheap enough to run on the event loop: no fsync, and no summary
-        can fire. A thread hop costs two context switches, which on a busy machine is most of the
-        latency the proxy adds; a summary (a model call) or an fsync must not block the loop.
+        """Whether appending ``new`` is cheap enough to run on the event loop: no fsync per message, and
+        no summary can fire. A thread hop costs two context switches, which on a busy machine is most of
+        the latency the proxy adds; a summary (a model call) or a flush per message must not block the loop.
 
         No summary can fire when even an upper bound of the tokens after the append (every byte a
-        token) stays under the lowest trigger line of the configuration.
+        token) stays under the lowest trigger line of the configuration. The rule-based archive pass
+        at a turn start may still run inline: no model call, and at most once per turn.
         """
-        if self.config.durable:
+        if self.config.fsync == "always":
             return False
         cfg = c.config
         ctx = cfg.context_tokens
         if ctx is None:
             return True  # token triggers are off: only the rule-based archive pass can run, no model call
-        lines: list[float] = [ctx]
+        lines: list[float] = [ctx, ctx * cfg.minor.mid_turn_token_threshold]
         if cfg.soft.enabled:
             lines += [ctx * cfg.soft.percent / 100, ctx - cfg.soft.free_threshold_tokens(ctx)]
         if cfg.major.enabled:
@@ -553,7 +561,7 @@ class ProxyApp:
             return
         n = len(c.originals) + (1 if c.header.system is not None else 0)
         m = replace(m, id=f"m{n}")
-        if self.config.durable:
+        if self.config.fsync == "always":
             await asyncio.to_thread(c.append, m)  # fsync off the event loop
         else:
             c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop

@@ -34,13 +34,10 @@ from typing import Any
 from ctxfold.compactor import Compactor
 from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Conversation, Message
+from ctxfold.serve import DEFAULT_MAX_LOADED_CONVERSATIONS
 
 SESSION_HEADER = "X-Ctxfold-Session"
 MAX_SESSION_KEY_CHARS = 200
-# Conversations kept in memory: each holds its compactor and an open event log, so an unbounded set
-# would run a long-lived proxy out of memory and file descriptors. The least recently used beyond
-# this are closed and read back from disk when they come back.
-DEFAULT_MAX_LOADED_KEYS = 512
 
 
 def _text(value: Any) -> str:
@@ -141,7 +138,7 @@ class SessionStore:
     ``max_loaded_keys`` keys stay loaded (least recently used first out, see :meth:`trim`)."""
 
     def __init__(self, data_dir: Path, make_compactor: CompactorFactory, *,
-                 max_loaded_keys: int = DEFAULT_MAX_LOADED_KEYS) -> None:
+                 max_loaded_keys: int = DEFAULT_MAX_LOADED_CONVERSATIONS) -> None:
         if max_loaded_keys < 1:
             raise ValueError(f"max_loaded_keys: must be >= 1, got {max_loaded_keys}")
         self.root = Path(data_dir) / "sessions"
