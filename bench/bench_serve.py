@@ -197,8 +197,10 @@ def cpu_seconds(pid: int) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     up, up_url = start([sys.executable, "-m", "ctxfold.serve.testing", "--port", "0"], marker="listening on ")
     data = tempfile.mkdtemp(prefix="ctxfold-bench-serve-")
+    # A 128k window, as deployed: the trigger checks run on every request (and nothing fires: the
+    # conversations stay far below it).
     cmd = [sys.executable, "-m", "ctxfold", "serve", "--upstream", up_url, "--port", "0", "--data-dir", data,
-           "--summarizer", "extractive"]
+           "--summarizer", "extractive", "--context-tokens", "131072"]
     cmd += ["--fsync", args.fsync]
     procs = [up]
     try:

@@ -129,3 +129,27 @@ def test_kill_9_during_compactions_then_resume(tmp_path: Path) -> None:
         assert count_orphans(c.view) == 0
         restored = Session(root).restore()
         assert restored.messages == conv.messages, f"trial {trial}: the full history survives"
+
+
+@pytest.mark.parametrize(("tokenizer", "template"), [("estimate:deepseek-v4", "deepseek-v4"),
+                                                     ("deepseek-v4", "deepseek-v3.2"), ("chars4", "chatml")])
+def test_the_occupancy_bound_holds_on_every_trace(traces_dir: Path, tokenizer: str, template: str) -> None:
+    from ctxfold.templates import get_template
+
+    counter = load_counter(tokenizer)
+    checked = 0
+    for convs in all_conversations(traces_dir).values():
+        for conv in convs[:10]:
+            c = Compactor(Conversation(messages=[], system=conv.system, tools=conv.tools), counter=counter,
+                          template=get_template(template), config=CompactConfig(context_tokens=None))
+            msgs = list(conv.messages)
+            k = 0
+            while k < len(msgs):
+                batch = msgs[k:k + 1 + k % 3]  # one to three messages at a time, the answer left uncounted
+                bound = c.occupancy_bound_tokens(batch)
+                c.append(*batch)
+                k += len(batch)
+                if k % 2:  # else the next bound starts from messages nothing has counted yet
+                    assert c.occupancy_tokens() <= bound, (conv.id, k)
+                    checked += 1
+    assert checked > 300

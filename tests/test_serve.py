@@ -106,6 +106,27 @@ def test_unknown_top_level_fields_pass_through(upstream: tuple[ScriptedUpstream,
     assert sent["temperature"] == 0.3 and sent["x_vendor"] == {"a": [1, 2]} and sent["seed"] == 7
 
 
+@pytest.mark.parametrize("text", [
+    '{"a": 123456789012345678901234567890}',  # beyond 64 bits: orjson refuses, json reads it
+    '{"a": NaN, "b": -Infinity}', '{"a": "\\ud800 lone surrogate"}', '{"a": [1.5e300, -0.0, "\u00e9\u4e2d"]}',
+    '{"a": 1, "a": 2}',
+])
+def test_fast_json_reads_what_json_reads(text: str) -> None:
+    from ctxfold.serve import fastjson
+
+    assert repr(fastjson.loads(text.encode())) == repr(json.loads(text))
+    assert repr(fastjson.loads(text)) == repr(json.loads(text))
+
+
+def test_fast_json_refuses_what_json_refuses() -> None:
+    from ctxfold.serve import fastjson
+
+    with pytest.raises(json.JSONDecodeError):
+        fastjson.loads(b'{"a": }')
+    with pytest.raises(UnicodeDecodeError):
+        fastjson.loads(b'{"a": "\xff"}')
+
+
 # -- sessions ----------------------------------------------------------------------------------------
 
 def _sessions(data: Path) -> list[Path]:

@@ -169,6 +169,7 @@ class Compactor:
         self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
         self._accounting = RequestAccounting(self.counter, template)
         self._accounting_stale = False  # messages were appended to the view since the last sync
+        self._counted = 0  # view[:_counted] is what the accounting describes
         self._extractive = ExtractiveSummarizer(counter=self.counter)  # the default and the fallback
         self.summarizer: Summarizer = summarizer if summarizer is not None else self._extractive
         self.observer: Observer = observer if observer is not None else NullObserver()
@@ -214,6 +215,7 @@ class Compactor:
             for m in self.view:  # a resumed session: the same rule over the whole view
                 self._track_unseen(m)
             self._accounting.reset(self.header, self.view)
+            self._counted = len(self.view)
         else:
             self.originals = []
             self.view = []
@@ -234,6 +236,7 @@ class Compactor:
                 if self._accounting_stale:
                     self._accounting.sync(self.view)
                     self._accounting_stale = False
+                    self._counted = len(self.view)
         return self._accounting
 
     @property
@@ -244,6 +247,17 @@ class Compactor:
         """System + tools + view + queued messages + reply reserve, in tokens. O(len(queued))."""
         extra = sum(self.accounting.message_tokens(m) for m in queued)
         return self.accounting.total_tokens + extra + self.config.reply_reserve()
+
+    def occupancy_bound_tokens(self, extra: Sequence[Message] = ()) -> int:
+        """An upper bound of :meth:`occupancy_tokens` once ``extra`` is appended, without counting
+        anything new: the last counted total, plus for every message appended since and every one of
+        ``extra`` its UTF-8 bytes (no tokenizer makes a token of less than a byte) and a template frame.
+        For scheduling (will the next :meth:`before_request` be cheap?), never for triggers: those count."""
+        with self._lock:
+            pending = self.view[self._counted:]
+            total = self._accounting.total_tokens
+        return (total + sum(map(_tokens_bound, pending)) + sum(map(_tokens_bound, extra))
+                + _RERENDER_FRAME_TOKENS + self.config.reply_reserve())
 
     def conversation(self) -> Conversation:
         """The current view as a conversation (what the next request sends)."""
@@ -644,6 +658,7 @@ class Compactor:
         self.view_origins = origins
         self._accounting.reset(self.header, view)
         self._accounting_stale = False
+        self._counted = len(view)
 
     def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:
         """Reuse of the engine's KV cache across a rewrite: the exact common prefix (page-aligned),
@@ -714,6 +729,20 @@ class Compactor:
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
+
+
+# Template tokens around one message, at most (role markers, thinking markers, a tool result's frame).
+_FRAME_TOKENS = 32
+# Appending can re-render the messages of the previous user turn (thinking markers move with the last
+# user message): what that can add, at most.
+_RERENDER_FRAME_TOKENS = 64
+
+
+def _tokens_bound(m: Message) -> int:
+    """An upper bound of a message's tokens: its UTF-8 bytes plus the template's frame."""
+    n = len(m.text.encode("utf-8", "surrogatepass")) + len((m.reasoning or "").encode("utf-8", "surrogatepass"))
+    n += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) + 16 for c in m.tool_calls)
+    return n + _FRAME_TOKENS
 
 
 @dataclass(frozen=True, slots=True)

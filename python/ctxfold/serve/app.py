@@ -47,7 +47,7 @@ from ctxfold.errors import ConfigError, FormatError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
+from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES, fastjson
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
@@ -160,19 +160,27 @@ class ParsedRequest:
         return 1 if self.system is not None else 0
 
 
-def parse_request(raw: bytes) -> ParsedRequest:
-    """Decode a chat.completions request body and check its shape. Raises BadRequest (400) with what
-    and where. The messages themselves are checked by :func:`parse_messages` when they are new."""
+def _decode_body(raw: bytes) -> Any:
+    try:
+        return fastjson.loads(raw)
+    except ValueError:
+        pass  # below, the same verdict, and what is wrong where
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest(400, f"request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
                               "cannot be decoded; send the JSON encoded as UTF-8", code="invalid_utf8") from None
     try:
-        body = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}",
                          code="invalid_json") from None
+
+
+def parse_request(raw: bytes) -> ParsedRequest:
+    """Decode a chat.completions request body and check its shape. Raises BadRequest (400) with what
+    and where. The messages themselves are checked by :func:`parse_messages` when they are new."""
+    body = _decode_body(raw)
     if not isinstance(body, dict):
         raise BadRequest(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
     messages = body.get("messages")
@@ -224,14 +232,6 @@ def _to_wire(m: Message) -> dict[str, Any]:
     out.pop("id", None)
     out.pop("usage", None)
     return out
-
-
-def _max_tokens(m: Message) -> int:
-    """An upper bound of a message's tokens: its UTF-8 bytes (no tokenizer makes a token of less than a
-    byte) plus the template's per-message frame."""
-    n = len(m.text.encode("utf-8", "surrogatepass")) + len((m.reasoning or "").encode("utf-8", "surrogatepass"))
-    n += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) + 16 for c in m.tool_calls)
-    return n + 32
 
 
 def _has_archive_marker(messages: list[Message]) -> bool:
@@ -385,7 +385,6 @@ class ProxyApp:
             events = await asyncio.to_thread(self._ingest, session, new)
         self._count_events(events)
         c = session.compactor
-        estimate = c.occupancy_tokens() - c.config.reply_reserve()
         view, origins, originals = c.view, c.view_origins, c.originals
         untouched = len(view) == len(originals) and all(v is o for v, o in zip(view, originals, strict=True))
         tools = parsed.body.get("tools") or []
@@ -420,8 +419,8 @@ class ProxyApp:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["Content-Type"] = "application/json"
         if parsed.stream:
-            return await self._forward_stream(request, session, body, payload, headers, recall, estimate)
-        return await self._forward_json(request, session, body, payload, headers, recall, estimate)
+            return await self._forward_stream(request, session, body, payload, headers, recall)
+        return await self._forward_json(request, session, body, payload, headers, recall)
 
     def _inline(self, c: Compactor, new: list[Message]) -> bool:
         """Whether appending ``new`` is cheap enough to run on the event loop: no fsync per message, and
@@ -429,7 +428,8 @@ class ProxyApp:
         the latency the proxy adds; a summary (a model call) or a flush per message must not block the loop.
 
         No summary can fire when even an upper bound of the tokens after the append (every byte a
-        token) stays under the lowest trigger line of the configuration. The rule-based archive pass
+        token) stays under the lowest trigger line of the configuration. The bound counts nothing:
+        the answer recorded last and the request's messages are counted once, by the trigger check. The rule-based archive pass
         at a turn start may still run inline: no model call, and at most once per turn.
         """
         if self.config.fsync == "always":
@@ -443,8 +443,7 @@ class ProxyApp:
             lines += [ctx * cfg.soft.percent / 100, ctx - cfg.soft.free_threshold_tokens(ctx)]
         if cfg.major.enabled:
             lines.append(ctx * cfg.major.token_threshold)
-        bound = c.occupancy_tokens() + sum(_max_tokens(m) for m in new)
-        return bound < min(lines)
+        return c.occupancy_bound_tokens(new) < min(lines)
 
     def _ingest(self, session: ProxySession, new: list[Message]) -> list[CompactionEvent]:
         """Append the request's new messages and run the automatic passes (in a worker thread)."""
@@ -483,7 +482,7 @@ class ProxyApp:
 
     # -- upstream: JSON ------------------------------------------------------------------------------
     async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
-                            headers: dict[str, str], recall: bool, estimate: int) -> web.StreamResponse:
+                            headers: dict[str, str], recall: bool) -> web.StreamResponse:
         assert self._client is not None
         rounds = 0
         while True:
@@ -497,7 +496,7 @@ class ProxyApp:
                 self.metrics.upstream_errors.inc("status")
                 return web.Response(body=raw, status=status, headers={"Content-Type": ctype})
             try:
-                data = json.loads(raw)
+                data = fastjson.loads(raw)
                 message = data["choices"][0]["message"]
                 assert isinstance(message, dict)
             except (ValueError, KeyError, IndexError, TypeError, AssertionError):
@@ -517,7 +516,7 @@ class ProxyApp:
                 await resp.write_eof()
             except (ConnectionError, RuntimeError):
                 return resp  # the client went away without the answer: its retry will not carry it
-            await self._record_after(session, message, data.get("usage"), estimate if rounds == 0 else None)
+            await self._record_after(session, message, data.get("usage"), calibrate=rounds == 0)
             return resp
 
     async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any]
@@ -537,19 +536,20 @@ class ProxyApp:
         return out
 
     async def _record_after(self, session: ProxySession, message: dict[str, Any], usage: Any,
-                            estimate: int | None) -> None:
+                            *, calibrate: bool) -> None:
         """Record an answer the client already has, still under the conversation's lock (its next request
         waits for it). After the response, not before: the bookkeeping (and with fsync, a thread hop
         and a disk flush) stays off the latency the client sees. Nothing is lost if the proxy dies in
         between or the recording fails: the client's next request carries the answer, and a message
         the session does not hold yet is appended then like any other."""
         try:
-            await self._record(session, message, usage, estimate)
+            await self._record(session, message, usage, calibrate=calibrate)
         except Exception:  # the response is out: a failure here can only be logged
             log.exception("answer not recorded; the conversation's next request will bring it")
 
-    async def _record(self, session: ProxySession, message: dict[str, Any], usage: Any, estimate: int | None) -> None:
-        """Keep the answer in the session and calibrate the estimate with the upstream's count."""
+    async def _record(self, session: ProxySession, message: dict[str, Any], usage: Any, *, calibrate: bool) -> None:
+        """Keep the answer in the session and, with ``calibrate`` (the answer is to the request as the
+        view was sent, no recall round in between), calibrate the estimate with the upstream's count."""
         c = session.compactor
         wire = dict(message)
         if isinstance(usage, dict):
@@ -561,13 +561,18 @@ class ProxyApp:
             return
         n = len(c.originals) + (1 if c.header.system is not None else 0)
         m = replace(m, id=f"m{n}")
+        # The estimate of the request as it was sent, read before the answer joins the view; here rather
+        # than before forwarding, so counting stays off the latency the client sees.
+        reported = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        estimate = (c.occupancy_tokens() - c.config.reply_reserve()
+                    if calibrate and isinstance(reported, int) and self.config.compact.context_tokens else None)
         if self.config.fsync == "always":
             await asyncio.to_thread(c.append, m)  # fsync off the event loop
         else:
             c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop
         session.refresh_fingerprints()
-        if estimate and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            self._calibrate(session, usage["prompt_tokens"], estimate)
+        if estimate is not None and isinstance(reported, int):
+            self._calibrate(session, reported, estimate)
 
     def _calibrate(self, session: ProxySession, reported: int, estimate: int) -> None:
         ctx = self.config.compact.context_tokens
@@ -593,8 +598,7 @@ class ProxyApp:
 
     # -- upstream: streaming -------------------------------------------------------------------------
     async def _forward_stream(self, request: web.Request, session: ProxySession, body: dict[str, Any],
-                              payload: bytes, headers: dict[str, str], recall: bool, estimate: int
-                              ) -> web.StreamResponse:
+                              payload: bytes, headers: dict[str, str], recall: bool) -> web.StreamResponse:
         """Pass the upstream's event stream through byte for byte, reading it on the side.
 
         With the recall tool offered, every event still goes out as it arrives except the deltas of
@@ -678,7 +682,7 @@ class ProxyApp:
                 await resp.write_eof()
             except (ConnectionError, RuntimeError):
                 return resp  # the client went away without the whole answer
-            await self._record_after(session, answer.message(), answer.usage, estimate if rounds == 0 else None)
+            await self._record_after(session, answer.message(), answer.usage, calibrate=rounds == 0)
             return resp
 
 

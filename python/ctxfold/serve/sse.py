@@ -7,9 +7,10 @@ stream (content, reasoning, tool calls, finish reason, usage) so the proxy can r
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from ctxfold.serve import fastjson
 
 DONE = "[DONE]"
 
@@ -81,7 +82,7 @@ class AnswerAssembler:
             self.done = True
             return None
         try:
-            chunk = json.loads(payload)
+            chunk = fastjson.loads(payload)
         except ValueError:
             return None  # not ours to judge: the bytes went to the client as they were
         if not isinstance(chunk, dict):
