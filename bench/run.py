@@ -216,7 +216,7 @@ def run_serve(results: Path, env: dict[str, str], timeout_s: float) -> None:
     message fsynced."""
     for name, extra in (("serve.json", []), ("serve_fsync_always.json", ["--fsync", "always"])):
         out = results / name
-        cmd = [sys.executable, str(BENCH_DIR / "bench_serve.py"), "--json", str(out), *extra]
+        cmd = [sys.executable, str(BENCH_DIR / "bench_serve.py"), "--duration-s", "5", "--json", str(out), *extra]
         print("+", " ".join(cmd), flush=True)
         try:
             r = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, timeout=timeout_s, stdout=subprocess.DEVNULL)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from ctxfold.archive import make_marker
+from ctxfold.archive.marker import MARKER_PREFIX
 from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
@@ -229,6 +230,38 @@ def test_restart_resumes_sessions_from_the_data_dir(upstream: tuple[ScriptedUpst
 
 
 # -- recall ------------------------------------------------------------------------------------------
+
+def test_a_quiet_request_goes_out_first_and_its_turn_start_archive_shows_from_the_next(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    up, _ = upstream
+    compact = CompactConfig.from_mapping({"minor": {"keep_recent_user_turns": 1, "archive_threshold": 100}})
+    app, srv = start_proxy(upstream[1], tmp_path / "data", compact=compact)
+    big = "output line that is long enough to archive\n" * 50
+    try:
+        history = chat(("user", "start"))
+        post(srv.url, history)
+        history["messages"] += [
+            {"role": "assistant", "content": "echo: start"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "t0", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "t0", "content": big},
+            {"role": "user", "content": "next"},
+        ]
+        assert post(srv.url, history).status_code == 200
+        # Nothing could fire that changes this request: its bytes went out as sent, the messages after.
+        assert up.received[-1]["messages"][4]["content"] == big and "tools" not in up.received[-1]
+        history["messages"] += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "more"}]
+        assert post(srv.url, history).status_code == 200  # served after the last one's bookkeeping (one lock)
+        session = app.sessions.loaded()[0]
+        assert [e.kind for e in session.compactor.events if e.applied] == ["archive"]
+        sent = up.received[-1]
+        assert sent["messages"][4]["content"].startswith(MARKER_PREFIX)  # the pass shows from here on
+        assert any(t["function"]["name"] == "read_archive" for t in sent["tools"])
+    finally:
+        srv.close()
+    assert [m.text for m in Session(_sessions(tmp_path / "data")[0]).restore().messages][2:] == [
+        "", big, "next", "echo: next", "more", "echo: more"]
+
 
 def test_read_archive_calls_are_answered_by_the_proxy(upstream: tuple[ScriptedUpstream, str],
                                                       proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:

@@ -379,17 +379,22 @@ class ProxyApp:
             session = await self.sessions.create(key, conv)
             session.refresh_fingerprints()
             new = new[k:]
-        if self._inline(session.compactor, new):
+        c = session.compactor
+        tools = parsed.body.get("tools") or []
+        has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
+                             for t in tools)
+        # Appended after the answer when nothing can change what this request sends (see _deferrable);
+        # else before forwarding, on the loop when that is cheap, in a worker thread when not.
+        pending: list[Message] = new if self._deferrable(session, new, tools) else []
+        if pending:
+            events: list[CompactionEvent] = []
+        elif self._inline(c, new):
             events = self._ingest(session, new)
         else:
             events = await asyncio.to_thread(self._ingest, session, new)
         self._count_events(events)
-        c = session.compactor
         view, origins, originals = c.view, c.view_origins, c.originals
         untouched = len(view) == len(originals) and all(v is o for v, o in zip(view, originals, strict=True))
-        tools = parsed.body.get("tools") or []
-        has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
-                             for t in tools)
         if not has_own_recall and not session.inject_recall:
             # Offer the tool once the conversation has archived outputs: from a pass of this request, in
             # the messages it brought, or (first request after a restart) anywhere in the view.
@@ -411,16 +416,49 @@ class ProxyApp:
                 body["messages"] = ([{"role": "system", "content": c.header.system}]
                                     if c.header.system is not None else []) + [
                     sent[o] if 0 <= o < len(sent) and m is originals[o] else _to_wire(m)
-                    for m, o in zip(view, origins, strict=True)]
+                    for m, o in zip(view, origins, strict=True)] + sent[len(originals):len(originals) + len(pending)]
             if recall:
                 body["tools"] = list(tools) + [read_archive_tool_openai()]
             payload = _dumps(body)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["Content-Type"] = "application/json"
-        if parsed.stream:
-            return await self._forward_stream(request, session, body, payload, headers, recall)
-        return await self._forward_json(request, session, body, payload, headers, recall)
+        try:
+            if parsed.stream:
+                return await self._forward_stream(request, session, body, payload, headers, recall, pending)
+            return await self._forward_json(request, session, body, payload, headers, recall, pending)
+        finally:
+            if pending:  # the upstream failed, or the client left: the messages are kept all the same
+                try:
+                    self._ingest_pending(session, pending)
+                except Exception:  # the response is decided: a failure here can only be logged
+                    log.exception("messages not stored; the conversation's next request will bring them")
+
+    def _deferrable(self, session: ProxySession, new: list[Message], tools: list[Any]) -> bool:
+        """Whether the request's new messages can be appended after the answer has gone back: what the
+        request sends cannot depend on them. So: the log is not fsynced per message, no summary can
+        fire (the bound of :meth:`_inline`), and the recall tool is already decided (offered, or this
+        request brings no tools and no archive markers). The rule-based archive pass that may run at
+        a turn start then runs after the answer and shows from the next request: the same pass, one
+        request later; this one fits without it (the bound is under every trigger line).
+
+        Nothing is lost if the proxy dies before they are appended: the client's next request carries
+        them, and messages the session does not hold yet are appended then."""
+        if not new or self.config.fsync == "always" or not session.recall_scanned:
+            return False
+        if not session.inject_recall and (tools or _has_archive_marker(new)):
+            return False
+        return self._inline(session.compactor, new)
+
+    def _ingest_pending(self, session: ProxySession, pending: list[Message]) -> list[CompactionEvent]:
+        """Append the messages a request deferred (see :meth:`_deferrable`), once; before its answer."""
+        new = list(pending)
+        pending.clear()
+        events = self._ingest(session, new)
+        self._count_events(events)
+        if any(e.archived for e in events):
+            session.inject_recall = True
+        return events
 
     def _inline(self, c: Compactor, new: list[Message]) -> bool:
         """Whether appending ``new`` is cheap enough to run on the event loop: no fsync per message, and
@@ -482,7 +520,7 @@ class ProxyApp:
 
     # -- upstream: JSON ------------------------------------------------------------------------------
     async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
-                            headers: dict[str, str], recall: bool) -> web.StreamResponse:
+                            headers: dict[str, str], recall: bool, pending: list[Message]) -> web.StreamResponse:
         assert self._client is not None
         rounds = 0
         while True:
@@ -516,7 +554,7 @@ class ProxyApp:
                 await resp.write_eof()
             except (ConnectionError, RuntimeError):
                 return resp  # the client went away without the answer: its retry will not carry it
-            await self._record_after(session, message, data.get("usage"), calibrate=rounds == 0)
+            await self._record_after(session, message, data.get("usage"), pending, calibrate=rounds == 0)
             return resp
 
     async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any]
@@ -536,13 +574,17 @@ class ProxyApp:
         return out
 
     async def _record_after(self, session: ProxySession, message: dict[str, Any], usage: Any,
-                            *, calibrate: bool) -> None:
-        """Record an answer the client already has, still under the conversation's lock (its next request
-        waits for it). After the response, not before: the bookkeeping (and with fsync, a thread hop
-        and a disk flush) stays off the latency the client sees. Nothing is lost if the proxy dies in
-        between or the recording fails: the client's next request carries the answer, and a message
-        the session does not hold yet is appended then like any other."""
+                            pending: list[Message], *, calibrate: bool) -> None:
+        """Record an answer the client already has (after the request's own messages, when the request
+        deferred them), still under the conversation's lock (its next request waits for it). After the
+        response, not before: the bookkeeping (and with fsync, a thread hop and a disk flush) stays off
+        the latency the client sees. Nothing is lost if the proxy dies in between or the recording
+        fails: the client's next request carries the answer, and a message the session does not hold
+        yet is appended then like any other."""
         try:
+            if pending:  # the request's own messages first
+                # A pass that ran now changed the view after it was sent: no calibration against it.
+                calibrate = not any(e.applied for e in self._ingest_pending(session, pending)) and calibrate
             await self._record(session, message, usage, calibrate=calibrate)
         except Exception:  # the response is out: a failure here can only be logged
             log.exception("answer not recorded; the conversation's next request will bring it")
@@ -598,7 +640,8 @@ class ProxyApp:
 
     # -- upstream: streaming -------------------------------------------------------------------------
     async def _forward_stream(self, request: web.Request, session: ProxySession, body: dict[str, Any],
-                              payload: bytes, headers: dict[str, str], recall: bool) -> web.StreamResponse:
+                              payload: bytes, headers: dict[str, str], recall: bool, pending: list[Message]
+                              ) -> web.StreamResponse:
         """Pass the upstream's event stream through byte for byte, reading it on the side.
 
         With the recall tool offered, every event still goes out as it arrives except the deltas of
@@ -682,7 +725,7 @@ class ProxyApp:
                 await resp.write_eof()
             except (ConnectionError, RuntimeError):
                 return resp  # the client went away without the whole answer
-            await self._record_after(session, answer.message(), answer.usage, calibrate=rounds == 0)
+            await self._record_after(session, answer.message(), answer.usage, pending, calibrate=rounds == 0)
             return resp
 
 
