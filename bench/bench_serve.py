@@ -31,15 +31,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 import ctxfold
+from synth import TRACES_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_REQUESTS_PER_CONVERSATION = 40
+# Replayed requests stop at this body size: about 75k tokens, well under the proxy's 128k window.
+TRACE_BODY_LIMIT_BYTES = 300_000
 
 
 def start(cmd: list[str], *, marker: str, stream: str = "stdout") -> tuple[subprocess.Popen[str], str]:
@@ -65,9 +69,101 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def new_state(conv: int) -> dict[str, Any]:
-    return {"conv": conv, "req": 0, "started": False, "wait_s": 0.0,
-            "messages": [{"role": "system", "content": f"You are conversation {conv}. " + "Policy. " * 50}]}
+def new_state(conv: int, scripts: list[Script] | None = None, script: int = 0) -> dict[str, Any]:
+    """A conversation: synthetic (short user questions, echoed answers) or, given ``scripts``, the
+    replay of the real trace ``scripts[script % len(scripts)]``."""
+    st: dict[str, Any] = {"conv": conv, "req": 0, "started": False, "wait_s": 0.0, "scripts": scripts,
+                          "script": script}
+    if scripts is None:
+        st["messages"] = [{"role": "system", "content": f"You are conversation {conv}. " + "Policy. " * 50}]
+    return st
+
+
+@dataclass(frozen=True)
+class Script:
+    """A recorded conversation as an agent sent it: for each assistant answer, the history before it."""
+
+    name: str
+    messages: list[dict[str, Any]]  # system first
+    tools: list[dict[str, Any]]
+    answers: list[int]  # indexes of the assistant messages, in order
+
+
+def trace_scripts(max_body_bytes: int) -> list[Script]:
+    """Every conversation of the real traces (TRACES_DIR), each request cut off where its body would
+    pass ``max_body_bytes``: well under the proxy's window, so nothing fires."""
+    from ctxfold.formats import load
+    from ctxfold.formats.openai import dump
+
+    scripts = []
+    for path in sorted(TRACES_DIR.rglob("*")):
+        if path.suffix not in (".json", ".jsonl", ".traj") or not path.is_file():
+            continue
+        for conv in load(path):
+            d = dump(conv, api=True)
+            msgs = d["messages"]
+            if not msgs or msgs[0]["role"] != "system":
+                msgs.insert(0, {"role": "system", "content": ""})
+            answers, size = [], 0
+            for i, m in enumerate(msgs):
+                size += len(json.dumps(m, ensure_ascii=False).encode())
+                if size > max_body_bytes:
+                    break
+                if m["role"] == "assistant" and i > 1:
+                    answers.append(i)
+            if answers:
+                scripts.append(Script(f"{path.name}/{conv.id}", msgs, d.get("tools", []), answers))
+    return scripts
+
+
+def next_request(st: dict[str, Any], stream: bool) -> tuple[str, dict[str, Any], tuple[str, tuple[str, ...]] | str]:
+    """The conversation's next request: (tag, body, what the answer must be). Synthetic: the answer
+    starts with the echo of the tag. Replay: the recorded answer's text and tool-call ids."""
+    scripts: list[Script] | None = st["scripts"]
+    if scripts is None:
+        if st["req"] == MAX_REQUESTS_PER_CONVERSATION:  # start over: agent conversations are tens of turns
+            st.update(new_state(st["conv"] + 1_000_000), started=True)
+        tag = f"conv={st['conv']} req={st['req']}"
+        st["messages"].append({"role": "user", "content": f"{tag} please answer briefly about item {st['req']}"})
+        return tag, {"model": "bench", "messages": st["messages"], "stream": stream}, f"echo: {tag} "
+    script = scripts[st["script"] % len(scripts)]
+    if st["req"] == len(script.answers):  # the recording is over: the next one, as a new conversation
+        st.update(new_state(st["conv"] + 1_000_000, scripts, st["script"] + 1), started=True)
+        script = scripts[st["script"] % len(scripts)]
+    i = script.answers[st["req"]]
+    tag = f"conv={st['conv']} {script.name} answer {st['req']}"
+    # A system prompt of its own: replays of one recording are different conversations to the proxy.
+    messages = [{"role": "system", "content": f"[conversation {st['conv']}] {script.messages[0]['content']}"},
+                *script.messages[1:i]]
+    recorded = script.messages[i]
+    answer = {"role": "assistant", "content": recorded.get("content")}
+    if recorded.get("tool_calls"):
+        answer["tool_calls"] = recorded["tool_calls"]
+    body = {"model": "bench", "messages": messages, "stream": stream, "x_replay_answer": answer}
+    if script.tools:
+        body["tools"] = script.tools
+    expect = (_text(recorded.get("content")), tuple(c["id"] for c in recorded.get("tool_calls") or []))
+    return tag, body, expect
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def answer_of(raw: bytes, stream: bool) -> tuple[str, tuple[str, ...]]:
+    """The text and tool-call ids of a chat completion, JSON or event stream."""
+    if not stream:
+        message = json.loads(raw)["choices"][0]["message"]
+        return _text(message.get("content")), tuple(c["id"] for c in message.get("tool_calls") or [])
+    text, ids = [], []
+    for line in raw.decode().split("\n\n"):
+        if line.startswith("data: {"):
+            delta = ((json.loads(line[6:])["choices"] or [{}])[0]).get("delta", {})
+            text.append(delta.get("content") or "")
+            ids += [c["id"] for c in delta.get("tool_calls") or [] if c.get("id")]
+    return "".join(text), tuple(ids)
 
 
 async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, Any], stop_at: float, stream: bool,
@@ -88,17 +184,12 @@ async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, A
         st["started"] = True
         return
     st["started"] = True
-    messages: list[dict[str, Any]] = st["messages"]
     while time.monotonic() < stop_at:
-        if st["req"] == MAX_REQUESTS_PER_CONVERSATION:  # start over: agent conversations are tens of turns
-            st.update(new_state(st["conv"] + 1_000_000), started=True)
-            messages = st["messages"]
-        tag = f"conv={st['conv']} req={st['req']}"
-        messages.append({"role": "user", "content": f"{tag} please answer briefly about item {st['req']}"})
-        body = {"model": "bench", "messages": messages, "stream": stream}
+        tag, body, expect = next_request(st, stream)
+        data = json.dumps(body).encode()
         t0 = time.perf_counter()
         try:
-            async with session.post(url, json=body) as r:
+            async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
                 raw = await r.read()
                 status = r.status
         except aiohttp.ClientError as e:
@@ -108,16 +199,15 @@ async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, A
         if status != 200:
             out["errors"].append(f"{tag}: HTTP {status} {raw[:200]!r}")
             return
-        if stream:
-            text = "".join(
-                (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or ""
-                for line in raw.decode().split("\n\n") if line.startswith("data: {"))
-        else:
-            text = json.loads(raw)["choices"][0]["message"]["content"]
-        if not text.startswith(f"echo: {tag} "):
+        text, ids = answer_of(raw, stream)
+        if isinstance(expect, str) and not text.startswith(expect):
             out["mismatches"].append(f"sent {tag!r}, got {text[:60]!r}")
+        elif isinstance(expect, tuple) and (text, ids) != expect:
+            out["mismatches"].append(f"sent {tag!r}, got {text[:60]!r} {ids}")
         out["latencies"].append(dt)
-        messages.append({"role": "assistant", "content": text})
+        out["body_bytes"].append(len(data))
+        if st["scripts"] is None:
+            st["messages"].append({"role": "assistant", "content": text})
         st["req"] += 1
         if think_s and not await pause(rng.uniform(0.5, 1.5) * think_s):  # the agent works between model calls
             return
@@ -136,22 +226,25 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
     return {
         "requests": len(lat), "errors": len(out["errors"]), "mismatches": len(out["mismatches"]),
         "median_ms": statistics.median(lat) * 1e3 if lat else None, "p99_ms": percentile(lat, 0.99) * 1e3,
+        "median_body_kb": statistics.median(out["body_bytes"]) / 1e3 if out["body_bytes"] else None,
         "first_problems": (out["errors"] + out["mismatches"])[:5],
     }
 
 
 def interleaved(urls: dict[str, str], conversations: int, duration_s: float, stream: bool, slice_s: float,
-                think_s: float = 0.0, first_conv: int = 0) -> dict[str, Any]:
+                think_s: float = 0.0, first_conv: int = 0, scripts: list[Script] | None = None) -> dict[str, Any]:
     """The same load against each of ``urls`` (name -> URL; the first is the baseline) in alternating
     slices, so all see the same machine (other processes come and go); each side's conversations carry
     on from slice to slice. Adds to each later side its median and p99 minus the baseline's."""
     sides = []
     for k, (name, url) in enumerate(urls.items()):
-        out: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": []}
-        sides.append((name, url, out, [new_state(first_conv + k * 100_000 + c) for c in range(conversations)]))
+        out: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": [], "body_bytes": []}
+        sides.append((name, url, out, [new_state(first_conv + k * 100_000 + c, scripts, c)
+                                       for c in range(conversations)]))
         if k:  # a first request through each proxy: connections to the upstream are open before timing
             warm = [new_state(9_000_000 + first_conv + k * 100_000 + c) for c in range(min(conversations, 4))]
-            asyncio.run(phase(url, warm, 0.2, stream, {"latencies": [], "errors": [], "mismatches": []}))
+            asyncio.run(phase(url, warm, 0.2, stream, {"latencies": [], "errors": [], "mismatches": [],
+                                                       "body_bytes": []}))
     elapsed = 0.0
     while elapsed < duration_s:
         for _, url, out, states in sides:
@@ -188,6 +281,15 @@ def overhead_from_metrics(proxy_url: str) -> dict[str, Any]:
     return {"requests": total, "median_at_most_ms": quantile(0.5), "p99_at_most_ms": quantile(0.99)}
 
 
+def compactions(proxy_url: str) -> int:
+    """Compactions the proxy has applied so far (its metrics)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{proxy_url}/metrics", timeout=10).read().decode()
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("ctxfold_compactions_total{"))
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -217,12 +319,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # sequential: one request at a time. paced: the conversations each wait --think-ms between requests,
         # as agents do, so the servers are busy but not saturated. saturated: no wait at all, which on a
         # small machine measures queueing (throughput), not what the proxy adds to a request.
-        phases = (("sequential", 1, 0.0), ("paced", args.conversations, args.think_ms / 1e3),
-                  ("saturated", args.conversations, 0.0))
-        for k, (name, n, think_s) in enumerate(phases):
+        # traces: paced, each conversation the replay of a real recorded one (tool calls, tool outputs,
+        # bodies of tens to hundreds of KB), cut well under the window.
+        scripts = trace_scripts(TRACE_BODY_LIMIT_BYTES) if TRACES_DIR.is_dir() else None
+        phases: list[tuple[str, int, float, list[Script] | None]] = [
+            ("sequential", 1, 0.0, None), ("paced", args.conversations, args.think_ms / 1e3, None),
+            ("traces", args.conversations, args.think_ms / 1e3, scripts), ("saturated", args.conversations, 0.0, None)]
+        if scripts is None:
+            result["traces"] = {"status": f"no traces at {TRACES_DIR}"}
+            del phases[2]
+        for k, (name, n, think_s, workload) in enumerate(phases):
             cpu0 = {p.pid: cpu_seconds(p.pid) for p in (proxy, bare)}
+            fired0 = compactions(proxy_url)
             result[name] = interleaved(urls, n, args.duration_s, args.stream, args.slice_s, think_s,
-                                       first_conv=k * 10_000)
+                                       first_conv=k * 10_000, scripts=workload)
+            result[name]["compactions"] = compactions(proxy_url) - fired0  # "when nothing fires": 0
             # CPU each proxy spent per request it forwarded: its real cost, apart from waiting for a core.
             for side, p in (("ctxfold", proxy), ("passthrough", bare)):
                 result[name][side]["cpu_ms_per_request"] = (cpu_seconds(p.pid) - cpu0[p.pid]) * 1e3 / max(

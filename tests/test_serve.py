@@ -119,6 +119,19 @@ def test_fast_json_reads_what_json_reads(text: str) -> None:
     assert repr(fastjson.loads(text)) == repr(json.loads(text))
 
 
+@pytest.mark.parametrize("text", [
+    '{"a": [1, -2, 3.25, true, null], "b": "\u00e9\u4e2d\\n\\"q\\"", "c": {"d": []}}',
+    '{"a": 123456789012345678901234567890}', '{"a": NaN}', '{"a": "\\ud800"}',
+])
+def test_fast_json_writes_what_it_read(text: str) -> None:
+    from ctxfold.serve import fastjson
+
+    value, fast = fastjson.loads_tagged(text.encode())
+    out = fastjson.dumps(value, fast=fast)
+    assert repr(json.loads(out.decode("utf-8", "surrogatepass"))) == repr(json.loads(text))
+    assert out == fastjson.dumps(value) or fast  # the standard library's bytes unless orjson read it
+
+
 def test_fast_json_refuses_what_json_refuses() -> None:
     from ctxfold.serve import fastjson
 

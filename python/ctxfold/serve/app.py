@@ -153,6 +153,7 @@ class ParsedRequest:
     messages: list[dict[str, Any]]  # the chat messages after the system prompt, as sent
     fingerprints: list[int]  # match_key of each message
     stream: bool
+    fast_json: bool  # read by orjson, so orjson may write it back (see fastjson)
 
     @property
     def offset(self) -> int:
@@ -160,9 +161,10 @@ class ParsedRequest:
         return 1 if self.system is not None else 0
 
 
-def _decode_body(raw: bytes) -> Any:
+def _decode_body(raw: bytes) -> tuple[Any, bool]:
+    """The request object, and whether orjson read it (see fastjson)."""
     try:
-        return fastjson.loads(raw)
+        return fastjson.loads_tagged(raw)
     except ValueError:
         pass  # below, the same verdict, and what is wrong where
     try:
@@ -171,7 +173,7 @@ def _decode_body(raw: bytes) -> Any:
         raise BadRequest(400, f"request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
                               "cannot be decoded; send the JSON encoded as UTF-8", code="invalid_utf8") from None
     try:
-        return json.loads(text)
+        return json.loads(text), False
     except json.JSONDecodeError as e:
         raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}",
                          code="invalid_json") from None
@@ -180,7 +182,7 @@ def _decode_body(raw: bytes) -> Any:
 def parse_request(raw: bytes) -> ParsedRequest:
     """Decode a chat.completions request body and check its shape. Raises BadRequest (400) with what
     and where. The messages themselves are checked by :func:`parse_messages` when they are new."""
-    body = _decode_body(raw)
+    body, fast = _decode_body(raw)
     if not isinstance(body, dict):
         raise BadRequest(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
     messages = body.get("messages")
@@ -200,7 +202,8 @@ def parse_request(raw: bytes) -> ParsedRequest:
     if first.get("role") == "system" and isinstance(first.get("content"), str) and first.keys() <= {"role", "content"}:
         system = first["content"]
         messages = messages[1:]
-    return ParsedRequest(raw, body, system, messages, [match_key(m) for m in messages], bool(body.get("stream")))
+    return ParsedRequest(raw, body, system, messages, [match_key(m) for m in messages], bool(body.get("stream")),
+                         fast)
 
 
 def parse_messages(items: list[dict[str, Any]], first_index: int) -> list[Message]:
@@ -419,7 +422,7 @@ class ProxyApp:
                     for m, o in zip(view, origins, strict=True)] + sent[len(originals):len(originals) + len(pending)]
             if recall:
                 body["tools"] = list(tools) + [read_archive_tool_openai()]
-            payload = _dumps(body)
+            payload = fastjson.dumps(body, fast=parsed.fast_json)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers["Content-Type"] = "application/json"
@@ -546,7 +549,7 @@ class ProxyApp:
                     (c.get("function") or {}).get("name") == READ_ARCHIVE for c in calls):
                 rounds += 1
                 body = await self._answer_recall(session, body, message)
-                payload = _dumps(body)
+                payload = fastjson.dumps(body)
                 continue
             resp = web.Response(body=raw, status=200, headers={"Content-Type": ctype})
             try:
@@ -716,7 +719,7 @@ class ProxyApp:
                     and rounds < self.config.max_recall_rounds):
                 rounds += 1
                 body = await self._answer_recall(session, body, answer.message())
-                payload = _dumps(body)
+                payload = fastjson.dumps(body)
                 continue
             tail = b"".join(held) + reader.rest()
             try:
@@ -765,10 +768,6 @@ async def _write_error(resp: web.StreamResponse, message: str) -> None:
         await resp.write_eof()
     except (ConnectionError, RuntimeError):
         pass  # the client went away too
-
-
-def _dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
 async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,

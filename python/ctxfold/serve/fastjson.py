@@ -1,16 +1,17 @@
-"""JSON decoding on the proxy's path: orjson when it is installed (the ``serve`` extra), else the
-standard library. Every request carries the whole history, so this grows with the conversation: on
-a 250 KB body orjson takes 0.27 ms where ``json`` takes 0.76 ms.
+"""JSON on the proxy's path: orjson when it is installed (the ``serve`` extra), else the standard
+library. Every request carries the whole history, so this grows with the conversation: on a 250 KB
+body orjson reads in 0.27 ms what ``json`` reads in 0.76 ms, and writes it back several times faster.
 
 What parses, and to what, is the same either way. Where orjson refuses what ``json`` accepts (NaN,
 a lone surrogate escape, 1e400), ``json`` decides. orjson reads an integer beyond 64 bits as a float,
 which ``json`` does not; a text with a run of 20 digits (where such an integer could hide) goes to
-``json`` (the check costs a tenth of the parse)."""
+``json`` (the check, a byte translation and a search, costs about half of orjson's parse; a regular
+expression costs several parses on digit-heavy tool outputs). Writing, orjson would turn NaN into null: only what
+orjson itself read (which holds no NaN) is written by it."""
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 try:
@@ -19,18 +20,39 @@ except ImportError:  # optional: the standard library does the same, slower
     orjson = None  # type: ignore[assignment]
 
 # 20 digits: the shortest integer literal that can exceed 2**64 - 1 (orjson's largest exact integer).
-_LONG_DIGITS = re.compile(rb"[0-9]{20}")
-_LONG_DIGITS_STR = re.compile(r"[0-9]{20}")
+_DIGITS_TO_ZERO = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+_LONG_DIGITS = b"0" * 20
+
+
+def _has_long_digit_run(data: bytes | str) -> bool:
+    raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+    return _LONG_DIGITS in raw.translate(_DIGITS_TO_ZERO)
+
+
+def loads_tagged(data: bytes | str) -> tuple[Any, bool]:
+    """``json.loads`` of UTF-8 bytes or a str, and whether orjson read it (then :func:`dumps` may write
+    it with orjson too). Raises ValueError (``json.JSONDecodeError``, or ``UnicodeDecodeError`` for
+    bytes that are not UTF-8)."""
+    if orjson is not None and not _has_long_digit_run(data):
+        try:
+            return orjson.loads(data), True
+        except orjson.JSONDecodeError:
+            pass  # json gives the verdict
+    return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data), False
 
 
 def loads(data: bytes | str) -> Any:
-    """``json.loads`` of UTF-8 bytes or a str, faster. Raises ValueError (``json.JSONDecodeError``, or
-    ``UnicodeDecodeError`` for bytes that are not UTF-8)."""
-    if orjson is not None:
-        long_digits = _LONG_DIGITS if isinstance(data, bytes) else _LONG_DIGITS_STR
-        if long_digits.search(data) is None:  # type: ignore[arg-type]
-            try:
-                return orjson.loads(data)
-            except orjson.JSONDecodeError:
-                pass  # json gives the verdict
-    return json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    """``json.loads``, faster (see :func:`loads_tagged`)."""
+    return loads_tagged(data)[0]
+
+
+def dumps(value: Any, *, fast: bool = False) -> bytes:
+    """Compact UTF-8 JSON (lone surrogates kept as they came). ``fast``: ``value`` holds no float
+    that is not finite (what :func:`loads_tagged` read with orjson, plus plain strings and lists),
+    so orjson may write it."""
+    if fast and orjson is not None:
+        try:
+            return orjson.dumps(value)
+        except (orjson.JSONEncodeError, TypeError):
+            pass  # a lone surrogate, or an integer beyond 64 bits: json writes it
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
