@@ -491,8 +491,13 @@ def render_serve(runs: Sequence[dict[str, Any]]) -> list[str]:
         return ["_The proxy benchmark did not run._"]
     intro = ("The same load straight at a scripted upstream, through a bare aiohttp pass-through (the cost "
              "of the extra hop alone) and through `ctxfold serve`, in alternating slices "
-             "(`bench/bench_serve.py`). *Added* is the side's median (p99) minus the direct call's, in ms; "
-             "nothing fires (no compaction). Every answer is checked against its conversation.")
+             "(`bench/bench_serve.py`). *Added* is the side's median (p99) minus the direct call's, in ms. "
+             "*sequential*: one synthetic conversation, one request at a time; *paced*: 64 synthetic "
+             "conversations, each pausing between requests; *traces*: 64 conversations replaying the real "
+             "traces (tool calls and outputs) at the same pace, cut well under the proxy's 128k window; "
+             "*saturated*: 64 synthetic conversations without pauses (throughput, not added latency). "
+             "Compactions: what the proxy applied in the phase (the rule-based archive pass of real "
+             "conversations; no summary). Every answer is checked against its conversation.")
     lines = [intro, ""]
     for run in runs:
         if run.get("status", "ok") != "ok":
@@ -502,21 +507,24 @@ def render_serve(runs: Sequence[dict[str, Any]]) -> list[str]:
                  f"`--fsync {run['fsync']}`, {run['event_loop']} event loop**")
         lines += [title, ""]
         rows = []
-        for phase in ("sequential", "paced", "saturated"):
+        for phase in ("sequential", "paced", "traces", "saturated"):
             r = run.get(phase)
             if not r:
+                continue
+            if "status" in r:
+                rows.append([phase, f"not run: {r['status']}", *[""] * 7])
                 continue
             d, b, c = r["direct"], r["passthrough"], r["ctxfold"]
             problems = sum(x["errors"] + x["mismatches"] for x in (d, b, c))
             rows.append([
-                phase, c["requests"], f"{d['median_ms']:.2f} / {d['p99_ms']:.2f}",
+                phase, c["requests"], f"{c['median_body_kb']:.1f}", f"{d['median_ms']:.2f} / {d['p99_ms']:.2f}",
                 f"{b['added_median_ms']:+.2f} / {b['added_p99_ms']:+.2f}",
                 f"{c['added_median_ms']:+.2f} / {c['added_p99_ms']:+.2f}",
-                f"{c['cpu_ms_per_request']:.2f} ({b['cpu_ms_per_request']:.2f})", problems,
+                f"{c['cpu_ms_per_request']:.2f} ({b['cpu_ms_per_request']:.2f})", r.get("compactions", "-"), problems,
             ])
-        lines += md_table(["phase", "requests via ctxfold", "direct median / p99", "pass-through added",
-                           "ctxfold added", "CPU ms/request: ctxfold (pass-through)", "errors + mismatches"],
-                          rows) + [""]
+        lines += md_table(["phase", "requests via ctxfold", "median body KB", "direct median / p99",
+                           "pass-through added", "ctxfold added", "CPU ms/request: ctxfold (pass-through)",
+                           "compactions", "errors + mismatches"], rows) + [""]
     return lines
 
 

@@ -21,3 +21,14 @@ def ctxfold_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, s
     env["PYTHONPATH"] = PACKAGE_ROOT
     env.update(extra)
     return env
+
+
+def can_mount() -> bool:
+    """Whether ``unshare -m`` works here: tests then mount real file systems (read-only, full) in a
+    private mount namespace."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], check=False, capture_output=True).returncode == 0

@@ -27,7 +27,7 @@ from ctxfold.archive import ArchiveParams, ArchiveStore, archive_turn_start, is_
 from ctxfold.archive.store import LocalBackend
 from ctxfold.errors import ArchiveError
 from ctxfold.messages import Message, Role, ToolCall
-from subprocess_env import ctxfold_env
+from subprocess_env import can_mount, ctxfold_env
 
 SYSCALLS = ("open", "write", "fsync", "close", "replace")
 PARAMS = ArchiveParams(keep_recent_user_turns=1, archive_threshold_chars=1000, archive_preview_chars=100)
@@ -258,17 +258,9 @@ print(json.dumps({
 """
 
 
-def _unshare_works() -> bool:
-    import shutil
-    import subprocess
-
-    if shutil.which("unshare") is None:
-        return False
-    return subprocess.run(["unshare", "-m", "true"], check=False, capture_output=True).returncode == 0
-
 
 @pytest.mark.slow  # a fresh interpreter per file system
-@pytest.mark.skipif(not _unshare_works(), reason="needs unshare -m (mount namespaces) to mount a real file system")
+@pytest.mark.skipif(not can_mount(), reason="needs unshare -m (mount namespaces) to mount a real file system")
 @pytest.mark.parametrize(
     ("mount", "err"),
     [

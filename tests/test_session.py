@@ -14,7 +14,7 @@ from ctxfold.codec import decode_message, encode_message
 from ctxfold.errors import FormatError
 from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
 from ctxfold.session import Session, ViewEntry
-from subprocess_env import ctxfold_env
+from subprocess_env import can_mount, ctxfold_env
 
 
 def _conversation() -> Conversation:
@@ -58,7 +58,7 @@ def test_restore_and_resume_through_rewrites(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("durable", "fsync_appends", "expected"), [
-    (True, True, ["header", "append", "append", "append", "view"]),
+    (True, True, ["header", "append", "view"]),  # one write and one fsync for the three appended messages
     (True, False, ["header", "view"]),  # the view event's fsync makes the appends before it durable too
     (False, True, []),
 ])
@@ -83,6 +83,41 @@ def test_which_events_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     s.close()
     assert synced == expected
     assert Session(tmp_path / "s").restore().messages == conv.messages[:3]  # written either way
+
+
+_FULL_DISK_CHILD = """
+import json, sys
+from ctxfold.messages import Conversation, Message, Role
+from ctxfold.session import Session
+
+s = Session(sys.argv[1], durable=False)
+s.create(Conversation(messages=[], system="s"))
+batches = 0
+error = None
+try:
+    for k in range(1000):  # three messages a batch, each 3 KB: the file system fills up mid-batch
+        s.append_messages([Message(Role.USER, f"{k}-{j} " + "x" * 3000) for j in range(3)])
+        batches += 1
+except OSError as e:
+    error = str(e)
+print(json.dumps({"batches": batches, "error": error, "restored": len(Session(sys.argv[1]).restore().messages)}))
+"""
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs unshare -m (mount namespaces) to mount a real file system")
+def test_a_full_disk_keeps_whole_batches_of_appends(tmp_path: Path) -> None:
+    """On a real full file system, a batch of appends that does not fit leaves no part of itself."""
+    root = tmp_path / "fs"
+    root.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(_FULL_DISK_CHILD)
+    cmd = f"mount -t tmpfs -o size=64k tmpfs {root} && exec {sys.executable} {script} {root}/s"
+    done = subprocess.run(["unshare", "-m", "sh", "-c", cmd], check=False, capture_output=True, text=True,
+                          env=ctxfold_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["error"] is not None and got["batches"] > 0
+    assert got["restored"] == 3 * got["batches"]  # whole batches, and the session still loads
 
 
 def test_history_dumps_never_collide(tmp_path: Path) -> None:

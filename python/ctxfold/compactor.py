@@ -592,7 +592,9 @@ class Compactor:
 
     def _fits(self, result: Message) -> bool:
         ctx = self.context_tokens
-        return ctx is None or self.occupancy_tokens() + self.accounting.message_tokens(result) <= ctx
+        if ctx is None or self.occupancy_bound_tokens([result]) <= ctx:
+            return True  # even the bound fits: no need to count (the common case, far from the window)
+        return self.occupancy_tokens() + self.accounting.message_tokens(result) <= ctx
 
     def _unseen_start(self) -> int:
         """View index of the first message the model has not seen yet (len(view) when none)."""

@@ -119,11 +119,12 @@ class Session:
                            "conversation": encode_conversation_header(conversation)})
 
     def append_messages(self, messages: Iterable[Message]) -> None:
-        """Log original messages, in order. One event per message."""
-        sync = self.fsync_appends
-        for m in messages:
-            self._write_event({"type": "append", "index": self._num_originals, "message": encode_message(m)}, sync=sync)
-            self._num_originals += 1
+        """Log original messages, in order: one event per message, all in one write (all or none)."""
+        events = [{"type": "append", "index": self._num_originals + k, "message": encode_message(m)}
+                  for k, m in enumerate(messages)]
+        if events:
+            self._write_events(events, sync=self.fsync_appends)
+            self._num_originals += len(events)
 
     def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
                            first_index: int = 0, previous: str | None = None) -> Path:
@@ -208,17 +209,22 @@ class Session:
             return
 
     def _write_event(self, event: dict[str, Any], *, sync: bool = True) -> None:
-        event = {"seq": self._seq, **event}
-        data = (json.dumps(event, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        self._write_events([event], sync=sync)
+
+    def _write_events(self, events: list[dict[str, Any]], *, sync: bool = True) -> None:
+        data = "".join(json.dumps({"seq": self._seq + k, **e}, ensure_ascii=False, separators=(",", ":")) + "\n"
+                       for k, e in enumerate(events)).encode()
         fd = self._open()
         written = os.write(fd, data)
-        if written != len(data):  # a short write on a full disk: cut it so the log stays line-clean
+        if written != len(data):
+            # A short write on a full disk: take the part back, so the log holds the whole batch or
+            # none of it (memory, updated after the log, holds none of it either).
+            os.ftruncate(fd, os.fstat(fd).st_size - written)
             self.close()
-            self._cut_torn_tail()
             raise OSError(f"{self.events_path}: short write ({written} of {len(data)} bytes); disk full?")
         if self.durable and sync:
             os.fsync(fd)
-        self._seq += 1
+        self._seq += len(events)
 
     # -- reading ----------------------------------------------------------------------------------
     def iter_events(self) -> Iterator[tuple[int, dict[str, Any] | None]]:
