@@ -259,6 +259,24 @@ class Compactor:
         return (total + sum(map(_tokens_bound, pending)) + sum(map(_tokens_bound, extra))
                 + _RERENDER_FRAME_TOKENS + self.config.reply_reserve())
 
+    def quiet(self, extra: Sequence[Message] = ()) -> bool:
+        """Whether no token trigger (a summary, the mid-turn archive) can fire once ``extra`` is appended,
+        by the byte bound alone (:meth:`occupancy_bound_tokens`): counts nothing. False with room to
+        spare is fine; True is a guarantee. Without a known window, always True."""
+        ctx = self.context_tokens
+        if ctx is None:
+            return True
+        line = self._trigger_line_tokens(ctx)
+        if self._archive_enabled(mid_turn=True):
+            line = min(line, int(ctx * self.config.minor.mid_turn_token_threshold))
+        return self.occupancy_bound_tokens(extra) < line
+
+    def counted_occupancy_tokens(self) -> int | None:
+        """:meth:`occupancy_tokens` when the view is counted already, else None: for figures worth
+        having only when they cost nothing (the proxy's calibration against the upstream's usage)."""
+        with self._lock:
+            return None if self._accounting_stale else self.occupancy_tokens()
+
     def conversation(self) -> Conversation:
         """The current view as a conversation (what the next request sends)."""
         return replace(self.header, messages=list(self.view))
@@ -343,6 +361,8 @@ class Compactor:
         ctx = self.context_tokens
         if ctx is None:
             return last  # unknown window: token triggers are skipped
+        if self.quiet(queued):
+            return last  # not even the byte bound reaches a line: nothing to count (the common case)
         used = self.occupancy_tokens(queued)
         if (not turn_start and self._archive_enabled(mid_turn=True)
                 and used >= cfg.minor.mid_turn_token_threshold * ctx):
@@ -742,9 +762,14 @@ _RERENDER_FRAME_TOKENS = 64
 
 def _tokens_bound(m: Message) -> int:
     """An upper bound of a message's tokens: its UTF-8 bytes plus the template's frame."""
-    n = len(m.text.encode("utf-8", "surrogatepass")) + len((m.reasoning or "").encode("utf-8", "surrogatepass"))
-    n += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) + 16 for c in m.tool_calls)
+    n = _utf8_len(m.text) + _utf8_len(m.reasoning or "")
+    n += sum(_utf8_len(c.name) + _utf8_len(c.arguments) + 16 for c in m.tool_calls)
     return n + _FRAME_TOKENS
+
+
+def _utf8_len(text: str) -> int:
+    # isascii() is O(1) on CPython's compact strings: most texts need no encoding to be measured.
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True, slots=True)

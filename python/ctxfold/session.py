@@ -85,9 +85,10 @@ class Session:
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True, fsync_appends: bool = True) -> None:
         self.root = Path(root)
         self.durable = durable  # fsync events (dumps are always durable); off for replays and benchmarks
-        # With durable, fsync appended messages too. Off where the messages have another durable home
-        # (the proxy: the client sends its whole history with every request): appends are then written
-        # (a killed process loses nothing) and made durable by the next fsynced event (a compaction).
+        # With durable, fsync the header and appended messages too. Off where they have another durable
+        # home (the proxy: the client sends its whole history with every request): they are then
+        # written (a killed process loses nothing) and made durable by the next fsynced event (a
+        # compaction).
         self.fsync_appends = fsync_appends
         self._fd: int | None = None
         self._num_originals = 0
@@ -115,8 +116,9 @@ class Session:
         if self.exists():
             raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with Session.load()")
         self.root.mkdir(parents=True, exist_ok=True)
+        # The header (system prompt, tools) is what the owner sends again too: synced like the appends.
         self._write_event({"type": "header", "version": LOG_VERSION,
-                           "conversation": encode_conversation_header(conversation)})
+                           "conversation": encode_conversation_header(conversation)}, sync=self.fsync_appends)
 
     def append_messages(self, messages: Iterable[Message]) -> None:
         """Log original messages, in order: one event per message, all in one write (all or none)."""

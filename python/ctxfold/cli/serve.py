@@ -75,10 +75,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-recall-rounds", type=non_negative_int, default=4,
                    help="read_archive rounds the proxy answers within one request (default 4)")
     p.add_argument("--fsync", choices=FSYNC_MODES, default="compactions",
-                   help="fsync of the session logs: compactions (default: the session's start, compactions and "
-                   "archives; appended messages are written, and the client resends them anyway), always (every "
-                   "message too: a disk flush on each request's path), never (a machine crash may lose the last "
-                   "compactions; a killed proxy loses nothing in any mode)")
+                   help="fsync of the session logs: compactions (default: compactions and archives; the messages "
+                   "are written, and the client resends them anyway), always (every message too: a disk flush on "
+                   "each request's path), never (a machine crash may lose the last compactions; a killed proxy "
+                   "loses nothing in any mode)")
     p.add_argument("--no-fsync", dest="fsync", action="store_const", const="never", help="the same as --fsync never")
     p.add_argument("--max-loaded-conversations", type=positive_int, default=DEFAULT_MAX_LOADED_CONVERSATIONS, metavar="N",
                    help="conversations kept in memory with their event logs open; the least recently used beyond "

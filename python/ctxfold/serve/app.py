@@ -90,8 +90,8 @@ class ProxyConfig:
     # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
     # and read back from the data directory when they return.
     max_loaded_conversations: int = DEFAULT_MAX_LOADED_CONVERSATIONS
-    # fsync of the session logs. "compactions" (default): what the client cannot send again (the session's
-    # start, compactions and their summaries, archives) is fsynced; appended messages are written (a
+    # fsync of the session logs. "compactions" (default): what the client cannot send again (compactions
+    # and their summaries, archives) is fsynced; the session's start and its messages are written (a
     # killed proxy loses nothing) and become durable with the next fsync, since every request carries
     # the whole history anyway. "always": every event, a thread hop and a disk flush per message on
     # the request's path. "never": nothing (a crash of the machine may lose the last compactions).
@@ -255,7 +255,8 @@ class ProxyApp:
         self.counter = load_counter(config.tokenizer)
         self.template = get_template(config.template) if config.template is not None else None
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
-                                     max_loaded_keys=config.max_loaded_conversations)
+                                     max_loaded_keys=config.max_loaded_conversations,
+                                     create_in_thread=config.fsync == "always" or config.archive_url is not None)
         self._client: aiohttp.ClientSession | None = None
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
 
@@ -469,25 +470,15 @@ class ProxyApp:
         the latency the proxy adds; a summary (a model call) or a flush per message must not block the loop.
 
         No summary can fire when even an upper bound of the tokens after the append (every byte a
-        token) stays under the lowest trigger line of the configuration. The bound counts nothing:
-        the answer recorded last and the request's messages are counted once, by the trigger check. The rule-based archive pass
-        at a turn start may still run inline: no model call, and at most once per turn.
+        token) stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`):
+        nothing is counted to find that out. The rule-based archive pass at a turn start may still
+        run inline: no model call, and at most once per turn.
         """
-        if self.config.fsync == "always":
-            return False
-        cfg = c.config
-        ctx = cfg.context_tokens
-        if ctx is None:
-            return True  # token triggers are off: only the rule-based archive pass can run, no model call
-        lines: list[float] = [ctx, ctx * cfg.minor.mid_turn_token_threshold]
-        if cfg.soft.enabled:
-            lines += [ctx * cfg.soft.percent / 100, ctx - cfg.soft.free_threshold_tokens(ctx)]
-        if cfg.major.enabled:
-            lines.append(ctx * cfg.major.token_threshold)
-        return c.occupancy_bound_tokens(new) < min(lines)
+        return self.config.fsync != "always" and c.quiet(new)
 
     def _ingest(self, session: ProxySession, new: list[Message]) -> list[CompactionEvent]:
-        """Append the request's new messages and run the automatic passes (in a worker thread)."""
+        """Append the request's new messages and run the automatic passes (inline or in a worker thread:
+        see :meth:`_inline`)."""
         c = session.compactor
         first = len(c.events)
         plain: list[Message] = []
@@ -606,11 +597,12 @@ class ProxyApp:
             return
         n = len(c.originals) + (1 if c.header.system is not None else 0)
         m = replace(m, id=f"m{n}")
-        # The estimate of the request as it was sent, read before the answer joins the view; here rather
-        # than before forwarding, so counting stays off the latency the client sees.
+        # The estimate of the request as it was sent, before the answer joins the view, when the trigger
+        # check counted it: from about a fifth of the window on (where the byte bound meets a trigger
+        # line), so the factor has settled long before it decides anything; below, nothing is counted.
         reported = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        estimate = (c.occupancy_tokens() - c.config.reply_reserve()
-                    if calibrate and isinstance(reported, int) and self.config.compact.context_tokens else None)
+        counted = c.counted_occupancy_tokens() if calibrate and self.config.compact.context_tokens else None
+        estimate = counted - c.config.reply_reserve() if counted is not None else None
         if self.config.fsync == "always":
             await asyncio.to_thread(c.append, m)  # fsync off the event loop
         else:

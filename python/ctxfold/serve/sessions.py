@@ -138,12 +138,15 @@ class SessionStore:
     ``max_loaded_keys`` keys stay loaded (least recently used first out, see :meth:`trim`)."""
 
     def __init__(self, data_dir: Path, make_compactor: CompactorFactory, *,
-                 max_loaded_keys: int = DEFAULT_MAX_LOADED_CONVERSATIONS) -> None:
+                 max_loaded_keys: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = True) -> None:
         if max_loaded_keys < 1:
             raise ValueError(f"max_loaded_keys: must be >= 1, got {max_loaded_keys}")
         self.root = Path(data_dir) / "sessions"
         self.make_compactor = make_compactor
         self.max_loaded_keys = max_loaded_keys
+        # Building a compactor blocks (an fsync, object storage) or not (mkdir and a write): only then is
+        # a worker thread worth its two context switches (Python work in it holds the loop anyway).
+        self.create_in_thread = create_in_thread
         # A lock lives as long as someone holds or awaits it: the entry goes with the last reference,
         # so the table does not grow with every conversation ever seen, and a key never has two locks.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
@@ -184,7 +187,8 @@ class SessionStore:
         """The stored session whose messages are the longest prefix of ``fps``, or None. Under ``lock(key)``."""
         candidates = self._sessions.get(key)
         if candidates is None:
-            candidates = await asyncio.to_thread(self._load_key, key)
+            # A key never seen has no directory: no thread hop to find that out.
+            candidates = await asyncio.to_thread(self._load_key, key) if (self.root / key).is_dir() else []
             self._sessions[key] = candidates
         else:
             self._sessions.move_to_end(key)
@@ -208,7 +212,10 @@ class SessionStore:
         conv = Conversation(messages=list(conversation.messages), id=f"{key}/{path.name}",
                             system=conversation.system, tools=conversation.tools, source_format="openai",
                             source="ctxfold serve")
-        compactor = await asyncio.to_thread(self.make_compactor, conv, path)
+        if self.create_in_thread:
+            compactor = await asyncio.to_thread(self.make_compactor, conv, path)
+        else:
+            compactor = self.make_compactor(conv, path)
         s = ProxySession(key, path, compactor)
         candidates.append(s)
         return s
