@@ -271,6 +271,16 @@ class Compactor:
             line = min(line, int(ctx * self.config.minor.mid_turn_token_threshold))
         return self.occupancy_bound_tokens(extra) < line
 
+    def archive_due(self, extra: Sequence[Message] = ()) -> bool:
+        """Whether the turn-start archive pass would look at any output once ``extra`` is appended: the
+        window of kept turns slid past outputs it has not judged yet. Cheap (a backward scan over the
+        kept turns); True does not mean something will be archived, False means nothing will be."""
+        if not self._archive_enabled(mid_turn=False):
+            return False
+        with self._lock:
+            cutoff = turn_start_cutoff([*self.view, *extra], self._archive_params.keep_recent_user_turns)
+            return cutoff > self._archive_watermark
+
     def counted_occupancy_tokens(self) -> int | None:
         """:meth:`occupancy_tokens` when the view is counted already, else None: for figures worth
         having only when they cost nothing (the proxy's calibration against the upstream's usage)."""

@@ -442,9 +442,8 @@ class ProxyApp:
         """Whether the request's new messages can be appended after the answer has gone back: what the
         request sends cannot depend on them. So: the log is not fsynced per message, no summary can
         fire (the bound of :meth:`_inline`), and the recall tool is already decided (offered, or this
-        request brings no tools and no archive markers). The rule-based archive pass that may run at
-        a turn start then runs after the answer and shows from the next request: the same pass, one
-        request later; this one fits without it (the bound is under every trigger line).
+        request brings no tools and no archive markers). Nothing can fire, so the view it goes out
+        with is the one it would have had (see :meth:`_inline`).
 
         Nothing is lost if the proxy dies before they are appended: the client's next request carries
         them, and messages the session does not hold yet are appended then."""
@@ -465,16 +464,17 @@ class ProxyApp:
         return events
 
     def _inline(self, c: Compactor, new: list[Message]) -> bool:
-        """Whether appending ``new`` is cheap enough to run on the event loop: no fsync per message, and
-        no summary can fire. A thread hop costs two context switches, which on a busy machine is most of
-        the latency the proxy adds; a summary (a model call) or a flush per message must not block the loop.
+        """Whether appending ``new`` is cheap enough to run on the event loop: nothing fires and nothing
+        is flushed. A thread hop costs two context switches, which on a busy machine is most of the
+        latency the proxy adds; a summary (a model call) or a disk flush (per message with ``--fsync
+        always``; per archived output, always) must not block the loop.
 
-        No summary can fire when even an upper bound of the tokens after the append (every byte a
-        token) stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`):
-        nothing is counted to find that out. The rule-based archive pass at a turn start may still
-        run inline: no model call, and at most once per turn.
+        Nothing fires when even an upper bound of the tokens after the append (every byte a token)
+        stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`) and the
+        turn-start archive pass has nothing new to look at (:meth:`Compactor.archive_due`, true at
+        most once per user turn): nothing is counted to find that out.
         """
-        return self.config.fsync != "always" and c.quiet(new)
+        return self.config.fsync != "always" and c.quiet(new) and not c.archive_due(new)
 
     def _ingest(self, session: ProxySession, new: list[Message]) -> list[CompactionEvent]:
         """Append the request's new messages and run the automatic passes (inline or in a worker thread:
