@@ -169,7 +169,7 @@ class Compactor:
         self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
         self._accounting = RequestAccounting(self.counter, template)
         self._accounting_stale = False  # messages were appended to the view since the last sync
-        self._counted = 0  # view[:_counted] is what the accounting describes
+        self._pending_bound_tokens = 0  # the byte bound of the messages appended since the last count
         self._extractive = ExtractiveSummarizer(counter=self.counter)  # the default and the fallback
         self.summarizer: Summarizer = summarizer if summarizer is not None else self._extractive
         self.observer: Observer = observer if observer is not None else NullObserver()
@@ -215,7 +215,6 @@ class Compactor:
             for m in self.view:  # a resumed session: the same rule over the whole view
                 self._track_unseen(m)
             self._accounting.reset(self.header, self.view)
-            self._counted = len(self.view)
         else:
             self.originals = []
             self.view = []
@@ -236,7 +235,7 @@ class Compactor:
                 if self._accounting_stale:
                     self._accounting.sync(self.view)
                     self._accounting_stale = False
-                    self._counted = len(self.view)
+                    self._pending_bound_tokens = 0
         return self._accounting
 
     @property
@@ -252,12 +251,11 @@ class Compactor:
         """An upper bound of :meth:`occupancy_tokens` once ``extra`` is appended, without counting
         anything new: the last counted total, plus for every message appended since and every one of
         ``extra`` its UTF-8 bytes (no tokenizer makes a token of less than a byte) and a template frame.
-        For scheduling (will the next :meth:`before_request` be cheap?), never for triggers: those count."""
+        O(len(extra)). Never below the count, so a bound under a trigger line proves the trigger cannot
+        fire (:meth:`quiet`); whether one that may fire does is decided by counting."""
         with self._lock:
-            pending = self.view[self._counted:]
-            total = self._accounting.total_tokens
-        return (total + sum(map(_tokens_bound, pending)) + sum(map(_tokens_bound, extra))
-                + _RERENDER_FRAME_TOKENS + self.config.reply_reserve())
+            total = self._accounting.total_tokens + self._pending_bound_tokens
+        return total + sum(map(_tokens_bound, extra)) + _RERENDER_FRAME_TOKENS + self.config.reply_reserve()
 
     def quiet(self, extra: Sequence[Message] = ()) -> bool:
         """Whether no token trigger (a summary, the mid-turn archive) can fire once ``extra`` is appended,
@@ -683,6 +681,7 @@ class Compactor:
             if m.is_user_turn:
                 self._turn.request = m
             self._track_unseen(m)
+        self._pending_bound_tokens += sum(map(_tokens_bound, shown))
         self._accounting_stale = True
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
@@ -690,7 +689,7 @@ class Compactor:
         self.view_origins = origins
         self._accounting.reset(self.header, view)
         self._accounting_stale = False
-        self._counted = len(view)
+        self._pending_bound_tokens = 0
 
     def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:
         """Reuse of the engine's KV cache across a rewrite: the exact common prefix (page-aligned),
