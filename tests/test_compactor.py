@@ -506,3 +506,22 @@ def test_the_model_can_read_the_history_behind_a_summary(counter: TokenCounter, 
         pointer = header["previous"]
     assert [m.id for m in history] == [m.id for m in c.originals]
     assert len(list((tmp_path / "session" / "history").iterdir())) == 3
+
+
+def test_before_request_far_from_the_window_measures_only_what_is_new(counter: TokenCounter,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing fires: the trigger check is O(new messages), whatever the length of the conversation."""
+    import ctxfold.compactor as compactor_module
+
+    c = make(counter, context_tokens=1_000_000)
+    c.append(*[user(f"question {k}") for k in range(300)])
+    c.before_request()
+    c.before_request()  # counted once; from here on only new messages are measured
+    measured: list[Message] = []
+    real = compactor_module._tokens_bound
+    monkeypatch.setattr(compactor_module, "_tokens_bound", lambda m: measured.append(m) or real(m))
+    for k in range(5):
+        c.append(user(f"follow-up {k}"))
+        assert c.before_request() is None
+    assert len(measured) == 5
+    assert c.occupancy_tokens() <= c.occupancy_bound_tokens()
