@@ -15,9 +15,10 @@ wrote (summary, markers, resume instruction). So:
   compactions;
 - resume = the last view plus every original appended after it, and the last saved state.
 
-Each event is one line written by a single ``write`` on an ``O_APPEND`` descriptor and fsynced
-(unless ``durable=False``; with ``fsync_appends=False`` appended messages wait for the next fsynced
-event). A process killed mid-write leaves at most one torn last line, which
+Each event is one line, written by a single ``write`` on an ``O_APPEND`` descriptor (a batch of
+appended messages: one ``write`` for all) and fsynced (unless ``durable=False``; with
+``fsync_appends=False`` the header and appended messages wait for the next fsynced event). A
+process killed mid-write leaves at most one torn last line, which
 resume ignores and the next append cuts off, so a session is always the old view or the new one,
 never a mix. History dumps are written whole to a temporary name and renamed into place before the
 view event that points at them is logged (write-ahead).
