@@ -525,3 +525,20 @@ def test_before_request_far_from_the_window_measures_only_what_is_new(counter: T
         assert c.before_request() is None
     assert len(measured) == 5
     assert c.occupancy_tokens() <= c.occupancy_bound_tokens()
+
+
+def test_archive_due_only_when_an_output_worth_archiving_slid_behind_the_kept_turns(counter: TokenCounter,
+                                                                                     tmp_path: Path) -> None:
+    c = make(counter, tmp_path, context_tokens=1_000_000, minor={"keep_recent_user_turns": 1})
+    for k in range(6):  # a chat: many turns, no tool output
+        c.append(user(f"question {k}"), Message(Role.ASSISTANT, f"answer {k}"))
+        assert not c.archive_due([user(f"question {k + 1}")])
+        c.before_request()
+    tool_call = call("read", path="README.md", start=1, count=400)
+    c.append(tool_call, result(tool_call, readme_lines(1, 400)))
+    assert not c.archive_due()  # the output is in the newest turn: kept
+    assert c.archive_due([user("next question")])  # a new turn slides the window past it
+    c.append(user("next question"))
+    c.before_request()  # the turn-start pass archives it
+    assert [e.kind for e in c.events if e.applied] == ["archive"]
+    assert not c.archive_due([Message(Role.ASSISTANT, "ok"), user("and another")])  # judged already

@@ -270,14 +270,18 @@ class Compactor:
         return self.occupancy_bound_tokens(extra) < line
 
     def archive_due(self, extra: Sequence[Message] = ()) -> bool:
-        """Whether the turn-start archive pass would look at any output once ``extra`` is appended: the
-        window of kept turns slid past outputs it has not judged yet. Cheap (a backward scan over the
-        kept turns); True does not mean something will be archived, False means nothing will be."""
+        """Whether the turn-start archive pass may archive something once ``extra`` is appended: the
+        window of kept turns slid past a tool output of at least the threshold that the pass has not
+        judged yet. Cheap: a backward scan over the kept turns and a length check over what the window
+        slid past. True does not mean something will be archived; False means nothing will be."""
         if not self._archive_enabled(mid_turn=False):
             return False
+        params = self._archive_params
         with self._lock:
-            cutoff = turn_start_cutoff([*self.view, *extra], self._archive_params.keep_recent_user_turns)
-            return cutoff > self._archive_watermark
+            messages = [*self.view, *extra]
+            cutoff = turn_start_cutoff(messages, params.keep_recent_user_turns)
+            return any(m.role is Role.TOOL and len(m.text) >= params.archive_threshold_chars
+                       for m in messages[self._archive_watermark:max(cutoff, 0)])
 
     def counted_occupancy_tokens(self) -> int | None:
         """:meth:`occupancy_tokens` when the view is counted already, else None: for figures worth
