@@ -470,8 +470,8 @@ class ProxyApp:
         always``; per archived output, always) must not block the loop.
 
         Nothing fires when even an upper bound of the tokens after the append (every byte a token)
-        stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`) and the
-        turn-start archive pass has nothing new to look at (:meth:`Compactor.archive_due`, true at
+        stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`) and no
+        tool output worth archiving slid behind the kept turns (:meth:`Compactor.archive_due`, at
         most once per user turn): nothing is counted to find that out.
         """
         return self.config.fsync != "always" and c.quiet(new) and not c.archive_due(new)
