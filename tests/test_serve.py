@@ -270,10 +270,16 @@ def test_a_quiet_request_goes_out_first_and_one_due_for_an_archive_pass_does_not
         sent = up.received[-1]
         assert sent["messages"][4]["content"].startswith(MARKER_PREFIX)
         assert any(t["function"]["name"] == "read_archive" for t in sent["tools"])
+        # Quiet again: the compacted view goes out with the new message as sent, stored after the answer.
+        history["messages"] += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "more"}]
+        assert post(srv.url, history).status_code == 200
+        sent = up.received[-1]
+        assert sent["messages"][4]["content"].startswith(MARKER_PREFIX)
+        assert [m.get("content") for m in sent["messages"][5:]] == ["echo: start", "next", "echo: next", "more"]
     finally:
         srv.close()
     assert [m.text for m in Session(_sessions(tmp_path / "data")[0]).restore().messages][2:] == [
-        "", big, "echo: start", "next", "echo: next"]
+        "", big, "echo: start", "next", "echo: next", "more", "echo: more"]
 
 
 def test_read_archive_calls_are_answered_by_the_proxy(upstream: tuple[ScriptedUpstream, str],
