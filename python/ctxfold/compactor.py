@@ -168,8 +168,9 @@ class Compactor:
         self.config = config if config is not None else CompactConfig()
         self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
         self._accounting = RequestAccounting(self.counter, template)
-        self._accounting_stale = False  # messages were appended to the view since the last sync
-        self._pending_bound_tokens = 0  # the byte bound of the messages appended since the last count
+        # The byte bound of the messages appended since the last count; not 0 exactly when there are
+        # some (every message has a frame), so it also says that the accounting is stale.
+        self._pending_bound_tokens = 0
         self._extractive = ExtractiveSummarizer(counter=self.counter)  # the default and the fallback
         self.summarizer: Summarizer = summarizer if summarizer is not None else self._extractive
         self.observer: Observer = observer if observer is not None else NullObserver()
@@ -230,11 +231,10 @@ class Compactor:
         """The token accounting of the view. Appends only mark it stale and the first read brings it
         up to date: an answer and the next request's messages are then rendered and counted in one
         pass (appending re-renders the message before, so two appends cost more than one of two)."""
-        if self._accounting_stale:
+        if self._pending_bound_tokens:
             with self._lock:
-                if self._accounting_stale:
+                if self._pending_bound_tokens:
                     self._accounting.sync(self.view)
-                    self._accounting_stale = False
                     self._pending_bound_tokens = 0
         return self._accounting
 
@@ -287,7 +287,7 @@ class Compactor:
         """:meth:`occupancy_tokens` when the view is counted already, else None: for figures worth
         having only when they cost nothing (the proxy's calibration against the upstream's usage)."""
         with self._lock:
-            return None if self._accounting_stale else self.occupancy_tokens()
+            return None if self._pending_bound_tokens else self.occupancy_tokens()
 
     def conversation(self) -> Conversation:
         """The current view as a conversation (what the next request sends)."""
@@ -686,13 +686,11 @@ class Compactor:
                 self._turn.request = m
             self._track_unseen(m)
         self._pending_bound_tokens += sum(map(_tokens_bound, shown))
-        self._accounting_stale = True
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
         self.view = view
         self.view_origins = origins
         self._accounting.reset(self.header, view)
-        self._accounting_stale = False
         self._pending_bound_tokens = 0
 
     def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:

@@ -389,10 +389,11 @@ class ProxyApp:
                              for t in tools)
         # Appended after the answer when nothing can change what this request sends (see _deferrable);
         # else before forwarding, on the loop when that is cheap, in a worker thread when not.
-        pending: list[Message] = new if self._deferrable(session, new, tools) else []
+        inline = self._inline(c, new)
+        pending: list[Message] = new if inline and self._deferrable(session, new, tools) else []
         if pending:
             events: list[CompactionEvent] = []
-        elif self._inline(c, new):
+        elif inline:
             events = self._ingest(session, new)
         else:
             events = await asyncio.to_thread(self._ingest, session, new)
@@ -439,19 +440,17 @@ class ProxyApp:
                     log.exception("messages not stored; the conversation's next request will bring them")
 
     def _deferrable(self, session: ProxySession, new: list[Message], tools: list[Any]) -> bool:
-        """Whether the request's new messages can be appended after the answer has gone back: what the
-        request sends cannot depend on them. So: the log is not fsynced per message, no summary can
-        fire (the bound of :meth:`_inline`), and the recall tool is already decided (offered, or this
-        request brings no tools and no archive markers). Nothing can fire, so the view it goes out
-        with is the one it would have had (see :meth:`_inline`).
+        """Whether the request's new messages, which can be appended on the loop (:meth:`_inline`:
+        nothing fires, nothing is flushed), can be appended after the answer has gone back: what the
+        request sends cannot depend on them once the recall tool is decided (offered, or this request
+        brings no tools and no archive markers). Nothing fires, so the view it goes out with is the
+        one it would have had.
 
         Nothing is lost if the proxy dies before they are appended: the client's next request carries
         them, and messages the session does not hold yet are appended then."""
-        if not new or self.config.fsync == "always" or not session.recall_scanned:
+        if not new or not session.recall_scanned:
             return False
-        if not session.inject_recall and (tools or _has_archive_marker(new)):
-            return False
-        return self._inline(session.compactor, new)
+        return session.inject_recall or not (tools or _has_archive_marker(new))
 
     def _ingest_pending(self, session: ProxySession, pending: list[Message]) -> list[CompactionEvent]:
         """Append the messages a request deferred (see :meth:`_deferrable`), once; before its answer."""

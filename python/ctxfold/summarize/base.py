@@ -103,6 +103,11 @@ def failed(name: str, reason: str, seconds: float, *, detail: str | None = None)
     )
 
 
+def no_room(name: str, request: SummaryRequest) -> SummaryResult | None:
+    """The failure of a request that leaves no tokens for the summary, else None."""
+    return failed(name, "no room left for a summary (max_tokens is 0)", 0.0) if request.max_tokens < 1 else None
+
+
 def is_cancelled(cancel: threading.Event | asyncio.Event | None) -> bool:
     return cancel is not None and cancel.is_set()
 

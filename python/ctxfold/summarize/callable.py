@@ -20,7 +20,15 @@ import traceback
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 
 from ctxfold.summarize._run import run_limited, run_sync
-from ctxfold.summarize.base import CutReason, SummaryResult, TokenCallback, TokenCounter, count_tokens, failed
+from ctxfold.summarize.base import (
+    CutReason,
+    SummaryResult,
+    TokenCallback,
+    TokenCounter,
+    count_tokens,
+    failed,
+    no_room,
+)
 from ctxfold.summarize.postprocess import StreamCutter, result_from_cutter
 from ctxfold.summarize.request import SummaryRequest
 
@@ -70,8 +78,8 @@ class CallableSummarizer:
     ) -> SummaryResult:
         t0 = time.perf_counter()
         limit_s = self._timeout_s if timeout_s is None else timeout_s
-        if request.max_tokens < 1:
-            return failed(self.name, "no room left for a summary (max_tokens is 0)", 0.0)
+        if (refused := no_room(self.name, request)) is not None:
+            return refused
         try:
             pieces = self._generate(request)
         except Exception as e:  # noqa: BLE001 - an engine error is an expected failure in a serving loop
@@ -114,8 +122,8 @@ class CallableSummarizer:
     ) -> SummaryResult:
         t0 = time.perf_counter()
         limit_s = self._timeout_s if timeout_s is None else timeout_s
-        if request.max_tokens < 1:
-            return failed(self.name, "no room left for a summary (max_tokens is 0)", 0.0)
+        if (refused := no_room(self.name, request)) is not None:
+            return refused
         try:
             pieces = self._generate(request)
         except Exception as e:  # noqa: BLE001 - as above: the engine's error becomes a result

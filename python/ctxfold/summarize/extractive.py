@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxfold.messages import Message, Role, ToolCall
-from ctxfold.summarize.base import SummaryResult, TokenCallback, TokenCounter, count_tokens, failed
+from ctxfold.summarize.base import SummaryResult, TokenCallback, TokenCounter, count_tokens, failed, no_room
 from ctxfold.summarize.postprocess import trim_to_tokens
 from ctxfold.summarize.request import INTERNAL_KEY, SUMMARY_TEXT_KEY, SummaryRequest, build_summary_request
 
@@ -536,8 +536,8 @@ class ExtractiveSummarizer:
         t0 = time.perf_counter()
         if cancel is not None and cancel.is_set():
             return failed(self.name, "cancelled", 0.0)
-        if request.max_tokens < 1:
-            return failed(self.name, "no room left for a summary (max_tokens is 0)", 0.0)
+        if (refused := no_room(self.name, request)) is not None:
+            return refused
         text, capped = safe_extractive_summary(request.transcript, request.max_tokens, counter=self._counter)
         result = self._result(text, capped, t0, request)
         if result.ok and on_token is not None:

@@ -20,7 +20,14 @@ import httpx
 
 from ctxfold.errors import ConfigError
 from ctxfold.summarize._run import run_limited
-from ctxfold.summarize.base import CoroutineSummarizer, SummaryResult, TokenCallback, TokenCounter, failed
+from ctxfold.summarize.base import (
+    CoroutineSummarizer,
+    SummaryResult,
+    TokenCallback,
+    TokenCounter,
+    failed,
+    no_room,
+)
 from ctxfold.summarize.postprocess import StreamCutter, result_from_cutter
 from ctxfold.summarize.request import SummaryRequest
 
@@ -135,8 +142,8 @@ class OpenAICompatibleSummarizer(CoroutineSummarizer):
     ) -> SummaryResult:
         t0 = time.perf_counter()
         limit_s = self._timeout_s if timeout_s is None else timeout_s
-        if request.max_tokens < 1:
-            return failed(self.name, "no room left for a summary (max_tokens is 0)", 0.0)
+        if (refused := no_room(self.name, request)) is not None:
+            return refused
         cutter = StreamCutter(request.max_tokens, counter=self._counter, limit_reason=request.limit_reason)
 
         async def work() -> str | None:
