@@ -132,7 +132,8 @@ def test_kill_9_during_compactions_then_resume(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("tokenizer", "template"), [("estimate:deepseek-v4", "deepseek-v4"),
-                                                     ("deepseek-v4", "deepseek-v3.2"), ("chars4", "chatml")])
+                                                     ("deepseek-v4", "deepseek-v3.2"), ("chars4", "chatml"),
+                                                     ("estimate:mistral-v7", "mistral-v7")])
 def test_the_occupancy_bound_holds_on_every_trace(traces_dir: Path, tokenizer: str, template: str) -> None:
     from ctxfold.templates import get_template
 
