@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -118,6 +119,25 @@ def test_a_full_disk_keeps_whole_batches_of_appends(tmp_path: Path) -> None:
     got = json.loads(done.stdout)
     assert got["error"] is not None and got["batches"] > 0
     assert got["restored"] == 3 * got["batches"]  # whole batches, and the session still loads
+
+
+def test_text_any_json_string_can_hold_is_logged_and_restored(tmp_path: Path) -> None:
+    # A lone surrogate (a JSON escape the proxy's clients may send) and NaN in a usage figure.
+    odd = [Message(Role.USER, "half a pair: \ud83d, and \u00e9\u4e2d", id="u1"),
+           Message(Role.ASSISTANT, "ok", id="a1", usage=Usage(10, 2, None, {"ratio": float("nan")}))]
+    conv = Conversation(odd, id="odd", system="sys \udfff")
+    s = Session(tmp_path / "s", durable=False)
+    s.create(conv)
+    s.append_messages(odd)
+    dump = s.write_history_dump(odd, conv)
+    s.close()
+    for path in (tmp_path / "s" / "events.jsonl", dump):
+        path.read_bytes().decode("utf-8")  # valid UTF-8: the surrogates are written as escapes
+    restored = Session(tmp_path / "s").restore()
+    assert [m.content for m in restored.messages] == [m.content for m in odd] and restored.system == conv.system
+    ratio = restored.messages[1].usage.extra["ratio"]  # type: ignore[union-attr]
+    assert math.isnan(ratio)  # NaN came back as NaN, not as null
+    assert json.loads(dump.read_text().splitlines()[1])["content"] == odd[0].content
 
 
 def test_history_dumps_never_collide(tmp_path: Path) -> None:

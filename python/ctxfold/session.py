@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from ctxfold import fastjson
 from ctxfold.archive.store import LocalBackend
 from ctxfold.codec import (
     decode_conversation_header,
@@ -73,11 +74,17 @@ class ResumedState:
 def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
                       previous: str | None = None) -> str:
     """A history dump: a header line (the conversation, where this part starts, the part before
-    it), then one message a line. Deterministic: no clock in it."""
+    it), then one message a line. Deterministic: no clock in it. Encodable as UTF-8: a message with a
+    lone surrogate turns the dump to ASCII with escapes, which reads back the same."""
     header = {"type": "header", "first_index": first_index, "previous": previous,
               "conversation": encode_conversation_header(conversation)}
-    return json.dumps(header, ensure_ascii=False) + "\n" + "".join(
-        json.dumps(encode_message(m), ensure_ascii=False) + "\n" for m in messages)
+    lines = [header, *map(encode_message, messages)]
+    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return "".join(json.dumps(line) + "\n" for line in lines)
+    return text
 
 
 class Session:
@@ -215,8 +222,7 @@ class Session:
         self._write_events([event], sync=sync)
 
     def _write_events(self, events: list[dict[str, Any]], *, sync: bool = True) -> None:
-        data = "".join(json.dumps({"seq": self._seq + k, **e}, ensure_ascii=False, separators=(",", ":")) + "\n"
-                       for k, e in enumerate(events)).encode()
+        data = b"".join(fastjson.dumps_record({"seq": self._seq + k, **e}) + b"\n" for k, e in enumerate(events))
         fd = self._open()
         written = os.write(fd, data)
         if written != len(data):
@@ -241,7 +247,7 @@ class Session:
                     yield i + 1, None
                 return
             try:
-                yield i + 1, json.loads(raw)
+                yield i + 1, fastjson.loads(raw)
             except ValueError as exc:
                 raise FormatError(f"corrupt event log line: {exc}", source=str(self.events_path),
                                   location=f"line {i + 1}") from exc

@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ctxfold import fastjson
 from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive, read_archive_tool_openai
 from ctxfold.archive.marker import MARKER_PREFIX
 from ctxfold.compactor import CompactionEvent, Compactor
@@ -47,7 +48,7 @@ from ctxfold.errors import ConfigError, FormatError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES, fastjson
+from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ctxfold.serve import fastjson
+from ctxfold import fastjson
 
 DONE = "[DONE]"
 

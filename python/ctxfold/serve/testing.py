@@ -80,6 +80,14 @@ def is_summary_request(body: dict[str, Any]) -> bool:
     return last.get("role") == "user" and isinstance(text, str) and text.startswith(COMPACTION_MARKER)
 
 
+def _utf8_json(value: Any) -> bytes:
+    """JSON as UTF-8, characters as they are; a lone surrogate (echoed from a request) as its escape."""
+    try:
+        return json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value).encode()
+
+
 class ScriptedUpstream:
     """The upstream's behaviour and what it saw. Change the attributes between requests."""
 
@@ -171,10 +179,10 @@ class ScriptedUpstream:
         created = int(time.time())
         finish = "tool_calls" if answer.get("tool_calls") else "stop"
         if not body.get("stream"):
-            raw = json.dumps({
+            raw = _utf8_json({
                 "id": cid, "object": "chat.completion", "created": created, "model": body.get("model", self.model),
                 "choices": [{"index": 0, "message": answer, "finish_reason": finish}], "usage": usage,
-            }, ensure_ascii=False).encode()
+            })
             self.sent.append(raw)
             return web.Response(body=raw, content_type="application/json")
         return await self._stream(request, body, answer, cid, created, finish, usage)
@@ -188,7 +196,7 @@ class ScriptedUpstream:
         def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> bytes:
             c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
-            return b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n"
+            return b"data: " + _utf8_json(c) + b"\n\n"
 
         chunks = [chunk({"role": "assistant", "content": ""})]
         reasoning = answer.get("reasoning_content") or ""
