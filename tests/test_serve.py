@@ -140,6 +140,22 @@ def test_a_rewritten_history_forks_a_new_session(upstream: tuple[ScriptedUpstrea
     assert sorted(len(Session(p).restore()) for p in sessions) == [4, 4]
 
 
+def test_history_sent_back_in_another_form_continues_the_session(
+        upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
+    first = post(proxy[1], chat(("user", "q"))).json()["choices"][0]["message"]
+    # The answer as clients send it back: keys reordered, fields added or dropped, reasoning left out.
+    answer = {"content": first["content"], "role": "assistant", "refusal": None}
+    body = chat(("user", "q"))
+    body["messages"] += [answer, {"role": "user", "content": "next"}]
+    assert post(proxy[1], body).status_code == 200
+    body["messages"] += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "third"}]
+    assert post(proxy[1], body).status_code == 200  # the forms the session now holds are the client's
+    sessions = _sessions(tmp_path / "data")
+    assert len(sessions) == 1
+    assert [m.text for m in Session(sessions[0]).restore().messages] == ["q", first["content"], "next", "echo: next",
+                                                                        "third", "echo: third"]
+
+
 def test_a_lone_surrogate_escape_is_forwarded_and_stored(upstream: tuple[ScriptedUpstream, str],
                                                         proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
     raw = b'{"model": "m", "messages": [{"role": "user", "content": "half a pair: \\ud83d"}]}'

@@ -75,8 +75,9 @@ def _usage_in_extra(d: dict[str, Any]) -> Any:
     return None
 
 
-def message_from_openai(raw: Any, default_id: str = "") -> Message:
-    """One OpenAI chat message dict -> :class:`Message` (raises FormatError without a location)."""
+def message_from_openai(raw: Any, default_id: str = "", *, keep_id: bool = True) -> Message:
+    """One OpenAI chat message dict -> :class:`Message` (raises FormatError without a location). Its
+    id is the dict's ``id`` when it has one and ``keep_id``, else ``default_id``."""
     d = expect_dict(raw, "message")
     role = role_of(d.get("role"), ROLES)
     content = _content(d.get("content"))
@@ -111,7 +112,7 @@ def message_from_openai(raw: Any, default_id: str = "") -> Message:
     return Message(
         role=role,
         content=content,
-        id=mid if isinstance(mid, str) and mid else default_id,
+        id=mid if keep_id and isinstance(mid, str) and mid else default_id,
         tool_calls=calls,
         tool_call_id=tool_call_id,
         name=name if isinstance(name, str) else None,

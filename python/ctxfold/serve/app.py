@@ -56,7 +56,6 @@ from ctxfold.serve.sessions import (
     ProxySession,
     SessionStore,
     fingerprint_wire,
-    match_key,
     session_key,
 )
 from ctxfold.serve.sse import AnswerAssembler, SseReader
@@ -147,12 +146,24 @@ def error_response(status: int, message: str, *, kind: str = "invalid_request_er
 
 
 @dataclass(slots=True)
+class Deferred:
+    """A request's new messages, appended once its answer has gone back (see ProxyApp._deferrable)."""
+
+    messages: list[Message]
+    sent: list[dict[str, Any]]  # the request's messages after its system prompt: sent[i] is original i
+
+    def take(self) -> list[Message]:
+        """The messages, once: whoever takes them appends them."""
+        out, self.messages = self.messages, []
+        return out
+
+
+@dataclass(slots=True)
 class ParsedRequest:
     raw: bytes  # the body as sent
     body: dict[str, Any]  # the request object
     system: str | None  # the system prompt: a leading plain system message
     messages: list[dict[str, Any]]  # the chat messages after the system prompt, as sent
-    fingerprints: list[int]  # match_key of each message
     stream: bool
     fast_json: bool  # read by orjson, so orjson may write it back (see fastjson)
 
@@ -203,8 +214,7 @@ def parse_request(raw: bytes) -> ParsedRequest:
     if first.get("role") == "system" and isinstance(first.get("content"), str) and first.keys() <= {"role", "content"}:
         system = first["content"]
         messages = messages[1:]
-    return ParsedRequest(raw, body, system, messages, [match_key(m) for m in messages], bool(body.get("stream")),
-                         fast)
+    return ParsedRequest(raw, body, system, messages, bool(body.get("stream")), fast)
 
 
 def parse_messages(items: list[dict[str, Any]], first_index: int) -> list[Message]:
@@ -213,11 +223,10 @@ def parse_messages(items: list[dict[str, Any]], first_index: int) -> list[Messag
     out = []
     for k, d in enumerate(items):
         try:
-            m = message_from_openai(d)
+            out.append(message_from_openai(d, f"m{first_index + k}", keep_id=False))
         except FormatError as e:
             raise BadRequest(400, f"messages[{first_index + k}]: {e}", code="invalid_message",
                              param=f"messages[{first_index + k}]") from None
-        out.append(replace(m, id=f"m{first_index + k}"))
     return out
 
 
@@ -371,8 +380,8 @@ class ProxyApp:
         return resp
 
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
-        session = await self.sessions.find(key, parsed.system, parsed.fingerprints)
-        known = len(session.fingerprints) if session is not None else 0
+        session = await self.sessions.find(key, parsed.system, parsed.messages)
+        known = session.num_known if session is not None else 0
         new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
         if session is None:
             # Built with the history at once, but the tool results that end the request go in through
@@ -382,7 +391,7 @@ class ProxyApp:
                 k -= 1
             conv = Conversation(messages=new[:k], system=parsed.system, tools=parse_tools(parsed.body))
             session = await self.sessions.create(key, conv)
-            session.refresh_fingerprints()
+            session.note_wire(parsed.messages)
             new = new[k:]
         c = session.compactor
         tools = parsed.body.get("tools") or []
@@ -391,13 +400,13 @@ class ProxyApp:
         # Appended after the answer when nothing can change what this request sends (see _deferrable);
         # else before forwarding, on the loop when that is cheap, in a worker thread when not.
         inline = self._inline(c, new)
-        pending: list[Message] = new if inline and self._deferrable(session, new, tools) else []
-        if pending:
+        deferred = Deferred(new if inline and self._deferrable(session, new, tools) else [], parsed.messages)
+        if deferred.messages:
             events: list[CompactionEvent] = []
         elif inline:
-            events = self._ingest(session, new)
+            events = self._ingest(session, new, parsed.messages)
         else:
-            events = await asyncio.to_thread(self._ingest, session, new)
+            events = await asyncio.to_thread(self._ingest, session, new, parsed.messages)
         self._count_events(events)
         view, origins, originals = c.view, c.view_origins, c.originals
         untouched = len(view) == len(originals) and all(v is o for v, o in zip(view, originals, strict=True))
@@ -422,7 +431,7 @@ class ProxyApp:
                 body["messages"] = ([{"role": "system", "content": c.header.system}]
                                     if c.header.system is not None else []) + [
                     sent[o] if 0 <= o < len(sent) and m is originals[o] else _to_wire(m)
-                    for m, o in zip(view, origins, strict=True)] + sent[len(originals):len(originals) + len(pending)]
+                    for m, o in zip(view, origins, strict=True)] + sent[len(originals):len(originals) + len(deferred.messages)]
             if recall:
                 body["tools"] = list(tools) + [read_archive_tool_openai()]
             payload = fastjson.dumps(body, fast=parsed.fast_json)
@@ -431,12 +440,12 @@ class ProxyApp:
         headers["Content-Type"] = "application/json"
         try:
             if parsed.stream:
-                return await self._forward_stream(request, session, body, payload, headers, recall, pending)
-            return await self._forward_json(request, session, body, payload, headers, recall, pending)
+                return await self._forward_stream(request, session, body, payload, headers, recall, deferred)
+            return await self._forward_json(request, session, body, payload, headers, recall, deferred)
         finally:
-            if pending:  # the upstream failed, or the client left: the messages are kept all the same
+            if deferred.messages:  # the upstream failed, or the client left: the messages are kept all the same
                 try:
-                    self._ingest_pending(session, pending)
+                    self._ingest_deferred(session, deferred)
                 except Exception:  # the response is decided: a failure here can only be logged
                     log.exception("messages not stored; the conversation's next request will bring them")
 
@@ -453,11 +462,9 @@ class ProxyApp:
             return False
         return session.inject_recall or not (tools or _has_archive_marker(new))
 
-    def _ingest_pending(self, session: ProxySession, pending: list[Message]) -> list[CompactionEvent]:
+    def _ingest_deferred(self, session: ProxySession, deferred: Deferred) -> list[CompactionEvent]:
         """Append the messages a request deferred (see :meth:`_deferrable`), once; before its answer."""
-        new = list(pending)
-        pending.clear()
-        events = self._ingest(session, new)
+        events = self._ingest(session, deferred.take(), deferred.sent)
         self._count_events(events)
         if any(e.archived for e in events):
             session.inject_recall = True
@@ -476,9 +483,9 @@ class ProxyApp:
         """
         return self.config.fsync != "always" and c.quiet(new) and not c.archive_due(new)
 
-    def _ingest(self, session: ProxySession, new: list[Message]) -> list[CompactionEvent]:
+    def _ingest(self, session: ProxySession, new: list[Message], sent: list[dict[str, Any]]) -> list[CompactionEvent]:
         """Append the request's new messages and run the automatic passes (inline or in a worker thread:
-        see :meth:`_inline`)."""
+        see :meth:`_inline`). ``sent``: the request's messages, as it sent them."""
         c = session.compactor
         first = len(c.events)
         plain: list[Message] = []
@@ -496,7 +503,7 @@ class ProxyApp:
             c.before_request()
         finally:
             # Whatever was stored before a failure is known, so a retry does not store it twice.
-            session.refresh_fingerprints()
+            session.note_wire(sent)
         return list(c.events[first:])
 
     def _count_events(self, events: list[CompactionEvent]) -> None:
@@ -514,7 +521,7 @@ class ProxyApp:
 
     # -- upstream: JSON ------------------------------------------------------------------------------
     async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
-                            headers: dict[str, str], recall: bool, pending: list[Message]) -> web.StreamResponse:
+                            headers: dict[str, str], recall: bool, deferred: Deferred) -> web.StreamResponse:
         assert self._client is not None
         rounds = 0
         while True:
@@ -548,7 +555,7 @@ class ProxyApp:
                 await resp.write_eof()
             except (ConnectionError, RuntimeError):
                 return resp  # the client went away without the answer: its retry will not carry it
-            await self._record_after(session, message, data.get("usage"), pending, calibrate=rounds == 0)
+            await self._record_after(session, message, data.get("usage"), deferred, calibrate=rounds == 0)
             return resp
 
     async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any]
@@ -568,7 +575,7 @@ class ProxyApp:
         return out
 
     async def _record_after(self, session: ProxySession, message: dict[str, Any], usage: Any,
-                            pending: list[Message], *, calibrate: bool) -> None:
+                            deferred: Deferred, *, calibrate: bool) -> None:
         """Record an answer the client already has (after the request's own messages, when the request
         deferred them), still under the conversation's lock (its next request waits for it). After the
         response, not before: the bookkeeping (and with fsync, a thread hop and a disk flush) stays off
@@ -576,9 +583,9 @@ class ProxyApp:
         fails: the client's next request carries the answer, and a message the session does not hold
         yet is appended then like any other."""
         try:
-            if pending:  # the request's own messages first
+            if deferred.messages:  # the request's own messages first
                 # A pass that ran now changed the view after it was sent: no calibration against it.
-                calibrate = not any(e.applied for e in self._ingest_pending(session, pending)) and calibrate
+                calibrate = not any(e.applied for e in self._ingest_deferred(session, deferred)) and calibrate
             await self._record(session, message, usage, calibrate=calibrate)
         except Exception:  # the response is out: a failure here can only be logged
             log.exception("answer not recorded; the conversation's next request will bring it")
@@ -590,13 +597,12 @@ class ProxyApp:
         wire = dict(message)
         if isinstance(usage, dict):
             wire["usage"] = usage
+        index = len(c.originals)
         try:
-            m = message_from_openai(wire)
+            m = message_from_openai(wire, f"m{index + (1 if c.header.system is not None else 0)}", keep_id=False)
         except FormatError as e:
             log.warning("answer not recorded: %s", e)
             return
-        n = len(c.originals) + (1 if c.header.system is not None else 0)
-        m = replace(m, id=f"m{n}")
         # The estimate of the request as it was sent, before the answer joins the view, when the trigger
         # check counted it: from about a fifth of the window on (where the byte bound meets a trigger
         # line), so the factor has settled long before it decides anything; below, nothing is counted.
@@ -607,7 +613,7 @@ class ProxyApp:
             await asyncio.to_thread(c.append, m)  # fsync off the event loop
         else:
             c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop
-        session.refresh_fingerprints()
+        session.note_wire([message], index)
         if estimate is not None and isinstance(reported, int):
             self._calibrate(session, reported, estimate)
 
@@ -635,7 +641,7 @@ class ProxyApp:
 
     # -- upstream: streaming -------------------------------------------------------------------------
     async def _forward_stream(self, request: web.Request, session: ProxySession, body: dict[str, Any],
-                              payload: bytes, headers: dict[str, str], recall: bool, pending: list[Message]
+                              payload: bytes, headers: dict[str, str], recall: bool, deferred: Deferred
                               ) -> web.StreamResponse:
         """Pass the upstream's event stream through byte for byte, reading it on the side.
 
@@ -720,7 +726,7 @@ class ProxyApp:
                 await resp.write_eof()
             except (ConnectionError, RuntimeError):
                 return resp  # the client went away without the whole answer
-            await self._record_after(session, answer.message(), answer.usage, pending, calibrate=rounds == 0)
+            await self._record_after(session, answer.message(), answer.usage, deferred, calibrate=rounds == 0)
             return resp
 
 

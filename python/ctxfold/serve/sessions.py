@@ -10,9 +10,11 @@ The key is the ``X-Ctxfold-Session`` header when the client sends one, else a di
 prompt and the first message. Several sessions can share a key (two conversations that start alike,
 or a client that rewrote its history); a request continues the one whose stored messages are the
 longest prefix of the messages it carries, and starts a new one when none is. Messages are compared
-by a fingerprint of what the model sees (role, content, tool calls, the call a result answers), not
-by their JSON bytes, so a client may drop a field or reorder keys; reasoning is left out because
-clients are told to drop it when they send history back.
+by what the model sees (role, content, tool calls, the call a result answers), not by their JSON
+bytes, so a client may drop a field or reorder keys; reasoning is left out because clients are told
+to drop it when they send history back. The common case, a client that sends its history back as it
+sent it before, costs one comparison of dicts (in C): each session keeps the dict each of its
+messages last came in, and falls back to :func:`fingerprint_wire` only where a dict differs.
 
 Everything is durable in the session directory, so a restarted proxy finds every conversation again
 and resumes it on its next request.
@@ -26,7 +28,7 @@ import json
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,29 +76,6 @@ def fingerprint(m: Message) -> bytes:
     return fingerprint_wire(message_to_openai(m, api=True))
 
 
-def match_key(d: Mapping[str, Any]) -> int:
-    """A process-local key for prefix matching, hashed on every message of every request, so cheap: the
-    built-in (randomised SipHash) hash of role, text and the answered call for plain messages, of the
-    :func:`fingerprint_wire` digest for the others. Equal for a message dict and its parsed form
-    (:func:`message_match_key`). Not stable across processes: recomputed when sessions are loaded."""
-    content = d.get("content")
-    if content is None:
-        content = ""
-    if isinstance(content, str) and not d.get("tool_calls"):
-        role = d.get("role")
-        if isinstance(role, str):
-            try:
-                return hash(("system" if role == "developer" else role, content,
-                             d.get("tool_call_id") if role == "tool" else None))
-            except TypeError:  # an unhashable tool_call_id: a bad message, the slow path names no error either
-                pass
-    return hash(fingerprint_wire(d))
-
-
-def message_match_key(m: Message) -> int:
-    return match_key(message_to_openai(m, api=True))
-
-
 def session_key(header_value: str | None, system: str | None, first: bytes | None) -> str:
     """The digest naming a conversation's key directory (hex, 32 chars): the header's value, else the
     system prompt and the fingerprint of the first message."""
@@ -116,18 +95,40 @@ class ProxySession:
     key: str  # the key digest
     path: Path  # the session directory
     compactor: Compactor
-    fingerprints: list[int] = field(default_factory=list)  # match_key of compactor.originals, in order
+    # The wire form of each of compactor.originals, in order: the dict the message last came in (from a
+    # request, or the upstream's answer), or rebuilt from the message when the session was loaded.
+    wire: list[Mapping[str, Any]] = field(default_factory=list)
     calibration: float = 1.0  # upstream prompt tokens / ctxfold's estimate, smoothed (see ProxyApp)
     inject_recall: bool = False  # sticky: once the tool was offered, keep offering it (stable prompt prefix)
     recall_scanned: bool = False  # the view was searched for archive markers once since loading
 
-    def refresh_fingerprints(self) -> None:
-        n = len(self.fingerprints)
-        self.fingerprints.extend(message_match_key(m) for m in self.compactor.originals[n:])
+    @property
+    def num_known(self) -> int:
+        """Messages stored: a request continuing the session carries them first."""
+        return len(self.wire)
 
-    def matches(self, system: str | None, fps: list[int]) -> bool:
-        n = len(self.fingerprints)
-        return self.compactor.header.system == system and n <= len(fps) and self.fingerprints == fps[:n]
+    def note_wire(self, dicts: Sequence[Mapping[str, Any]], first: int = 0) -> None:
+        """Bring :attr:`wire` up to the compactor's originals after an append: ``dicts[j]`` is the wire
+        form of original ``first + j`` (a request's messages: ``first`` 0; an answer: its index).
+        Whatever was stored is known, even when an append failed part way."""
+        originals = self.compactor.originals
+        self.wire.extend(dicts[len(self.wire) - first:len(originals) - first])
+        self.wire.extend(message_to_openai(m, api=True) for m in originals[len(self.wire):])
+
+    def matches(self, system: str | None, messages: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether the request (its system prompt and messages) continues this session: its messages
+        start with the stored ones, by what the model sees. Where only the form differs (a dropped
+        field, reordered keys), the request's dicts are kept, so its next request compares as dicts."""
+        n = len(self.wire)
+        if self.compactor.header.system != system or n > len(messages):
+            return False
+        if messages[:n] == self.wire:
+            return True
+        for sent, known in zip(messages, self.wire):
+            if sent != known and fingerprint_wire(sent) != fingerprint_wire(known):
+                return False
+        self.wire[:] = messages[:n]
+        return True
 
 
 CompactorFactory = Callable[[Conversation, Path], Compactor]
@@ -183,8 +184,9 @@ class SessionStore:
     def loaded(self) -> list[ProxySession]:
         return [s for v in self._sessions.values() for s in v]
 
-    async def find(self, key: str, system: str | None, fps: list[int]) -> ProxySession | None:
-        """The stored session whose messages are the longest prefix of ``fps``, or None. Under ``lock(key)``."""
+    async def find(self, key: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> ProxySession | None:
+        """The stored session whose messages are the longest prefix of ``messages`` (a request's, after
+        its system prompt), or None. Under ``lock(key)``."""
         candidates = self._sessions.get(key)
         if candidates is None:
             # A key never seen has no directory: no thread hop to find that out.
@@ -194,7 +196,7 @@ class SessionStore:
             self._sessions.move_to_end(key)
         best: ProxySession | None = None
         for s in candidates:
-            if s.matches(system, fps) and (best is None or len(s.fingerprints) > len(best.fingerprints)):
+            if s.matches(system, messages) and (best is None or s.num_known > best.num_known):
                 best = s
         return best
 
@@ -231,7 +233,7 @@ class SessionStore:
                 continue
             compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
             s = ProxySession(key, path, compactor)
-            s.refresh_fingerprints()
+            s.note_wire([])
             out.append(s)
         return out
 
