@@ -1,9 +1,10 @@
-"""The baseline of the proxy benchmark: a bare aiohttp proxy that forwards the body's bytes and sends
-the answer's bytes back, with nothing else (no parsing, no session, no compaction).
+"""The baseline of the proxy benchmark: a bare proxy that forwards the body's bytes and sends the
+answer's bytes back, with nothing else (no parsing, no session, no compaction).
 
-It is the cost of the extra hop itself: an asyncio server and client on the same stack and event
-loop as ``ctxfold serve`` (uvloop when installed). What ``ctxfold serve`` adds beyond it is its own
-work. Run: ``python bench/passthrough.py --upstream URL [--port 0]``; it prints ``listening on URL``.
+It is the cost of the extra hop itself, on the same stack as ``ctxfold serve``: the aiohttp server,
+the proxy's upstream client (``ctxfold.serve.upstream``) and event loop (uvloop when installed).
+What ``ctxfold serve`` adds beyond it is its own work. Run: ``python bench/passthrough.py --upstream
+URL [--port 0]``; it prints ``listening on URL``.
 """
 
 from __future__ import annotations
@@ -12,29 +13,28 @@ import argparse
 import asyncio
 import sys
 
-import aiohttp
 from aiohttp import web
 
 from ctxfold.cli.serve import event_loop_factory
+from ctxfold.serve.upstream import UpstreamClient
 
 
 async def serve(upstream: str, host: str, port: int) -> None:
     url = upstream.rstrip("/") + "/v1/chat/completions"
-    client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+    client = UpstreamClient(url, connect_timeout_s=10.0, read_timeout_s=600.0)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        async with client.post(url, data=body, headers={"Content-Type": "application/json"}) as up:
-            if up.headers.get("Content-Type", "").startswith("text/event-stream"):
-                resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+        async with client.post(body, {"Content-Type": "application/json"}) as up:
+            ctype = up.headers.get("content-type", "application/json")
+            if ctype.startswith("text/event-stream"):
+                resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype})
                 await resp.prepare(request)
-                async for chunk in up.content.iter_any():
+                async for chunk in up.iter_chunks():
                     await resp.write(chunk)
                 await resp.write_eof()
                 return resp
-            raw = await up.read()
-            return web.Response(body=raw, status=up.status,
-                                headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
+            return web.Response(body=await up.read(), status=up.status, headers={"Content-Type": ctype})
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)

@@ -489,7 +489,7 @@ def render_serve(runs: Sequence[dict[str, Any]]) -> list[str]:
     CPU each proxy spends per request."""
     if not runs:
         return ["_The proxy benchmark did not run._"]
-    intro = ("The same load straight at a scripted upstream, through a bare aiohttp pass-through (the cost "
+    intro = ("The same load straight at a scripted upstream, through a bare pass-through (the cost "
              "of the extra hop alone) and through `ctxfold serve`, in alternating slices "
              "(`bench/bench_serve.py`). *Added* is the side's median (p99) minus the direct call's, in ms. "
              "*sequential*: one synthetic conversation, one request at a time; *paced*: 64 synthetic "

@@ -106,9 +106,9 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ctxfold.serve import require_aiohttp
+    from ctxfold.serve import require_serve_extra
 
-    require_aiohttp()
+    require_serve_extra()
     from ctxfold.serve.app import serve
 
     config = build_config(args)

@@ -2,12 +2,13 @@
 
 - :mod:`ctxfold.serve.app`: the aiohttp server (:class:`ProxyConfig`, :class:`ProxyApp`, :func:`serve`).
 - :mod:`ctxfold.serve.sessions`: which stored conversation a request continues.
+- :mod:`ctxfold.serve.upstream`: the HTTP/1.1 client the proxy asks its upstream with.
 - :mod:`ctxfold.serve.sse`: reading an event stream on the side while it passes through.
 - :mod:`ctxfold.serve.metrics`: Prometheus text metrics.
 - :mod:`ctxfold.serve.testing`: a scripted upstream for tests and benchmarks.
 
-The server needs aiohttp (``pip install 'ctxfold[serve]'``); it is imported on first use, so the
-rest of ctxfold (and ``ctxfold --help``) works without it.
+The proxy needs aiohttp and httptools (``pip install 'ctxfold[serve]'``); they are imported on first
+use, so the rest of ctxfold (and ``ctxfold --help``) works without them.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ _LAZY = {
 }
 
 
-def require_aiohttp() -> None:
-    """Raise ModuleNotFoundError with the install line when aiohttp is missing."""
-    try:
-        import aiohttp  # noqa: F401
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError(
-            "ctxfold serve needs aiohttp, which is not installed; pip install 'ctxfold[serve]'") from None
+def require_serve_extra() -> None:
+    """Raise ModuleNotFoundError with the install line when a package of the proxy is missing."""
+    for name in ("aiohttp", "httptools"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError(
+                f"ctxfold serve needs {name}, which is not installed; pip install 'ctxfold[serve]'") from None
 
 
 def __getattr__(name: str) -> Any:
@@ -47,7 +49,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'ctxfold.serve' has no attribute {name!r}")
     if module == "app":
-        require_aiohttp()
+        require_serve_extra()
     return getattr(importlib.import_module(f"ctxfold.serve.{module}"), name)
 
 
@@ -63,7 +65,7 @@ __all__ = [
     "SessionStore",
     "fingerprint",
     "parse_request",
-    "require_aiohttp",
+    "require_serve_extra",
     "serve",
     "session_key",
 ]

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from ctxfold import fastjson
@@ -59,6 +58,7 @@ from ctxfold.serve.sessions import (
     session_key,
 )
 from ctxfold.serve.sse import AnswerAssembler, SseReader
+from ctxfold.serve.upstream import UpstreamClient, UpstreamCut, UpstreamTimeout
 
 log = logging.getLogger("ctxfold.serve")
 
@@ -267,7 +267,7 @@ class ProxyApp:
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
                                      max_loaded_keys=config.max_loaded_conversations,
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None)
-        self._client: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamClient | None = None
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
 
     # -- compactors ----------------------------------------------------------------------------------
@@ -309,14 +309,12 @@ class ProxyApp:
         return app
 
     async def _startup(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
-                                        sock_read=self.config.read_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0)
-        self._client = aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+        self._upstream = UpstreamClient(self.config.completions_url, connect_timeout_s=self.config.connect_timeout_s,
+                                        read_timeout_s=self.config.read_timeout_s)
 
     async def _cleanup(self, app: web.Application) -> None:
-        if self._client is not None:
-            await self._client.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         await asyncio.to_thread(self.sessions.close)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -522,13 +520,13 @@ class ProxyApp:
     # -- upstream: JSON ------------------------------------------------------------------------------
     async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
                             headers: dict[str, str], recall: bool, deferred: Deferred) -> web.StreamResponse:
-        assert self._client is not None
+        assert self._upstream is not None
         rounds = 0
         while True:
             try:
-                async with self._client.post(self.config.completions_url, data=payload, headers=headers) as up:
+                async with self._upstream.post(payload, headers) as up:
                     raw = await up.read()
-                    status, ctype = up.status, up.headers.get("Content-Type", "application/json")
+                    status, ctype = up.status, up.headers.get("content-type", "application/json")
             except Exception as e:  # noqa: BLE001 - every transport failure becomes a 502/504 for the client
                 return self._upstream_failure(e)
             if status != 200:
@@ -630,7 +628,7 @@ class ProxyApp:
             c.config = replace(self.config.compact, context_tokens=effective)
 
     def _upstream_failure(self, e: BaseException) -> web.Response:
-        if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        if isinstance(e, TimeoutError):
             self.metrics.upstream_errors.inc("timeout")
             return error_response(504, f"the upstream {self.config.completions_url} did not answer within "
                                        f"{self.config.read_timeout_s:g} s (--read-timeout-s)",
@@ -652,7 +650,7 @@ class ProxyApp:
         receiving the next answer's events. Any other answer gets its held events, in order: the bytes
         the client receives are the upstream's.
         """
-        assert self._client is not None
+        assert self._upstream is not None
         resp = web.StreamResponse(status=200, headers={"Cache-Control": "no-cache"})
 
         async def send(data: bytes) -> None:
@@ -667,7 +665,7 @@ class ProxyApp:
             recall_calls: set[int] = set()  # tool-call indexes of read_archive calls in this answer
             cut: str | None = None
             try:
-                async with self._client.post(self.config.completions_url, data=payload, headers=headers) as up:
+                async with self._upstream.post(payload, headers) as up:
                     if up.status != 200:
                         raw = await up.read()
                         self.metrics.upstream_errors.inc("status")
@@ -675,11 +673,11 @@ class ProxyApp:
                             await _write_error(resp, f"the upstream answered {up.status}: {raw[:300]!r}")
                             return resp
                         return web.Response(body=raw, status=up.status,
-                                            headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
+                                            headers={"Content-Type": up.headers.get("content-type", "application/json")})
                     if not resp.prepared:
-                        resp.headers["Content-Type"] = up.headers.get("Content-Type", "text/event-stream")
+                        resp.headers["Content-Type"] = up.headers.get("content-type", "text/event-stream")
                     try:
-                        async for chunk in up.content.iter_any():
+                        async for chunk in up.iter_chunks():
                             if not recall:
                                 for _, data in reader.feed(chunk):
                                     answer.add(data)
@@ -694,9 +692,9 @@ class ProxyApp:
                                     out.append(raw_event)
                             if out:
                                 await send(b"".join(out))
-                    except TimeoutError:  # aiohttp's read timeout is one too; caught before its base class below
+                    except UpstreamTimeout:
                         cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                    except UpstreamCut as e:
                         cut = f"the upstream stream was cut: {e}"
             except Exception as e:  # noqa: BLE001 - connection or timeout before any byte: 502/504
                 if not resp.prepared:
