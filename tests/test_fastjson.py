@@ -58,3 +58,12 @@ def test_a_record_without_a_non_finite_float_is_written_by_orjson() -> None:
     assert json.loads(out) == value
     if fastjson.orjson is not None:
         assert out == fastjson.orjson.dumps(value)
+
+
+def test_only_long_numbers_outside_strings_leave_orjson() -> None:
+    if fastjson.orjson is None:
+        pytest.skip("orjson is not installed: json reads everything")
+    digits = "123456789012345678901234567890"
+    assert fastjson.loads_tagged(f'{{"id": "{digits}", "t": "\\" {digits}"}}'.encode())[1] is True
+    assert fastjson.loads_tagged(f'{{"n": {digits}}}'.encode()) == ({"n": int(digits)}, False)
+    assert fastjson.loads_tagged(f'["\\\\", {digits}]') == (["\\", int(digits)], False)

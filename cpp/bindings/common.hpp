@@ -47,5 +47,6 @@ void BindEstimate(py::module_& m);
 void BindLedger(py::module_& m);
 void BindTail(py::module_& m);
 void BindKvPlan(py::module_& m);
+void BindJson(py::module_& m);
 
 }  // namespace ctxfold::bind
