@@ -402,7 +402,7 @@ class ProxyApp:
         if deferred.messages:
             events: list[CompactionEvent] = []
         elif inline:
-            events = self._ingest(session, new, parsed.messages)
+            events = self._ingest(session, new, parsed.messages, quiet=True)
         else:
             events = await asyncio.to_thread(self._ingest, session, new, parsed.messages)
         self._count_events(events)
@@ -462,7 +462,7 @@ class ProxyApp:
 
     def _ingest_deferred(self, session: ProxySession, deferred: Deferred) -> list[CompactionEvent]:
         """Append the messages a request deferred (see :meth:`_deferrable`), once; before its answer."""
-        events = self._ingest(session, deferred.take(), deferred.sent)
+        events = self._ingest(session, deferred.take(), deferred.sent, quiet=True)
         self._count_events(events)
         if any(e.archived for e in events):
             session.inject_recall = True
@@ -481,23 +481,29 @@ class ProxyApp:
         """
         return self.config.fsync != "always" and c.quiet(new) and not c.archive_due(new)
 
-    def _ingest(self, session: ProxySession, new: list[Message], sent: list[dict[str, Any]]) -> list[CompactionEvent]:
+    def _ingest(self, session: ProxySession, new: list[Message], sent: list[dict[str, Any]], *,
+                quiet: bool = False) -> list[CompactionEvent]:
         """Append the request's new messages and run the automatic passes (inline or in a worker thread:
-        see :meth:`_inline`). ``sent``: the request's messages, as it sent them."""
+        see :meth:`_inline`). ``sent``: the request's messages, as it sent them. ``quiet``: the caller
+        found that nothing can fire (:meth:`Compactor.quiet`), the hard trigger of tool results
+        included: they go in with the rest, in one append (one write to the log)."""
         c = session.compactor
         first = len(c.events)
-        plain: list[Message] = []
         try:
-            for m in new:
-                if m.role is Role.TOOL:
-                    if plain:
-                        c.append(*plain)
-                        plain = []
-                    c.append_tool_result(m)
-                else:
-                    plain.append(m)
-            if plain:
-                c.append(*plain)
+            if quiet:
+                c.append(*new)
+            else:
+                plain: list[Message] = []
+                for m in new:
+                    if m.role is Role.TOOL:
+                        if plain:
+                            c.append(*plain)
+                            plain = []
+                        c.append_tool_result(m)
+                    else:
+                        plain.append(m)
+                if plain:
+                    c.append(*plain)
             c.before_request()
         finally:
             # Whatever was stored before a failure is known, so a retry does not store it twice.
