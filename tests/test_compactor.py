@@ -535,6 +535,8 @@ def test_archive_due_only_when_an_output_worth_archiving_slid_behind_the_kept_tu
         assert not c.archive_due([user(f"question {k + 1}")])
         c.before_request()
     tool_call = call("read", path="README.md", start=1, count=400)
+    # The output and the turn that slides past it may both be among the messages still to come.
+    assert c.archive_due([tool_call, result(tool_call, readme_lines(1, 400)), user("next question")])
     c.append(tool_call, result(tool_call, readme_lines(1, 400)))
     assert not c.archive_due()  # the output is in the newest turn: kept
     assert c.archive_due([user("next question")])  # a new turn slides the window past it

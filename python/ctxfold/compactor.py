@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -278,10 +279,11 @@ class Compactor:
             return False
         params = self._archive_params
         with self._lock:
-            messages = [*self.view, *extra]
-            cutoff = turn_start_cutoff(messages, params.keep_recent_user_turns)
+            view, n = self.view, len(self.view)
+            cutoff = turn_start_cutoff(view, params.keep_recent_user_turns, extra)
+            lo, hi = self._archive_watermark, max(cutoff, 0)
             return any(m.role is Role.TOOL and len(m.text) >= params.archive_threshold_chars
-                       for m in messages[self._archive_watermark:max(cutoff, 0)])
+                       for m in chain(view[lo:min(hi, n)], extra[max(lo - n, 0):max(hi - n, 0)]))
 
     def counted_occupancy_tokens(self) -> int | None:
         """:meth:`occupancy_tokens` when the view is counted already, else None: for figures worth

@@ -121,9 +121,12 @@ class Session:
     # -- writing ----------------------------------------------------------------------------------
     def create(self, conversation: Conversation) -> None:
         """Start a new session for ``conversation`` (its header; messages are appended one by one)."""
-        if self.exists():
-            raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with Session.load()")
         self.root.mkdir(parents=True, exist_ok=True)
+        try:  # O_EXCL: a new log, so no torn tail to cut (see _open), and no race with another creator
+            self._fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with "
+                                  "Session.load()") from None
         # The header (system prompt, tools) is what the owner sends again too: synced like the appends.
         self._write_event({"type": "header", "version": LOG_VERSION,
                            "conversation": encode_conversation_header(conversation)}, sync=self.fsync_appends)

@@ -407,7 +407,9 @@ class ProxyApp:
             events = await asyncio.to_thread(self._ingest, session, new, parsed.messages)
         self._count_events(events)
         view, origins, originals = c.view, c.view_origins, c.originals
-        untouched = len(view) == len(originals) and all(v is o for v, o in zip(view, originals, strict=True))
+        # The view is the originals themselves (the usual case): a list comparison, in C, by identity
+        # (a message equal to its original would go out as the client sent it, which is the same).
+        untouched = view == originals
         if not has_own_recall and not session.inject_recall:
             # Offer the tool once the conversation has archived outputs: from a pass of this request, in
             # the messages it brought, or (first request after a restart) anywhere in the view.
