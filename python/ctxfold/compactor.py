@@ -282,8 +282,13 @@ class Compactor:
             view, n = self.view, len(self.view)
             cutoff = turn_start_cutoff(view, params.keep_recent_user_turns, extra)
             lo, hi = self._archive_watermark, max(cutoff, 0)
-            return any(m.role is Role.TOOL and len(m.text) >= params.archive_threshold_chars
-                       for m in chain(view[lo:min(hi, n)], extra[max(lo - n, 0):max(hi - n, 0)]))
+            return self._worth_archiving(chain(view[lo:min(hi, n)], extra[max(lo - n, 0):max(hi - n, 0)]))
+
+    def _worth_archiving(self, messages: Iterable[Message]) -> bool:
+        """Whether any of ``messages`` is a tool output of at least the archive threshold: the first
+        test of the turn-start pass (archive_turn_start), which archives nothing when it fails."""
+        threshold = self._archive_params.archive_threshold_chars
+        return any(m.role is Role.TOOL and len(m.text) >= threshold for m in messages)
 
     def counted_occupancy_tokens(self) -> int | None:
         """:meth:`occupancy_tokens` when the view is counted already, else None: for figures worth
@@ -414,6 +419,9 @@ class Compactor:
             cutoff = turn_start_cutoff(self.view, params.keep_recent_user_turns)
             lo = self._archive_watermark
             if cutoff <= lo:
+                return None
+            if not self._worth_archiving(self.view[lo:cutoff]):  # judged: nothing there to archive
+                self._archive_watermark = cutoff
                 return None
             part = archive_turn_start(self.view[lo:], self.store, params, count_tokens=self.counter.count)
             if part.report.error is None:
