@@ -312,9 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-tokens", type=int, default=None)
     ap.add_argument("--count", choices=("chars", "deepseek"), default="chars")
     ap.add_argument("--delay-s", type=float, default=0.0)
+    # A process of its own is driven from outside (a benchmark): nothing reads what it saw, and
+    # thousands of kept request bodies would make its garbage collector scan them all.
+    ap.add_argument("--keep-requests", type=int, default=100, help="request bodies kept (default 100)")
     args = ap.parse_args(argv)
     up = ScriptedUpstream(context_tokens=args.context_tokens,
-                          count_tokens=deepseek_counter() if args.count == "deepseek" else chars_estimate)
+                          count_tokens=deepseek_counter() if args.count == "deepseek" else chars_estimate,
+                          keep_requests=args.keep_requests)
     up.delay_s = args.delay_s
     try:
         asyncio.run(_serve(up, args.host, args.port))
