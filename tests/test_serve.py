@@ -209,6 +209,7 @@ def test_least_recently_used_conversations_are_closed_and_come_back_from_disk(
                     time.sleep(0.001)
                 assert proxy.sessions.num_sessions <= 2
                 assert len(proxy._models) <= 2
+                assert len(proxy.sessions._loaded_locks) <= 2  # an evicted key's lock goes with its last user
     finally:
         srv.close()
     sessions = _sessions(tmp_path / "data")

@@ -148,13 +148,15 @@ class SessionStore:
         # Building a compactor blocks (an fsync, object storage) or not (mkdir and a write): only then is
         # a worker thread worth its two context switches (Python work in it holds the loop anyway).
         self.create_in_thread = create_in_thread
-        # A lock lives as long as someone holds or awaits it: the entry goes with the last reference,
-        # so the table does not grow with every conversation ever seen, and a key never has two locks.
+        # A lock lives as long as its key is loaded, or someone holds or awaits it: the entry goes with
+        # the last reference, so the table does not grow with every conversation ever seen, and a key
+        # never has two locks.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._loaded_locks: dict[str, asyncio.Lock] = {}  # the locks of the keys in _sessions
         self._sessions: OrderedDict[str, list[ProxySession]] = OrderedDict()  # least recently used first
 
     def lock(self, key: str) -> asyncio.Lock:
-        lock = self._locks.get(key)
+        lock = self._loaded_locks.get(key) or self._locks.get(key)
         if lock is None:
             lock = asyncio.Lock()
             self._locks[key] = lock
@@ -174,6 +176,7 @@ class SessionStore:
                 continue
             for s in self._sessions.pop(key):
                 s.compactor.close()
+            self._loaded_locks.pop(key, None)
             evicted.append(key)
         return evicted
 
@@ -192,6 +195,7 @@ class SessionStore:
             # A key never seen has no directory: no thread hop to find that out.
             candidates = await asyncio.to_thread(self._load_key, key) if (self.root / key).is_dir() else []
             self._sessions[key] = candidates
+            self._loaded_locks[key] = self.lock(key)
         else:
             self._sessions.move_to_end(key)
         best: ProxySession | None = None
