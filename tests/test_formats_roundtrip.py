@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -111,6 +112,20 @@ def test_openai_oddities_come_back_byte_for_byte() -> None:
     for got, want in zip(out, msgs, strict=True):
         got.pop("id")
         assert got == want
+
+
+@pytest.mark.parametrize("d", [
+    {"role": "user", "content": "plain"}, {"role": "system", "content": ""}, {"role": "assistant", "content": "ok"},
+    {"content": "x", "role": "user"},
+])
+def test_a_plain_message_parses_as_it_does_with_any_other_field(d: dict[str, Any]) -> None:
+    from ctxfold.formats.openai import message_from_openai
+
+    # Role and text alone take a short path; a field the model ignores takes the general one.
+    plain = message_from_openai(d, "m7")
+    general = message_from_openai({**d, "name": None}, "m7")
+    assert plain == general
+    assert message_from_openai({**d, "id": "given"}, "m7").id == "given"
 
 
 def test_anthropic_blocks_map_to_the_model() -> None:

@@ -78,6 +78,10 @@ def _usage_in_extra(d: dict[str, Any]) -> Any:
 def message_from_openai(raw: Any, default_id: str = "", *, keep_id: bool = True) -> Message:
     """One OpenAI chat message dict -> :class:`Message` (raises FormatError without a location). Its
     id is the dict's ``id`` when it has one and ``keep_id``, else ``default_id``."""
+    if type(raw) is dict and len(raw) == 2:  # role and text alone: most messages, and the proxy parses each
+        role, content = raw.get("role"), raw.get("content")
+        if type(role) is str and type(content) is str and role in _PLAIN_ROLES:
+            return Message(role=_PLAIN_ROLES[role], content=content, id=default_id)
     d = expect_dict(raw, "message")
     role = role_of(d.get("role"), ROLES)
     content = _content(d.get("content"))
@@ -121,6 +125,9 @@ def message_from_openai(raw: Any, default_id: str = "", *, keep_id: bool = True)
         extra={"openai": extra} if extra else {},
     )
 
+
+# Roles whose messages need nothing but their text ("developer" is kept as written, "tool" answers a call).
+_PLAIN_ROLES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT}
 
 # Marks a message that had no "content" key at all (as opposed to null or "").
 _MISSING = {"__missing__": True}

@@ -206,10 +206,10 @@ def parse_request(raw: bytes) -> ParsedRequest:
         if name in body and body[name] is not None and not isinstance(body[name], kind):
             raise BadRequest(400, f"'{name}' must be a {kind.__name__}, got {type(body[name]).__name__}",
                              code="invalid_type", param=name)
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise BadRequest(400, f"messages[{i}] must be an object, got {type(m).__name__}", code="invalid_type",
-                             param=f"messages[{i}]")
+    if set(map(type, messages)) != {dict}:  # in C: the loop below only names the culprit
+        i, m = next((i, m) for i, m in enumerate(messages) if not isinstance(m, dict))
+        raise BadRequest(400, f"messages[{i}] must be an object, got {type(m).__name__}", code="invalid_type",
+                         param=f"messages[{i}]")
     first = messages[0]
     system = None
     if first.get("role") == "system" and isinstance(first.get("content"), str) and first.keys() <= {"role", "content"}:
@@ -333,6 +333,8 @@ class ProxyApp:
         if request.content_length is not None and request.content_length > limit:
             raise BadRequest(413, f"request body is {request.content_length} bytes; this proxy accepts at most "
                                   f"{limit} bytes (--max-body-bytes)", code="request_too_large")
+        if request.content_length is not None:
+            return await request.read()  # at most the limit, checked above
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.content.iter_chunked(1 << 16):
