@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -544,3 +545,14 @@ def test_archive_due_only_when_an_output_worth_archiving_slid_behind_the_kept_tu
     c.before_request()  # the turn-start pass archives it
     assert [e.kind for e in c.events if e.applied] == ["archive"]
     assert not c.archive_due([Message(Role.ASSISTANT, "ok"), user("and another")])  # judged already
+
+
+def test_quiet_holds_until_a_line_could_be_reached_and_follows_a_new_window(counter: TokenCounter) -> None:
+    c = make(counter, context_tokens=100_000)
+    c.append(user("word " * 2_000))  # 10,000 bytes: far below every line of a 100k window
+    assert c.quiet() and c.before_request() is None
+    assert not c.quiet([user("word " * 20_000)])  # 100,000 more bytes could reach a line: counting decides
+    c.config = replace(c.config, context_tokens=12_000)  # the proxy's calibration replaces the config
+    assert not c.quiet()
+    c.config = replace(c.config, context_tokens=None)
+    assert c.quiet([user("word " * 20_000)])  # no known window: no token trigger

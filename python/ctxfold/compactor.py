@@ -167,6 +167,7 @@ class Compactor:
         observer: Observer | None = None,
     ) -> None:
         self.config = config if config is not None else CompactConfig()
+        self._quiet_line: tuple[CompactConfig | None, int | None] = (None, None)  # see _quiet_line_tokens
         self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
         self._accounting = RequestAccounting(self.counter, template)
         # The byte bound of the messages appended since the last count; not 0 exactly when there are
@@ -262,13 +263,22 @@ class Compactor:
         """Whether no token trigger (a summary, the mid-turn archive) can fire once ``extra`` is appended,
         by the byte bound alone (:meth:`occupancy_bound_tokens`): counts nothing. False with room to
         spare is fine; True is a guarantee. Without a known window, always True."""
-        ctx = self.context_tokens
-        if ctx is None:
-            return True
-        line = self._trigger_line_tokens(ctx)
-        if self._archive_enabled(mid_turn=True):
-            line = min(line, int(ctx * self.config.minor.mid_turn_token_threshold))
-        return self.occupancy_bound_tokens(extra) < line
+        line = self._quiet_line_tokens()
+        return line is None or self.occupancy_bound_tokens(extra) < line
+
+    def _quiet_line_tokens(self) -> int | None:
+        """The lowest line a token trigger fires at, None without a known window. Asked twice per
+        request by the proxy: kept until the configuration is replaced (a calibration does that)."""
+        cfg = self.config
+        if self._quiet_line[0] is not cfg:
+            ctx = cfg.context_tokens
+            line: int | None = None
+            if ctx is not None:
+                line = self._trigger_line_tokens(ctx)
+                if self._archive_enabled(mid_turn=True):
+                    line = min(line, int(ctx * cfg.minor.mid_turn_token_threshold))
+            self._quiet_line = (cfg, line)
+        return self._quiet_line[1]
 
     def archive_due(self, extra: Sequence[Message] = ()) -> bool:
         """Whether the turn-start archive pass may archive something once ``extra`` is appended: the
