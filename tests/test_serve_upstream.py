@@ -280,3 +280,39 @@ def test_a_large_answer_read_slowly_pauses_the_socket_and_arrives_whole() -> Non
             await c.close()
 
     run(main())
+
+
+def test_an_https_upstream_is_asked_over_tls(tmp_path: Any) -> None:
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl (the command) makes the test's certificate; it is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def answer(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(json_answer(b'{"tls": true}'))
+        return True
+
+    async def main() -> None:
+        server = RawServer(answer)
+        server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0, ssl=server_ctx)
+        port = server.server.sockets[0].getsockname()[1]
+        url = f"https://localhost:{port}/v1/chat/completions"
+        # Verified against the test's own certificate, by host name.
+        c = client(url, ssl_context=ssl.create_default_context(cafile=str(cert)))
+        assert await post(c) == (200, {"content-type": "application/json", "content-length": "13"}, [b'{"tls": true}'])
+        assert f"Host: localhost:{port}".encode() in server.requests[0]
+        await c.close()
+        # The system's trust store does not know it: the handshake fails, and says so.
+        with pytest.raises(UpstreamUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+            await post(client(url))
+        server.server.close()
+
+    run(main())
