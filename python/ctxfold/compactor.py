@@ -317,6 +317,28 @@ class Compactor:
         with self._lock:
             self._ingest(messages)
 
+    def append_exchange(self, request: Sequence[Message], answer: Message) -> bool:
+        """Append a request's messages, mark it sent (:meth:`before_request`) and append the model's
+        answer, in one write to the log, when nothing can fire in between: the byte bound stays under
+        every line (:meth:`quiet`, the hard trigger of tool results included) and no output is due for
+        archiving (:meth:`archive_due`). Returns False, having done nothing, when something could:
+        then append, before_request and append again, one at a time.
+
+        For a caller that learns of both at once: the proxy records a quiet request's messages with
+        its answer, once the answer has gone back."""
+        with self._lock:
+            if not self.quiet(request) or self.archive_due(request):
+                return False
+            if self.session is not None:  # the log first: both in one write
+                self.session.append_messages([*request, answer])
+            self._ingest(request, log=False)
+            events = len(self.events)
+            self.before_request()
+            if len(self.events) != events:  # the checks above rule it out; the log would be out of order
+                raise RuntimeError("a compaction pass fired in append_exchange although quiet() said none could")
+            self._ingest([answer], log=False)
+            return True
+
     def append_tool_result(self, result: Message) -> AppendResult:
         """Append one tool result; if it would not fit with the reply reserve, compact and retry once,
         and as the last resort archive it and append a marker with a tool error instead."""
@@ -691,12 +713,13 @@ class Compactor:
         self._record(event)
         return event
 
-    def _ingest(self, messages: Iterable[Message], shown: Sequence[Message] | None = None) -> None:
-        """Log originals and show them (or their stand-ins) in the view."""
+    def _ingest(self, messages: Iterable[Message], shown: Sequence[Message] | None = None, *, log: bool = True) -> None:
+        """Log originals and show them (or their stand-ins) in the view. ``log=False``: the caller has
+        logged them already."""
         messages = list(messages)
         shown = messages if shown is None else list(shown)
         first = len(self.originals)
-        if self.session is not None:  # the log first: memory never holds what the log does not
+        if log and self.session is not None:  # the log first: memory never holds what the log does not
             self.session.append_messages(messages)
         self.originals.extend(messages)
         for k, m in enumerate(shown):

@@ -248,6 +248,19 @@ def _to_wire(m: Message) -> dict[str, Any]:
     return out
 
 
+def _answer_message(c: Compactor, message: dict[str, Any], usage: Any, index: int) -> Message | None:
+    """The upstream's answer as the conversation's original ``index`` (None, logged, when it is not
+    a chat message)."""
+    wire = dict(message)
+    if isinstance(usage, dict):
+        wire["usage"] = usage
+    try:
+        return message_from_openai(wire, f"m{index + (1 if c.header.system is not None else 0)}", keep_id=False)
+    except FormatError as e:
+        log.warning("answer not recorded: %s", e)
+        return None
+
+
 def _has_archive_marker(messages: list[Message]) -> bool:
     return any(m.role is Role.TOOL and m.text.startswith(MARKER_PREFIX) for m in messages)
 
@@ -592,6 +605,8 @@ class ProxyApp:
         fails: the client's next request carries the answer, and a message the session does not hold
         yet is appended then like any other."""
         try:
+            if deferred.messages and self._record_exchange(session, message, usage, deferred):
+                return  # nothing was counted: the request's messages made the count stale, no calibration
             if deferred.messages:  # the request's own messages first
                 # A pass that ran now changed the view after it was sent: no calibration against it.
                 calibrate = not any(e.applied for e in self._ingest_deferred(session, deferred)) and calibrate
@@ -599,18 +614,30 @@ class ProxyApp:
         except Exception:  # the response is out: a failure here can only be logged
             log.exception("answer not recorded; the conversation's next request will bring it")
 
+    def _record_exchange(self, session: ProxySession, message: dict[str, Any], usage: Any,
+                         deferred: Deferred) -> bool:
+        """The request's deferred messages and its answer in one append, when nothing can fire in
+        between (Compactor.append_exchange: one write to the log); False, with nothing done, when
+        something can."""
+        c = session.compactor
+        known, new = session.num_known, deferred.messages
+        answer = _answer_message(c, message, usage, known + len(new))
+        if answer is None:  # not a chat message (logged): the request's own messages still go in
+            self._ingest_deferred(session, deferred)
+            return True
+        if not c.append_exchange(new, answer):
+            return False
+        deferred.take()
+        session.note_wire([*deferred.sent[known:known + len(new)], message], known)
+        return True
+
     async def _record(self, session: ProxySession, message: dict[str, Any], usage: Any, *, calibrate: bool) -> None:
         """Keep the answer in the session and, with ``calibrate`` (the answer is to the request as the
         view was sent, no recall round in between), calibrate the estimate with the upstream's count."""
         c = session.compactor
-        wire = dict(message)
-        if isinstance(usage, dict):
-            wire["usage"] = usage
         index = len(c.originals)
-        try:
-            m = message_from_openai(wire, f"m{index + (1 if c.header.system is not None else 0)}", keep_id=False)
-        except FormatError as e:
-            log.warning("answer not recorded: %s", e)
+        m = _answer_message(c, message, usage, index)
+        if m is None:
             return
         # The estimate of the request as it was sent, before the answer joins the view, when the trigger
         # check counted it: from about a fifth of the window on (where the byte bound meets a trigger
