@@ -30,6 +30,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +171,7 @@ class SessionStore:
         if excess <= 0:
             return []
         evicted: list[str] = []
-        for key in list(self._sessions)[:excess]:
+        for key in list(islice(self._sessions, excess)):  # the oldest only: not a list of every key
             lock = self._locks.get(key)
             if lock is not None and lock.locked():
                 continue
