@@ -375,15 +375,16 @@ class RequestAccounting:
                 texts.extend(p.runs[1:])
             else:
                 texts.extend(p.runs)
-        counts = self.counter.count_batch(texts) if texts else np.zeros(0, dtype=np.int64)
+        # A list: the segments are a few runs each, and numpy's per-call cost is more than the sums.
+        counts: list[int] = self.counter.count_batch(texts).tolist() if texts else []
         pos = 0
         for k, p in todo:
             n = len(p.runs) + (1 if p.join_tail is not None else 0)
             c = counts[pos : pos + n]
             pos += n
-            total = int(c.sum()) + p.num_specials
+            total = sum(c) + p.num_specials
             if p.join_tail is not None:
-                total -= 2 * int(c[1])  # c[1] is the tail alone: subtract it, not add it
+                total -= 2 * c[1]  # c[1] is the tail alone: subtract it, not add it
             total = max(total, 0)
             self.ledger.remember_count(p.key, total)
             out[k] = total

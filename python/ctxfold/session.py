@@ -92,6 +92,7 @@ class Session:
 
     def __init__(self, root: str | os.PathLike[str], *, durable: bool = True, fsync_appends: bool = True) -> None:
         self.root = Path(root)
+        self.events_path = self.root / EVENTS_FILE
         self.durable = durable  # fsync events (dumps are always durable); off for replays and benchmarks
         # With durable, fsync the header and appended messages too. Off where they have another durable
         # home (the proxy: the client sends its whole history with every request): they are then
@@ -103,10 +104,6 @@ class Session:
         self._seq = 0
 
     # -- paths ------------------------------------------------------------------------------------
-    @property
-    def events_path(self) -> Path:
-        return self.root / EVENTS_FILE
-
     @property
     def history_dir(self) -> Path:
         return self.root / HISTORY_DIR
