@@ -11,6 +11,7 @@ from ctxfold import fastjson
 
 @pytest.mark.parametrize("text", [
     '{"a": 123456789012345678901234567890}',  # beyond 64 bits: orjson refuses, json reads it
+    '{"a": -9223372036854775809, "b": 18446744073709551616, "c": -9223372036854775808}',  # just past orjson's range
     '{"a": NaN, "b": -Infinity}', '{"a": "\\ud800 lone surrogate"}', '{"a": [1.5e300, -0.0, "\u00e9\u4e2d"]}',
     '{"a": 1, "a": 2}',
 ])

@@ -5,7 +5,7 @@ it writes strings about fifty times faster.
 
 What parses, and to what, is the same either way. Where orjson refuses what ``json`` accepts (NaN,
 a lone surrogate escape, 1e400), ``json`` decides. orjson reads an integer beyond 64 bits as a float,
-which ``json`` does not; a text with a number of 20 digits or more (where such an integer could
+which ``json`` does not; a text with a number of 19 digits or more (where such an integer could
 hide) goes to ``json``. The check is the core's scan (``_core.has_long_number``): digits inside
 strings do not count, and strings are skipped with memchr, so it costs a tenth of orjson's parse
 (a byte translation of the whole text cost as much as the parse). Writing, orjson would turn NaN
@@ -26,8 +26,9 @@ try:
 except ImportError:  # optional: the standard library does the same, slower
     orjson = None  # type: ignore[assignment]
 
-# 20 digits: the shortest integer literal that can exceed 2**64 - 1 (orjson's largest exact integer).
-_LONG_NUMBER_DIGITS = 20
+# orjson reads integers exactly from -2**63 to 2**64 - 1. 19 digits: the shortest literal outside that
+# range (-9223372036854775809); a positive one needs 20.
+_LONG_NUMBER_DIGITS = 19
 
 
 def _has_long_number(data: bytes | str) -> bool:
