@@ -316,3 +316,42 @@ def test_an_https_upstream_is_asked_over_tls(tmp_path: Any) -> None:
         server.server.close()
 
     run(main())
+
+
+def test_a_reset_cuts_a_body_that_ends_with_the_connection() -> None:
+    import socket
+    import struct
+
+    async def answer(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b'HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{"partial": ')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a reset, not an orderly close: the body is not whole
+        return False
+
+    async def main() -> None:
+        async with RawServer(answer) as url:
+            c = client(url)
+            with pytest.raises(UpstreamCut, match="closed the connection before the answer ended"):
+                await post(c)
+            await c.close()
+
+    run(main())
+
+
+def test_a_whole_answer_followed_by_junk_is_read_and_its_connection_retired() -> None:
+    async def answer(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(json_answer(b"ok") + b"JUNK")
+        return True
+
+    async def main() -> None:
+        server = RawServer(answer)
+        async with server as url:
+            c = client(url)
+            for _ in range(2):
+                assert (await post(c))[2] == [b"ok"]
+            await c.close()
+        assert server.connections == 2
+
+    run(main())

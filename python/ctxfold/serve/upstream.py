@@ -131,12 +131,13 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def eof_received(self) -> bool | None:
+        self.closed = True  # now, not a loop step later in connection_lost: no request may pick it
         return None  # close the transport: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.until_close and self.head_done and not self.done:
-            self.done = True  # the body was everything up to the close
+        if self.until_close and self.head_done and not self.done and exc is None:
+            self.done = True  # the body was everything up to an orderly close (a reset cuts it)
         elif not self.done:
             why = f": {exc}" if exc is not None else ""
             self._fail(UpstreamCut(f"the upstream closed the connection before the answer ended{why}"))
@@ -204,11 +205,11 @@ class UpstreamResponse:
                 for chunk in conn.take_chunks():
                     yield chunk
                 continue
-            if conn.error is not None:
-                raise conn.error
-            if conn.done:
+            if conn.done:  # whole, even if junk followed it (then the connection is not reused)
                 self.release()
                 return
+            if conn.error is not None:
+                raise conn.error
             await conn.wait(self._client.read_timeout_s)
 
     def release(self) -> None:
