@@ -587,3 +587,19 @@ def test_an_exchange_that_could_fire_something_is_refused_untouched(counter: Tok
     before = list(c.originals)
     assert not c.append_exchange([user("word " * 2_000)], Message(Role.ASSISTANT, "ok"))  # 10 kB past a line
     assert c.originals == before
+
+
+def test_a_failure_inside_an_exchange_leaves_memory_and_log_alike(counter: TokenCounter, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    c = make(counter, tmp_path, context_tokens=100_000)
+    c.append(user("first"), Message(Role.ASSISTANT, "one"))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise OSError("a failure between the request and its answer")
+
+    monkeypatch.setattr(c, "before_request", broken)
+    with pytest.raises(OSError, match="between the request and its answer"):
+        c.append_exchange([user("second")], Message(Role.ASSISTANT, "two"))
+    c.close()
+    resumed = Compactor(header(), counter=counter, session_dir=tmp_path / "session")
+    assert [m.text for m in resumed.originals] == [m.text for m in c.originals] == ["first", "one", "second", "two"]

@@ -333,10 +333,12 @@ class Compactor:
                 self.session.append_messages([*request, answer])
             self._ingest(request, log=False)
             events = len(self.events)
-            self.before_request()
-            if len(self.events) != events:  # the checks above rule it out; the log would be out of order
-                raise RuntimeError("a compaction pass fired in append_exchange although quiet() said none could")
-            self._ingest([answer], log=False)
+            try:
+                self.before_request()
+                if len(self.events) != events:  # the checks above rule it out; the log would be out of order
+                    raise RuntimeError("a compaction pass fired in append_exchange although quiet() said none could")
+            finally:
+                self._ingest([answer], log=False)  # logged already: memory holds what the log holds, whatever happens
             return True
 
     def append_tool_result(self, result: Message) -> AppendResult:

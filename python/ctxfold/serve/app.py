@@ -625,11 +625,14 @@ class ProxyApp:
         if answer is None:  # not a chat message (logged): the request's own messages still go in
             self._ingest_deferred(session, deferred)
             return True
-        if not c.append_exchange(new, answer):
-            return False
-        deferred.take()
-        session.note_wire([*deferred.sent[known:known + len(new)], message], known)
-        return True
+        deferred.take()  # appended here or not at all: a failure below must not append them twice
+        try:
+            done = c.append_exchange(new, answer)
+        finally:  # whatever was stored is known, so the next request does not store it again
+            session.note_wire([*deferred.sent[known:known + len(new)], message], known)
+        if not done:
+            deferred.messages = new  # nothing was stored: they go in step by step
+        return done
 
     async def _record(self, session: ProxySession, message: dict[str, Any], usage: Any, *, calibrate: bool) -> None:
         """Keep the answer in the session and, with ``calibrate`` (the answer is to the request as the
