@@ -472,6 +472,19 @@ def test_a_cut_stream_ends_with_an_error_event_and_leaves_the_session_clean(
     assert msgs[1].text == "echo: " + ("a long answer please " * 10)[:200]
 
 
+def test_a_client_that_leaves_mid_stream_is_not_an_upstream_error(upstream: tuple[ScriptedUpstream, str],
+                                                                   proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    up.stall_after_chunks, up.stall_s = 2, 0.5  # the client is gone when the proxy writes the next event
+    body = chat(("user", "a long answer please " * 10), stream=True)
+    with httpx.stream("POST", f"{proxy[1]}/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())
+    time.sleep(1.0)
+    assert proxy[0].metrics.upstream_errors.get("cut_stream") == 0
+    assert post(proxy[1], chat(("user", "still serving"))).status_code == 200
+
+
 def test_health_and_metrics(upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str]) -> None:
     post(proxy[1], chat(("user", "hi")))
     post(proxy[1], None, raw=b"{")

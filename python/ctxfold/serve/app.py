@@ -737,6 +737,8 @@ class ProxyApp:
                         cut = f"the upstream sent nothing for {self.config.read_timeout_s:g} s (--read-timeout-s)"
                     except UpstreamCut as e:
                         cut = f"the upstream stream was cut: {e}"
+            except ConnectionError:  # the client went away mid-stream (the upstream's failures are UpstreamError)
+                return resp
             except Exception as e:  # noqa: BLE001 - connection or timeout before any byte: 502/504
                 if not resp.prepared:
                     return self._upstream_failure(e)
