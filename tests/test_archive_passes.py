@@ -154,14 +154,6 @@ def test_turn_start_counts_only_real_user_turns(tmp_path: Path) -> None:
     assert rep.archived == ()
 
 
-@given(st.integers(0, 5), st.integers(0, 4))
-def test_turn_start_cutoff_over_a_list_and_what_follows_it_is_the_cutoff_over_both(turns_n: int, keep: int) -> None:
-    msgs = turns(turns_n)
-    msgs.insert(min(2, len(msgs)), user(90, queued=True))
-    for split in range(len(msgs) + 1):
-        assert turn_start_cutoff(msgs[:split], keep, msgs[split:]) == turn_start_cutoff(msgs, keep)
-
-
 def test_turn_start_threshold_and_error_preview(tmp_path: Path) -> None:
     store = ArchiveStore(tmp_path)
     small = "s" * 999

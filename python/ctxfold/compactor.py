@@ -43,7 +43,6 @@ from ctxfold.archive import (
     archive_mid_turn,
     archive_oversized,
     archive_turn_start,
-    turn_start_cutoff,
 )
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
@@ -214,6 +213,7 @@ class Compactor:
             self.originals = resumed.originals
             self.view = resumed.conversation.messages
             self.view_origins = resumed.view_origins
+            self._user_turns = _user_turn_indexes(self.view)
             self._load_state(resumed.state)
             for m in self.view:  # a resumed session: the same rule over the whole view
                 self._track_unseen(m)
@@ -222,6 +222,7 @@ class Compactor:
             self.originals = []
             self.view = []
             self.view_origins = []
+            self._user_turns = []
             if self.session is not None:
                 self.session.create(self.header)
             self._accounting.reset(self.header, [])
@@ -287,12 +288,24 @@ class Compactor:
         slid past. True does not mean something will be archived; False means nothing will be."""
         if not self._archive_enabled(mid_turn=False):
             return False
-        params = self._archive_params
         with self._lock:
             view, n = self.view, len(self.view)
-            cutoff = turn_start_cutoff(view, params.keep_recent_user_turns, extra)
+            cutoff = self._turn_start_cutoff(extra)
             lo, hi = self._archive_watermark, max(cutoff, 0)
             return self._worth_archiving(chain(view[lo:min(hi, n)], extra[max(lo - n, 0):max(hi - n, 0)]))
+
+    def _turn_start_cutoff(self, extra: Sequence[Message] = ()) -> int:
+        """:func:`turn_start_cutoff` of the view followed by ``extra``, from the index of the view's
+        user turns: O(len(extra)), where a scan would walk back through the whole view of an agent's
+        conversation (one user turn, hundreds of tool calls) on every request."""
+        k = self._archive_params.keep_recent_user_turns
+        n = len(self.view)
+        turns = self._user_turns
+        if extra:
+            turns = turns + [n + j for j, m in enumerate(extra) if m.is_user_turn]
+        if len(turns) <= k:
+            return -1
+        return n + len(extra) if k == 0 else turns[len(turns) - k]
 
     def _worth_archiving(self, messages: Iterable[Message]) -> bool:
         """Whether any of ``messages`` is a tool output of at least the archive threshold: the first
@@ -449,8 +462,8 @@ class Compactor:
         if stage == "turn_start":
             # Outputs before the previous cutoff were judged at an earlier turn start (archived, or
             # too small): scan only what the window slid past since, so a turn start with nothing
-            # to do costs a backward scan over the kept turns, not the whole conversation.
-            cutoff = turn_start_cutoff(self.view, params.keep_recent_user_turns)
+            # to do costs a look at the index of user turns, not a walk through the conversation.
+            cutoff = self._turn_start_cutoff()
             lo = self._archive_watermark
             if cutoff <= lo:
                 return None
@@ -729,12 +742,14 @@ class Compactor:
             self.view_origins.append(first + k)
             if m.is_user_turn:
                 self._turn.request = m
+                self._user_turns.append(len(self.view) - 1)
             self._track_unseen(m)
         self._pending_bound_tokens += sum(map(_tokens_bound, shown))
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
         self.view = view
         self.view_origins = origins
+        self._user_turns = _user_turn_indexes(view)
         self._accounting.reset(self.header, view)
         self._pending_bound_tokens = 0
 
@@ -814,6 +829,10 @@ _FRAME_TOKENS = 32
 # Appending can re-render the messages of the previous user turn (thinking markers move with the last
 # user message): what that can add, at most.
 _RERENDER_FRAME_TOKENS = 64
+
+
+def _user_turn_indexes(view: Sequence[Message]) -> list[int]:
+    return [i for i, m in enumerate(view) if m.is_user_turn]
 
 
 def _tokens_bound(m: Message) -> int:

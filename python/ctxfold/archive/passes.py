@@ -206,23 +206,19 @@ class _Archiver:
         )
 
 
-def turn_start_cutoff(messages: Sequence[Message], keep_recent_user_turns: int,
-                      extra: Sequence[Message] = ()) -> int:
+def turn_start_cutoff(messages: Sequence[Message], keep_recent_user_turns: int) -> int:
     """Index of the ``keep_recent_user_turns``-th most recent real user turn; tool outputs before it
-    are old enough to archive. -1 when there are not more than that many real user turns.
-    ``extra``: messages that follow ``messages`` (indexes go on past them), without copying both into
-    one list: the scan goes back from the end only as far as the kept turns."""
-    n = len(messages)
+    are old enough to archive. -1 when there are not more than that many real user turns."""
     seen = 0
     first_kept = -1
-    for i in range(n + len(extra) - 1, -1, -1):
-        m = extra[i - n] if i >= n else messages[i]
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
         if m.role is Role.USER and not (m.queued or m.resume or m.summary):  # Message.is_user_turn, inlined
             seen += 1
             if seen == keep_recent_user_turns:
                 first_kept = i
             elif seen > keep_recent_user_turns:
-                return n + len(extra) if keep_recent_user_turns == 0 else first_kept
+                return len(messages) if keep_recent_user_turns == 0 else first_kept
     return -1
 
 
