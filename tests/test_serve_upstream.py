@@ -27,15 +27,17 @@ class RawServer:
     """Reads each request (head and Content-Length body) and lets ``handler`` answer it with raw bytes;
     the handler returns whether to keep the connection for another request."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, ssl: Any = None) -> None:
         self.handler = handler
+        self.ssl = ssl
         self.requests: list[bytes] = []
         self.connections = 0
 
     async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.ssl)
         port = self.server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}/v1/chat/completions?x=1"
+        scheme, host = ("https", "localhost") if self.ssl else ("http", "127.0.0.1")  # TLS checks a name
+        return f"{scheme}://{host}:{port}/v1/chat/completions?x=1"
 
     async def __aexit__(self, *exc: object) -> None:
         self.server.close()
@@ -301,19 +303,18 @@ def test_an_https_upstream_is_asked_over_tls(tmp_path: Any) -> None:
         return True
 
     async def main() -> None:
-        server = RawServer(answer)
-        server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0, ssl=server_ctx)
-        port = server.server.sockets[0].getsockname()[1]
-        url = f"https://localhost:{port}/v1/chat/completions"
-        # Verified against the test's own certificate, by host name.
-        c = client(url, ssl_context=ssl.create_default_context(cafile=str(cert)))
-        assert await post(c) == (200, {"content-type": "application/json", "content-length": "13"}, [b'{"tls": true}'])
-        assert f"Host: localhost:{port}".encode() in server.requests[0]
-        await c.close()
-        # The system's trust store does not know it: the handshake fails, and says so.
-        with pytest.raises(UpstreamUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
-            await post(client(url))
-        server.server.close()
+        server = RawServer(answer, ssl=server_ctx)
+        async with server as url:
+            port = url.split(":")[2].split("/")[0]
+            # Verified against the test's own certificate, by host name.
+            c = client(url, ssl_context=ssl.create_default_context(cafile=str(cert)))
+            assert await post(c) == (200, {"content-type": "application/json", "content-length": "13"},
+                                     [b'{"tls": true}'])
+            assert f"Host: localhost:{port}".encode() in server.requests[0]
+            await c.close()
+            # The system's trust store does not know it: the handshake fails, and says so.
+            with pytest.raises(UpstreamUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+                await post(client(url))
 
     run(main())
 

@@ -78,11 +78,18 @@ def dumps_record(value: Any) -> bytes:
             # orjson writes a float that is not finite as null: only where it wrote a null can one hide.
             if b"null" not in out or not _has_non_finite(value):
                 return out
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return dumps_text(value).encode()
+
+
+def dumps_text(value: Any, separators: tuple[str, str] | None = (",", ":")) -> str:
+    """``json.dumps`` that always encodes as UTF-8: characters as they are, but a text holding a lone
+    surrogate with escapes (which read back the same). ``separators``: as ``json.dumps`` takes them."""
+    text = json.dumps(value, ensure_ascii=False, separators=separators)
     try:
-        return text.encode()
-    except UnicodeEncodeError:  # a lone surrogate: escaped, as JSON allows
-        return json.dumps(value, separators=(",", ":")).encode()
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=separators)
+    return text
 
 
 def _has_non_finite(value: Any) -> bool:

@@ -27,7 +27,6 @@ view event that points at them is logged (write-ahead).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -74,17 +73,11 @@ class ResumedState:
 def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
                       previous: str | None = None) -> str:
     """A history dump: a header line (the conversation, where this part starts, the part before
-    it), then one message a line. Deterministic: no clock in it. Encodable as UTF-8: a message with a
-    lone surrogate turns the dump to ASCII with escapes, which reads back the same."""
+    it), then one message a line. Deterministic: no clock in it. Encodable as UTF-8 (see
+    :func:`fastjson.dumps_text`)."""
     header = {"type": "header", "first_index": first_index, "previous": previous,
               "conversation": encode_conversation_header(conversation)}
-    lines = [header, *map(encode_message, messages)]
-    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return "".join(json.dumps(line) + "\n" for line in lines)
-    return text
+    return "".join(fastjson.dumps_text(line, separators=None) + "\n" for line in [header, *map(encode_message, messages)])
 
 
 class Session:

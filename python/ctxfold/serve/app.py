@@ -479,8 +479,11 @@ class ProxyApp:
         return session.inject_recall or not (tools or _has_archive_marker(new))
 
     def _ingest_deferred(self, session: ProxySession, deferred: Deferred) -> list[CompactionEvent]:
-        """Append the messages a request deferred (see :meth:`_deferrable`), once; before its answer."""
-        events = self._ingest(session, deferred.take(), deferred.sent, quiet=True)
+        """Append the messages a request deferred (see :meth:`_deferrable`), once, step by step: the
+        way when they do not go in with the answer (:meth:`_record_exchange`), rare (the upstream
+        failed, the client left, the answer is not a chat message), and not bound to quiet checks
+        made before."""
+        events = self._ingest(session, deferred.take(), deferred.sent)
         self._count_events(events)
         if any(e.archived for e in events):
             session.inject_recall = True
