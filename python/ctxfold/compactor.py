@@ -23,6 +23,7 @@ between threads; :class:`AsyncCompactor` is the asyncio variant for servers.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -43,10 +44,12 @@ from ctxfold.archive import (
     archive_mid_turn,
     archive_oversized,
     archive_turn_start,
+    archive_whole,
 )
+from ctxfold.archive.marker import make_marker
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
-from ctxfold.errors import ArchiveError
+from ctxfold.errors import ArchiveError, NoFitError
 from ctxfold.kvplan import plan_kv_resync
 from ctxfold.ledger import SegmentFlag
 from ctxfold.messages import Conversation, Message, Role
@@ -127,6 +130,19 @@ class CompactionEvent:
     kv: KvPlanFigures | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # per phase wall time
     failure: str | None = None  # why nothing was applied
+    # The window guard's step that ran (GUARD_STEPS), None for a policy pass. The guard runs when a
+    # request would leave over the window; its last applied step is the one that made it fit.
+    guard_step: str | None = None
+
+
+# The window guard's cascade, in order: each runs only while the request is still over the window.
+GUARD_STEPS: tuple[str, ...] = (
+    "archive_all",  # every tool output the archive can shrink, the newest too (markers the model reads back)
+    "extractive_summary",  # a summary written without a model, with a tail under the trigger line
+    "shorter_tail",  # the same with no tail: only what the model has not seen yet stays verbatim
+    "oversized_message",  # single huge messages (a result, a pasted file, an agent's summary) archived
+    "fold_newest",  # mid-turn: the turn's newest calls and results folded into the summary too
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +213,8 @@ class Compactor:
         self._history_id: str | None = None  # archive id of the newest history dump
         self._archive_watermark = 0  # view index before which the turn-start pass has judged every output
         self._archive_params = ArchiveParams.from_config(self.config.minor)
+        self._answer_tokens: list[int] = []  # tokens of each answer so far, sorted (the reserve's percentile)
+        self._max_reply_tokens: int | None = None  # the current request's own max_tokens, where it gave one
 
         self.session: Session | None = None
         if session_dir is not None:
@@ -215,6 +233,8 @@ class Compactor:
             self.view_origins = resumed.view_origins
             self._user_turns = _user_turn_indexes(self.view)
             self._load_state(resumed.state)
+            self._answer_tokens = sorted(self._answer_size_tokens(m) for m in self.originals
+                                         if m.role is Role.ASSISTANT)
             for m in self.view:  # a resumed session: the same rule over the whole view
                 self._track_unseen(m)
             self._accounting.reset(self.header, self.view)
@@ -248,7 +268,22 @@ class Compactor:
     def occupancy_tokens(self, queued: Sequence[Message] = ()) -> int:
         """System + tools + view + queued messages + reply reserve, in tokens. O(len(queued))."""
         extra = sum(self.accounting.message_tokens(m) for m in queued)
-        return self.accounting.total_tokens + extra + self.config.reply_reserve()
+        return self.accounting.total_tokens + extra + self.reply_reserve_tokens()
+
+    def reply_reserve_tokens(self) -> int:
+        """Tokens kept free for the model's answer: the largest of the configured reserve, the current
+        request's own ``max_tokens`` (given to :meth:`before_request`) and the 95th percentile of this
+        conversation's answers so far. The percentile is capped at half a known window: one outlier
+        answer must not leave no room for the conversation."""
+        reserve = self.config.reply_reserve()
+        if self._max_reply_tokens is not None:
+            reserve = max(reserve, self._max_reply_tokens)
+        answers = self._answer_tokens
+        if answers:
+            high = answers[min(len(answers) - 1, (95 * len(answers)) // 100)]  # nearest rank
+            ctx = self.context_tokens
+            reserve = max(reserve, high if ctx is None else min(high, ctx // 2))
+        return reserve
 
     def occupancy_bound_tokens(self, extra: Sequence[Message] = ()) -> int:
         """An upper bound of :meth:`occupancy_tokens` once ``extra`` is appended, without counting
@@ -258,7 +293,7 @@ class Compactor:
         fire (:meth:`quiet`); whether one that may fire does is decided by counting."""
         with self._lock:
             total = self._accounting.total_tokens + self._pending_bound_tokens
-        return total + sum(map(_tokens_bound, extra)) + _RERENDER_FRAME_TOKENS + self.config.reply_reserve()
+        return total + sum(map(_tokens_bound, extra)) + _RERENDER_FRAME_TOKENS + self.reply_reserve_tokens()
 
     def quiet(self, extra: Sequence[Message] = ()) -> bool:
         """Whether no token trigger (a summary, the mid-turn archive) can fire once ``extra`` is appended,
@@ -395,23 +430,162 @@ class Compactor:
             return AppendResult(appended, fitted=False, events=tuple(events))
 
     # -- the decision -------------------------------------------------------------------------------
-    def before_request(self, queued: Sequence[Message] = ()) -> CompactionEvent | None:
-        """Run the automatic passes due before a model request; return the last event, if any.
+    def before_request(self, queued: Sequence[Message] = (), *,
+                       max_reply_tokens: int | None = None) -> CompactionEvent | None:
+        """Run the automatic passes due before a model request, then the window guard; return the last
+        event, if any.
 
         ``queued`` are user messages typed while the turn runs: counted before deciding, appended to
         the view after any rewrite (so they follow a resume instruction), flagged as queued inserts.
+        ``max_reply_tokens`` is the request's own limit on the answer (``max_tokens``), where it gives
+        one: the reply reserve is at least that (:meth:`reply_reserve_tokens`).
+
+        The guard is never off: the breaker may stop the automatic passes for the rest of a turn, but
+        a request never leaves over the window while any fit exists (:meth:`_guard`). Where none
+        exists, :class:`~ctxfold.errors.NoFitError` is raised here, before the request is sent.
         """
+        if max_reply_tokens is not None and (isinstance(max_reply_tokens, bool) or max_reply_tokens < 0):
+            raise ValueError(f"max_reply_tokens must be a whole number >= 0, got {max_reply_tokens!r}")
         with self._lock:
+            self._max_reply_tokens = max_reply_tokens
             turn_start = self._at_turn_start()
             if turn_start:
                 self._new_turn()
             last: CompactionEvent | None = None
             if not self._turn.gave_up:
                 last = self._run_automatic(turn_start, queued)
+            queued = [replace(m, queued=True) if not m.queued else m for m in queued]
+            shown, guarded = self._guard(turn_start, queued)
+            last = guarded or last
             if queued:
-                self._ingest([replace(m, queued=True) if not m.queued else m for m in queued])
+                self._ingest(queued, shown=shown)
+                if any(a is not b for a, b in zip(queued, shown, strict=True)):
+                    self._log_view(self.events[-1])  # the view shows stand-ins: a resumed session must too
             self._first_unseen = None  # the request goes out: the model sees it all
             return last
+
+    # -- the window guard ---------------------------------------------------------------------------
+    def _guard(self, turn_start: bool, queued: list[Message]) -> tuple[list[Message], CompactionEvent | None]:
+        """Make the request fit the window, whatever the policy and the breaker did: the steps of
+        :data:`GUARD_STEPS` in order, each only while the request is still over, every one without a
+        model call. Returns what to show for ``queued`` (stand-ins where the oversized step archived
+        one) and the last applied event. Raises NoFitError when even the smallest request that keeps
+        what must be sent (:meth:`_fit_floor`) is over the window."""
+        ctx = self.context_tokens
+        if ctx is None or self.occupancy_bound_tokens(queued) <= ctx:
+            return queued, None  # even the byte bound fits: nothing to count (the common case)
+        if self.occupancy_tokens(queued) <= ctx:
+            return queued, None
+        floor = self._fit_floor(turn_start, queued)
+        if sum(floor.values()) > ctx:
+            raise NoFitError(ctx, floor)
+        reason = "request over the context window"
+        last: CompactionEvent | None = None
+        shown = list(queued)
+        for step in GUARD_STEPS:
+            event: CompactionEvent | None
+            if step == "archive_all":
+                event = self._archive_pass(stage="all", trigger="guard", reason=reason, guard_step=step)
+            elif step == "oversized_message":
+                event, shown = self._archive_oversized_messages(ctx, turn_start, shown, reason)
+            elif step == "fold_newest" and turn_start:
+                continue  # at a turn start what lies after the summary is the new request alone
+            else:
+                event = self._summary_pass(trigger="guard", reason=reason, mid_turn=not turn_start, queued=shown,
+                                           guard_step=step)
+            if event is not None and event.applied:
+                last = event
+            if self.occupancy_tokens(shown) <= ctx:
+                return shown, last
+        # Every step ran and the request is over still, though the floor fits: a case the steps do not
+        # cover. Refuse it here rather than send it over the window.
+        raise NoFitError(ctx, {"request after every compaction step": self.occupancy_tokens(shown)
+                               - self.reply_reserve_tokens(), "reply reserve": self.reply_reserve_tokens()},
+                         note="ctxfold could not shrink it further; please report this conversation")
+
+    def _fit_floor(self, turn_start: bool, queued: Sequence[Message]) -> dict[str, int]:
+        """The smallest request the guard can build, in tokens by part: the system prompt and tools, the
+        newest user request and the queued messages (each at the size of its head-and-tail marker when
+        that is smaller), the summary's frame and, mid-turn, the resume instruction; and the reply reserve.
+        A fit exists when their sum is within the window."""
+        acc = self.accounting
+        parts = {"system prompt and tools": acc.fixed_tokens}
+        request = self._turn.request
+        kept = [m for m in self.view[self._unseen_start():] if m.is_user_turn] if turn_start else []
+        if not kept and request is not None and self._request_index() >= 0:
+            kept = [request]
+        if kept:
+            parts["newest user request"] = sum(self._smallest_tokens(m) for m in kept)
+        if queued:
+            parts["queued messages"] = sum(self._smallest_tokens(m) for m in queued)
+        parts["summary frame"] = SUMMARY_FRAME_TOKENS + (acc.message_tokens(resume_message(0)) if not turn_start else 0)
+        parts["reply reserve"] = self.reply_reserve_tokens()
+        return parts
+
+    def _smallest_tokens(self, m: Message) -> int:
+        """Tokens of ``m`` as the guard can show it at its smallest: whole, or as its marker."""
+        whole = self.accounting.message_tokens(m)
+        head, tail = self._oversized_preview_chars()
+        marker = make_marker("0" * 64, m.text, head, tail)
+        return min(whole, self.accounting.message_tokens(replace(m, content=marker)))
+
+    def _oversized_preview_chars(self) -> tuple[int, int]:
+        """(head, tail) characters of an oversized message's preview: the configured preview, shared
+        60/40, and at most about a sixteenth of a known window (a character is at least a quarter of a
+        token's bytes, so ctx // 4 characters stay well within it)."""
+        preview = self.config.minor.archive_preview_chars
+        if self.context_tokens is not None:
+            preview = min(preview, self.context_tokens // 4)
+        return preview * 3 // 5, preview * 2 // 5
+
+    def _archive_oversized_messages(self, ctx: int, turn_start: bool, queued: list[Message],
+                                    reason: str) -> tuple[CompactionEvent | None, list[Message]]:
+        """The guard's "oversized_message" step: the largest tool results and user messages of the view
+        and of ``queued`` (the newest request too: a huge pasted file, another agent's summary), largest
+        first, each archived whole behind a head-and-tail marker, until the request fits."""
+        t0 = time.perf_counter()
+        before = self.occupancy_tokens(queued)
+        head, tail = self._oversized_preview_chars()
+        tokens = self.accounting.tokens()
+        n = len(self.view)
+        candidates = [(int(tokens[i]), i) for i, m in enumerate(self.view)
+                      if m.role in (Role.TOOL, Role.USER) and not (m.summary or m.resume)]
+        candidates += [(self.accounting.message_tokens(m), n + j) for j, m in enumerate(queued)]
+        view, shown = list(self.view), list(queued)
+        archived: list[ArchivedOutput] = []
+        error: str | None = None
+        used = before
+        for size, i in sorted(candidates, reverse=True):
+            if used <= ctx:
+                break
+            m = view[i] if i < n else shown[i - n]
+            result = archive_whole(m, self.store, head_chars=head, tail_chars=tail, count_tokens=self.counter.count,
+                                   index=i)
+            error = error or result.report.error
+            new = result.messages[0]
+            if new is m:
+                continue
+            if i < n:
+                view[i] = new
+            else:
+                shown[i - n] = new
+            archived += [ArchivedOutput(a.message_id, a.archive_id, a.chars_before, a.chars_after)
+                         for a in result.report.archived]
+            used -= size - self.accounting.message_tokens(new)
+        if not archived:
+            return None, queued
+        unseen = self._unseen_start()
+        self._rewrite(view, list(self.view_origins))
+        if unseen < len(self.view):  # positions kept; the first unseen one may be a marker now
+            self._first_unseen = self.view[unseen]
+        event = CompactionEvent(
+            kind="archive", trigger="guard", reason=reason, applied=True, tokens_before=before,
+            tokens_after=self.occupancy_tokens(shown), archived=tuple(archived), failure=error,
+            seconds={"archive": time.perf_counter() - t0}, guard_step="oversized_message",
+        )
+        self._log_view(event)
+        self._record(event)
+        return event, shown
 
     def compact_now(self, reason: str = "manual compaction") -> CompactionEvent:
         """Manual compaction: always a summary pass, even when automatic passes are off."""
@@ -456,7 +630,10 @@ class Compactor:
         return minor.enabled and (minor.mid_turn_enabled or not mid_turn)
 
     # -- passes -------------------------------------------------------------------------------------
-    def _archive_pass(self, *, stage: str, trigger: str, reason: str) -> CompactionEvent | None:
+    def _archive_pass(self, *, stage: str, trigger: str, reason: str,
+                      guard_step: str | None = None) -> CompactionEvent | None:
+        """The turn-start pass (``stage="turn_start"``), the mid-turn stage (``"mid_turn"``: all but the
+        newest outputs) or the guard's (``"all"``: the newest outputs too)."""
         t0 = time.perf_counter()
         params = self._archive_params
         if stage == "turn_start":
@@ -475,6 +652,8 @@ class Compactor:
                 self._archive_watermark = cutoff
             result = ArchivePass(self.view[:lo] + part.messages if part.report.archived else self.view, part.report)
         else:
+            if stage == "all":
+                params = replace(params, keep_recent_tool_results=0)
             result = archive_mid_turn(self.view, self.store, params, count_tokens=self.counter.count)
         report = result.report
         if not report.archived and report.error is None:
@@ -490,7 +669,7 @@ class Compactor:
             tokens_before=before, tokens_after=self.occupancy_tokens(),
             archived=tuple(ArchivedOutput(a.message_id, a.archive_id, a.chars_before, a.chars_after)
                            for a in report.archived),
-            failure=report.error, seconds={"archive": time.perf_counter() - t0},
+            failure=report.error, seconds={"archive": time.perf_counter() - t0}, guard_step=guard_step,
         )
         if report.archived:
             self._log_view(event)
@@ -498,7 +677,10 @@ class Compactor:
         return event
 
     def _summary_pass(self, *, trigger: str, reason: str, mid_turn: bool, manual: bool = False,
-                      queued: Sequence[Message] = ()) -> CompactionEvent:
+                      queued: Sequence[Message] = (), guard_step: str | None = None) -> CompactionEvent:
+        """A summary rewrite: [turn's request,] summary, verbatim tail, what the model has not seen yet.
+        The window guard's steps (``guard_step``) write the extractive summary, sized to the room left;
+        "shorter_tail" keeps no tail and "fold_newest" summarizes the turn's newest messages too."""
         ctx = self.context_tokens
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -507,7 +689,7 @@ class Compactor:
         # BOTTOM: what arrived since the last request (the new user turn, the latest tool results)
         # has not been seen by the model yet, so it is never summarized unseen (ds4 would): it stays
         # verbatim after the tail. BOTTOM never splits a call group: the calls stay with their results.
-        bottom = self._unseen_start()
+        bottom = len(self.view) if guard_step == "fold_newest" else self._unseen_start()
         groups = self.accounting.group_starts()
         while 0 < bottom < len(self.view) and groups[bottom] < bottom:
             bottom = int(groups[bottom])
@@ -520,7 +702,7 @@ class Compactor:
             # Only earlier summaries (or nothing) lie before BOTTOM: a new summary cannot shrink the
             # view, so do not spend a dump and a model call on it, and stop trying for this turn.
             return self._failed(trigger, reason, before, "nothing before BOTTOM worth summarizing", timings,
-                                give_up=True)
+                                give_up=True, guard_step=guard_step)
 
         # The history since the last dump, written before the rewrite (write-ahead) to the session
         # and to the archive, where the model can read it back with read_archive.
@@ -534,14 +716,10 @@ class Compactor:
                                                           previous=self._history_id))
         except (OSError, ArchiveError) as exc:
             # The dump is the write-ahead record of the rewrite: without it, no rewrite.
-            return self._failed(trigger, reason, before, f"cannot write the history dump: {exc}", timings)
+            return self._failed(trigger, reason, before, f"cannot write the history dump: {exc}", timings,
+                                guard_step=guard_step)
         timings["dump"] = time.perf_counter() - t0
 
-        t1 = time.perf_counter()
-        summary = self._summarize(bottom, reason, mid_turn)
-        timings["summary"] = time.perf_counter() - t1
-
-        t2 = time.perf_counter()
         # What the rebuilt view holds besides summary and tail: the messages after BOTTOM, queued
         # inserts and, mid-turn, the turn's request and the resume instruction.
         besides = int(tokens[bottom:].sum()) + sum(self.accounting.message_tokens(m) for m in queued)
@@ -549,11 +727,28 @@ class Compactor:
             besides += self.accounting.message_tokens(resume_message(0))
             if 0 <= (r := self._request_index()) < bottom:
                 besides += int(tokens[r])
+
+        t1 = time.perf_counter()
+        guard_cap = None
+        if guard_step is not None and ctx is not None:
+            # The guard's summary takes what the window leaves beside everything else it must hold,
+            # and no more than the extractive summary's own cap.
+            guard_cap = (ctx - self.accounting.fixed_tokens - besides - SUMMARY_FRAME_TOKENS
+                         - self.reply_reserve_tokens())
+            if guard_step == "extractive_summary":
+                guard_cap //= 2  # the other half for the tail
+            guard_cap = max(16, guard_cap)
+        summary = self._summarize(bottom, reason, mid_turn, guard_cap_tokens=guard_cap)
+        timings["summary"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
         budget, room = self._tail_budget(summary.text, besides)
         # Keep at least half of what lies before BOTTOM for the summary to replace: a tail that takes
         # it all would make the rebuilt view larger than the old one (ds4 grows the transcript so).
         half = fresh // 2
         budget, room = min(budget, half), min(room, half)
+        if guard_step in ("shorter_tail", "fold_newest"):
+            budget = room = 0  # no tail: only what the model has not seen yet stays verbatim
         tail = select_tail_from_ledger(self.accounting.ledger, budget_tokens=budget, bottom=bottom)
         while not tail.found and budget < room:
             # Not even the newest call group fits the configured tail: keep the smallest legal tail
@@ -588,12 +783,12 @@ class Compactor:
             new_view.append(resume_message(self._rewrites))
             new_origins.append(-1)
 
-        after = self.accounting.count_view(self.header, new_view) + self.config.reply_reserve()
+        after = self.accounting.count_view(self.header, new_view) + self.reply_reserve_tokens()
         after += sum(self.accounting.message_tokens(m) for m in queued)
         if after >= before:
             return self._failed(trigger, reason, before,
                                 f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
-                                timings, summary=summary, dump=dump, give_up=True)
+                                timings, summary=summary, dump=dump, give_up=True, guard_step=guard_step)
         old_view = self.view
         self._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
         self._rewrites += 1
@@ -607,28 +802,31 @@ class Compactor:
             summary_fallback=summary.fallback_from is not None, summary_failure=summary.fallback_from,
             summary_cut=summary.cut_reason if summary.cut_reason not in ("eos", "none") else None,
             tail_start=tail.start, tail_rule=tail.rule.name.lower(), tail_tokens=tail.num_tokens,
-            history_dump=str(dump) if dump is not None else None, kv=kv, seconds=timings,
+            history_dump=str(dump) if dump is not None else None, kv=kv, seconds=timings, guard_step=guard_step,
         )
-        if summary.fallback_from is not None:
-            self._turn.failures += 1
-        else:
-            self._turn.failures = 0
-        if ctx is not None and not manual and self._summary_trigger(event.tokens_after, ctx, not mid_turn) is not None:
-            self._turn.gave_up = True  # even the compacted view is over the threshold: stop for this turn
+        if guard_step is None:  # the guard's passes are outside the policy: they leave its breaker alone
+            if summary.fallback_from is not None:
+                self._turn.failures += 1
+            else:
+                self._turn.failures = 0
+            if (ctx is not None and not manual
+                    and self._summary_trigger(event.tokens_after, ctx, not mid_turn) is not None):
+                self._turn.gave_up = True  # even the compacted view is over the threshold: stop for this turn
         self._log_view(event)
         self._record(event)
         return event
 
     # -- pieces of the passes -----------------------------------------------------------------------
-    def _summarize(self, bottom: int, reason: str, mid_turn: bool) -> _Summary:
+    def _summarize(self, bottom: int, reason: str, mid_turn: bool, *, guard_cap_tokens: int | None = None) -> _Summary:
         """The summary of view[:bottom]: the configured summarizer (chunked when even the request
-        does not leave room for an answer), else the extractive fallback, which cannot fail."""
+        does not leave room for an answer), else the extractive fallback, which cannot fail. The window
+        guard (``guard_cap_tokens``) asks no model: the extractive summary, at most that long."""
         cfg = self.config
         ctx = self.context_tokens
         request = build_summary_request(self.view, bottom, reason=reason, cap_tokens=cfg.summary.max_tokens,
                                         mid_turn=mid_turn, system=self.header.system, tools=self.header.tools)
         failure: str | None = None
-        if isinstance(self.summarizer, ExtractiveSummarizer):
+        if isinstance(self.summarizer, ExtractiveSummarizer) or guard_cap_tokens is not None:
             pass
         elif self._turn.failures >= cfg.max_consecutive_failures:
             failure = (f"{self._turn.failures} consecutive failures this turn: "
@@ -654,6 +852,8 @@ class Compactor:
         # The extractive summary takes no room in the window (no model writes it), so only the cap
         # binds; an eighth of the window at most, so the rebuilt view keeps room for the tail.
         cap = cfg.summary.max_tokens if ctx is None else max(64, min(cfg.summary.max_tokens, ctx // 8))
+        if guard_cap_tokens is not None:
+            cap = min(cap, guard_cap_tokens)
         result = self._extractive.summarize(replace(request, max_tokens=cap, cap_tokens=cap),
                                             on_token=self.observer.summary_token)
         return _Summary(result.text, result.summarizer, result.cut_reason, failure)
@@ -675,7 +875,7 @@ class Compactor:
         if ctx is None:
             return self.config.tail.cap_tokens, self.config.tail.cap_tokens
         room = (self._trigger_line_tokens(ctx) - self.accounting.fixed_tokens - self.counter.count(summary_text)
-                - SUMMARY_FRAME_TOKENS - besides_tokens - self.config.reply_reserve())
+                - SUMMARY_FRAME_TOKENS - besides_tokens - self.reply_reserve_tokens())
         room = max(0, room)
         return min(self.config.tail.budget_tokens(ctx), room), room
 
@@ -710,10 +910,11 @@ class Compactor:
         self._turn.gave_up = False
 
     def _failed(self, trigger: str, reason: str, before: int, why: str, timings: dict[str, float], *,
-                summary: _Summary | None = None, dump: Path | None = None, give_up: bool = False) -> CompactionEvent:
+                summary: _Summary | None = None, dump: Path | None = None, give_up: bool = False,
+                guard_step: str | None = None) -> CompactionEvent:
         """Record a summary pass that was not applied. ``give_up``: no retry can do better this turn.
-        A manual pass that fails leaves the automatic passes alone."""
-        if trigger != "manual":
+        A manual pass or a step of the window guard that fails leaves the automatic passes alone."""
+        if trigger not in ("manual", "guard"):
             self._turn.failures += 1
             if give_up or self._turn.failures >= self.config.max_consecutive_failures:
                 self._turn.gave_up = True
@@ -722,6 +923,7 @@ class Compactor:
             tokens_after=before, summary=summary.text if summary else None,
             summarizer=summary.summarizer if summary else None,
             history_dump=str(dump) if dump is not None else None, seconds=timings, failure=why,
+            guard_step=guard_step,
         )
         if self.session is not None:
             self.session.log_state(self._state())
@@ -737,6 +939,9 @@ class Compactor:
         if log and self.session is not None:  # the log first: memory never holds what the log does not
             self.session.append_messages(messages)
         self.originals.extend(messages)
+        for m in messages:
+            if m.role is Role.ASSISTANT:
+                bisect.insort(self._answer_tokens, self._answer_size_tokens(m))
         for k, m in enumerate(shown):
             self.view.append(m)
             self.view_origins.append(first + k)
@@ -745,6 +950,13 @@ class Compactor:
                 self._user_turns.append(len(self.view) - 1)
             self._track_unseen(m)
         self._pending_bound_tokens += sum(map(_tokens_bound, shown))
+
+    def _answer_size_tokens(self, m: Message) -> int:
+        """What an answer took to write: its text, reasoning and calls (templates drop an old answer's
+        reasoning from later requests, but the model wrote it within the reply's budget)."""
+        count = self.counter.count
+        n = count(m.text) + (count(m.reasoning) if m.reasoning else 0)
+        return n + sum(count(c.name) + count(c.arguments) for c in m.tool_calls)
 
     def _rewrite(self, view: list[Message], origins: list[int]) -> None:
         self.view = view

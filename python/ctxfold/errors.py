@@ -38,3 +38,20 @@ class ArchiveError(CtxfoldError):
 
 class IntegrityError(CtxfoldError):
     """A conversation breaks a structural invariant (orphan tool result, split tool-call group)."""
+
+
+class NoFitError(CtxfoldError):
+    """No request can fit the context window, whatever is compacted: what must be sent (the system
+    prompt, the tool definitions, the newest user request, at their smallest) and the reply reserve are
+    over it. Raised before the request is sent, never after; ``parts_tokens`` says what takes the room."""
+
+    def __init__(self, context_tokens: int, parts_tokens: dict[str, int], note: str = "") -> None:
+        needed = sum(parts_tokens.values())
+        parts = " + ".join(f"{name} {n:,}" for name, n in parts_tokens.items())
+        super().__init__(
+            f"the request cannot fit the {context_tokens:,}-token context window: {parts} = {needed:,} tokens"
+            + (f" ({note})" if note else "")
+            + "; shorten the newest message, the system prompt or the tools, or lower max_tokens")
+        self.context_tokens = context_tokens
+        self.parts_tokens = dict(parts_tokens)
+        self.needed_tokens = needed

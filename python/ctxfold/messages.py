@@ -77,7 +77,7 @@ class Message:
     queued: bool = False  # a user message typed while a turn was running (not a new turn)
     resume: bool = False  # a synthetic continue instruction written by a compaction (hidden from users)
     is_error: bool = False  # a tool result that reports an error
-    summary: bool = False  # a compaction summary written by ctxfold
+    summary: bool = False  # a compaction summary written by ctxfold (another agent's: is_imported_summary)
     usage: Usage | None = None  # provider usage of the call that produced this message
     extra: Mapping[str, Any] = field(default_factory=dict)  # format-specific fields, for lossless export
 
@@ -90,8 +90,18 @@ class Message:
 
     @property
     def is_user_turn(self) -> bool:
-        """A real user turn: a user message that is not a queued insert, a resume message or a summary."""
-        return self.role is Role.USER and not (self.queued or self.resume or self.summary)
+        """A real user turn: a user message that is not a queued insert, a resume message, a summary
+        ctxfold wrote (``summary``), or feedback an agent wrote in the user role (:func:`is_agent_feedback`). Another
+        agent's compaction summary (:attr:`is_summary`) does start a turn: the conversation goes on from it."""
+        if self.role is not Role.USER or self.queued or self.resume or self.summary:
+            return False
+        return not is_agent_feedback(self)
+
+    @property
+    def is_summary(self) -> bool:
+        """A compaction summary: ctxfold's own, or one another agent wrote that was imported as a user
+        message (:func:`is_imported_summary`). Either is carried into later summaries as durable state."""
+        return self.summary or is_imported_summary(self)
 
     @property
     def is_tool_result(self) -> bool:
@@ -101,6 +111,53 @@ class Message:
         """Characters of content, reasoning and tool-call arguments: the size the archive rules use."""
         n = len(self.text) + len(self.reasoning or "")
         return n + sum(len(c.name) + len(c.arguments) for c in self.tool_calls)
+
+
+# The extra key of a summary message ctxfold wrote: its summary text without the frame.
+CTXFOLD_SUMMARY_KEY = "ctxfold_summary"
+
+# The extra key an importer sets on a user message its format flags as another agent's compaction
+# summary (Claude Code's isCompactSummary).
+IMPORTED_SUMMARY_KEY = "imported_summary"
+
+# How other agents open the compaction summary they carry into a continued session as a user message.
+# Matched at the start of the message's first text, so a user who quotes one later is not misread.
+IMPORTED_SUMMARY_OPENINGS: tuple[str, ...] = (
+    "This session is being continued from a previous conversation",  # Claude Code
+    "Another language model started to solve this problem and produced a summary",  # Codex
+)
+
+# How agents open the messages they write in the user role about the model's last answer (a malformed
+# tool call, a timeout): feedback inside a turn, not a new request from the user.
+AGENT_FEEDBACK_OPENINGS: tuple[str, ...] = (
+    "Tool call error:",  # mini-swe-agent 1.x/2.x format error
+    "Please always provide EXACTLY ONE action in triple backticks",  # mini-swe-agent 0.x format error
+    "The last command <command>",  # mini-swe-agent: a command that timed out
+    "Your last command ran successfully and did not produce any output",  # SWE-agent without tool calls
+)
+
+
+def _opening(m: Message) -> str:
+    """The start of a message's first text, without building the joined text of a many-part message."""
+    c = m.content
+    if isinstance(c, str):
+        return c[:200].lstrip()
+    for p in c:
+        if p.text:
+            return p.text[:200].lstrip()
+    return ""
+
+
+def is_imported_summary(m: Message) -> bool:
+    """Whether ``m`` is a user message carrying another agent's own compaction summary."""
+    if m.role is not Role.USER or m.summary:
+        return False
+    return bool(m.extra.get(IMPORTED_SUMMARY_KEY)) or _opening(m).startswith(IMPORTED_SUMMARY_OPENINGS)
+
+
+def is_agent_feedback(m: Message) -> bool:
+    """Whether ``m`` is a message an agent wrote in the user role about the model's last answer."""
+    return m.role is Role.USER and _opening(m).startswith(AGENT_FEEDBACK_OPENINGS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,12 @@ since the previous request are appended (tool results through the hard trigger) 
 runs; the recorded answer is then appended as it was recorded. The report holds per-request
 occupancy and every compaction event, and the checks that must hold: no request over the window,
 no orphaned tool result, and the original rebuilt byte for byte from the session.
+
+The compactor judges every request with its own counter. ``verify=`` counts every request it let
+go with a second, exact counter as well (the model's tokenizer and chat template), so a policy that
+counts optimistically is caught: ``overflows_verified`` beside ``overflows``. A request where no fit
+exists (the compactor raised NoFitError before it) is not sent and is reported apart as unfittable,
+with the reason.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxfold.accounting import RequestAccounting
 from ctxfold.codec import encode_message
 from ctxfold.compactor import CompactionEvent, Compactor, Observer
 from ctxfold.config import CompactConfig
+from ctxfold.counting import TokenCounter
+from ctxfold.errors import NoFitError
 from ctxfold.integrity import count_orphans
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session
+from ctxfold.templates import ChatTemplate
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +44,20 @@ class RequestPoint:
     prompt_tokens: int  # tokens of the request as sent (system, tools, view, generation prompt)
     occupancy_tokens: int  # prompt tokens plus the reply reserve
     recorded_prompt_tokens: int | None  # the provider's own count for this request, where recorded
+    reply_reserve_tokens: int = 0  # the reserve this request was judged with (Compactor.reply_reserve_tokens)
+    verified_prompt_tokens: int | None = None  # the request counted with the verifying counter, where given
+
+
+@dataclass(frozen=True, slots=True)
+class Verifier:
+    """A second counter every request of a replay is also counted with: the truth to judge by."""
+
+    counter: TokenCounter
+    template: ChatTemplate | None = None
+
+    @property
+    def name(self) -> str:
+        return self.counter.name + (f" + {self.template.name}" if self.template is not None else "")
 
 
 @dataclass(slots=True)
@@ -47,7 +71,10 @@ class ReplayReport:
     messages: int
     requests: list[RequestPoint] = field(default_factory=list)
     events: list[tuple[int, CompactionEvent]] = field(default_factory=list)  # (request index, event)
-    overflows: int = 0  # requests whose occupancy exceeded the window
+    overflows: int = 0  # requests whose occupancy exceeded the window, by the compactor's own count
+    overflows_verified: int = 0  # the same by the verifying counter (None in the JSON without one)
+    verified_by: str | None = None  # the verifying counter's name
+    unfittable: list[tuple[int, str]] = field(default_factory=list)  # (message index, why): no fit existed
     orphans: int = 0  # orphaned tool results seen in any view after a rewrite, and in the final view
     restore_exact: bool = False  # the session restored the recording byte for byte
     seconds: float = 0.0  # wall time of the whole replay
@@ -72,6 +99,11 @@ class ReplayReport:
         return sum(e.tokens_before - e.tokens_after for _, e in self.events if e.applied and e.kind == "summary")
 
     @property
+    def guard_steps(self) -> dict[str, int]:
+        """How often each step of the window guard ran and was applied."""
+        return dict(Counter(e.guard_step for _, e in self.events if e.applied and e.guard_step is not None))
+
+    @property
     def kv_tokens_reused(self) -> int:
         return sum(e.kv.tokens_reused for _, e in self.events if e.kv is not None)
 
@@ -92,6 +124,10 @@ class ReplayReport:
             "tokens_archived": self.tokens_archived,
             "tokens_summarized": self.tokens_summarized,
             "overflows": self.overflows,
+            "overflows_verified": self.overflows_verified if self.verified_by is not None else None,
+            "verified_by": self.verified_by,
+            "unfittable": [{"message": i, "reason": why} for i, why in self.unfittable],
+            "guard_steps": self.guard_steps,
             "orphans": self.orphans,
             "restore_exact": self.restore_exact,
             "kv_tokens_reused": self.kv_tokens_reused,
@@ -103,7 +139,7 @@ class ReplayReport:
                 {"request": i, "kind": e.kind, "trigger": e.trigger, "reason": e.reason, "applied": e.applied,
                  "tokens_before": e.tokens_before, "tokens_after": e.tokens_after, "archived": len(e.archived),
                  "summarizer": e.summarizer, "summary_fallback": e.summary_fallback, "tail_rule": e.tail_rule,
-                 "tail_tokens": e.tail_tokens, "failure": e.failure,
+                 "tail_tokens": e.tail_tokens, "failure": e.failure, "guard_step": e.guard_step,
                  "kv_tokens_reused": e.kv.tokens_reused if e.kv else None,
                  "kv_tokens_prefilled": e.kv.tokens_to_prefill if e.kv else None}
                 for i, e in self.events
@@ -140,6 +176,7 @@ def replay_conversation(
     session_dir: str | Path | None = None,
     observer: Observer | None = None,
     on_request: Callable[[RequestPoint], None] | None = None,
+    verify: Verifier | None = None,
     **compactor_kwargs: Any,
 ) -> ReplayReport:
     """Replay ``conversation`` (see the module docstring). Without ``session_dir`` the session lives in
@@ -148,7 +185,7 @@ def replay_conversation(
         with tempfile.TemporaryDirectory(prefix="ctxfold-replay-") as tmp:
             report = replay_conversation(conversation, config=config, make_compactor=make_compactor,
                                          session_dir=Path(tmp) / "session", observer=observer,
-                                         on_request=on_request, **compactor_kwargs)
+                                         on_request=on_request, verify=verify, **compactor_kwargs)
             report.session_dir = None
             return report
     t_start = time.perf_counter()
@@ -158,7 +195,12 @@ def replay_conversation(
                                **compactor_kwargs)
     report = ReplayReport(conversation_id=conversation.id, source=conversation.source,
                           context_tokens=config.context_tokens, reply_reserve_tokens=config.reply_reserve(),
-                          messages=len(conversation.messages), session_dir=str(session_dir))
+                          messages=len(conversation.messages), session_dir=str(session_dir),
+                          verified_by=verify.name if verify is not None else None)
+    verifier = None
+    if verify is not None:
+        verifier = RequestAccounting(verify.counter, verify.template)
+        verifier.reset(compactor.header, [])
     in_ctxfold = 0.0
     seen_events = 0
     ctx = config.context_tokens
@@ -166,17 +208,34 @@ def replay_conversation(
         for index, message in enumerate(conversation.messages):
             t0 = time.perf_counter()
             if message.role is Role.ASSISTANT:
-                compactor.before_request()
+                try:
+                    compactor.before_request()
+                except NoFitError as exc:
+                    # Not sent: the recording goes on with the answer the model gave, as it happened.
+                    report.unfittable.append((index, str(exc)))
+                    report.events.extend((len(report.requests), e) for e in compactor.events[seen_events:])
+                    seen_events = len(compactor.events)
+                    compactor.append(message)
+                    in_ctxfold += time.perf_counter() - t0
+                    continue
                 in_ctxfold += time.perf_counter() - t0
                 occupancy = compactor.occupancy_tokens()
+                reserve = compactor.reply_reserve_tokens()
+                verified = None
+                if verifier is not None:
+                    verifier.sync(compactor.view)
+                    verified = verifier.total_tokens
                 point = RequestPoint(
                     index=len(report.requests), message_index=index,
-                    prompt_tokens=occupancy - config.reply_reserve(), occupancy_tokens=occupancy,
+                    prompt_tokens=occupancy - reserve, occupancy_tokens=occupancy,
                     recorded_prompt_tokens=message.usage.prompt_tokens if message.usage else None,
+                    reply_reserve_tokens=reserve, verified_prompt_tokens=verified,
                 )
                 report.requests.append(point)
                 if ctx is not None and occupancy > ctx:
                     report.overflows += 1
+                if ctx is not None and verified is not None and verified + reserve > ctx:
+                    report.overflows_verified += 1
                 new_events = compactor.events[seen_events:]
                 if any(e.applied for e in new_events):
                     report.orphans += count_orphans(compactor.view)

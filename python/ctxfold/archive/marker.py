@@ -52,9 +52,19 @@ def fold_preview(text: str, preview_chars: int) -> str:
     return text[:preview_chars].translate(_FOLD)
 
 
-def make_marker(archive_id: str, text: str, preview_chars: int) -> str:
-    """The one-line marker for ``text`` archived under ``archive_id``."""
-    return _HEADER_FMT.format(id=archive_id, chars=len(text)) + fold_preview(text, preview_chars)
+# Between the head and the tail of a head-and-tail preview.
+PREVIEW_GAP = " [...] "
+
+
+def make_marker(archive_id: str, text: str, preview_chars: int, tail_chars: int = 0) -> str:
+    """The one-line marker for ``text`` archived under ``archive_id``. With ``tail_chars``, the preview
+    is the first ``preview_chars`` and the last ``tail_chars`` characters around a gap (a message's end
+    often says the most: a traceback's error, a pasted file's last lines), when the text is longer than
+    both together."""
+    header = _HEADER_FMT.format(id=archive_id, chars=len(text))
+    if tail_chars > 0 and len(text) > preview_chars + tail_chars + len(PREVIEW_GAP):
+        return header + fold_preview(text, preview_chars) + PREVIEW_GAP + text[-tail_chars:].translate(_FOLD)
+    return header + fold_preview(text, preview_chars)
 
 
 def marker_chars(text_chars: int, preview_chars: int) -> int:

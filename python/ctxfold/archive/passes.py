@@ -19,6 +19,7 @@ from typing import Literal, NamedTuple
 
 from ctxfold.archive.marker import (
     MARKER_PREFIX,
+    PREVIEW_GAP,
     fold_preview,
     make_marker,
     make_oversized_notice,
@@ -130,10 +131,12 @@ TokenCounter = Callable[[str], int]
 class _Archiver:
     """Archives the text units (the string content, or each text part) of chosen messages."""
 
-    def __init__(self, store: ArchiveStore, stage: Stage, count_tokens: TokenCounter | None = None) -> None:
+    def __init__(self, store: ArchiveStore, stage: Stage, count_tokens: TokenCounter | None = None,
+                 tail_chars: int = 0) -> None:
         self.store = store
         self.stage = stage
         self.count_tokens = count_tokens
+        self.tail_chars = tail_chars  # the preview's tail (head-and-tail markers), 0 for head only
         self.archived: list[ArchivedOutput] = []
         self.left_inline: list[str] = []
         self.error: ArchiveError | None = None
@@ -143,7 +146,7 @@ class _Archiver:
         if text is None:
             return False
         n = len(text)
-        if n < min_chars or marker_chars(n, preview_chars) >= n:
+        if n < min_chars or marker_chars(n, preview_chars + self.tail_chars + len(PREVIEW_GAP)) >= n:
             return False  # too small, or the marker would not be shorter (then nothing is written)
         return not is_archived_text(text, self.store)  # never archive a marker again
 
@@ -153,11 +156,11 @@ class _Archiver:
             # Shorter in chars is not always cheaper in tokens (64 hex chars are ~33 tokens, a preview
             # of dense text can tokenize worse than the original's tail): check with the real counter
             # before anything is written.
-            marker = make_marker(content_id(text), text, preview_chars)
+            marker = make_marker(content_id(text), text, preview_chars, self.tail_chars)
             if self.count_tokens(marker) >= self.count_tokens(text):
                 return None
         archive_id = self.store.put(text)
-        return make_marker(archive_id, text, preview_chars)
+        return make_marker(archive_id, text, preview_chars, self.tail_chars)
 
     def message(self, index: int, m: Message, min_chars: int, preview_chars: int) -> Message:
         units = [m.content] if isinstance(m.content, str) else [p.text for p in m.content]
@@ -213,7 +216,7 @@ def turn_start_cutoff(messages: Sequence[Message], keep_recent_user_turns: int) 
     first_kept = -1
     for i in range(len(messages) - 1, -1, -1):
         m = messages[i]
-        if m.role is Role.USER and not (m.queued or m.resume or m.summary):  # Message.is_user_turn, inlined
+        if m.is_user_turn:
             seen += 1
             if seen == keep_recent_user_turns:
                 first_kept = i
@@ -271,6 +274,20 @@ def archive_mid_turn(
     for i in older:
         out[i] = archiver.message(i, out[i], 0, preview_chars_for(out[i], params))
     return ArchivePass(out, archiver.report())
+
+
+def archive_whole(
+    message: Message, store: ArchiveStore, *, head_chars: int, tail_chars: int,
+    count_tokens: TokenCounter | None = None, index: int = 0,
+) -> ArchivePass:
+    """One message of any role but assistant (a huge tool result, a pasted file, another agent's
+    summary) archived behind a marker with a head-and-tail preview, each text unit whole, where the
+    marker is shorter (and, given ``count_tokens``, has fewer tokens). The window guard's last step:
+    ``messages`` of the result is the one new message."""
+    if message.role is Role.ASSISTANT:
+        raise ValueError(f"message {message.id!r} is an assistant message: its calls must stay as written")
+    archiver = _Archiver(store, "oversized", count_tokens, tail_chars=tail_chars)
+    return ArchivePass([archiver.message(index, message, 0, head_chars)], archiver.report())
 
 
 class OversizedResult(NamedTuple):

@@ -10,6 +10,7 @@ import os
 import queue
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -105,6 +106,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="lines of each summary shown while it is written (default: 8; 0 hides them)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress and no COMPACTING lines: "
                    "only the table, problems and errors")
+    p.add_argument("--verify-with", metavar="TOKENIZER", help="count every request the policy let go also with "
+                   "this tokenizer (an exact one, e.g. deepseek-v4; framed with --template), and report "
+                   "requests over the window by that count as overflows-verified")
     return p
 
 
@@ -122,6 +126,7 @@ class Settings:
     kv_plan: str  # "segments" or "tokens" (see Compactor)
     auto_reserve: bool  # reply reserve from each conversation's longest answer (default_reply_reserve)
     session_root: str | None  # keep sessions here, one directory per conversation
+    verify_with: str | None = None  # counter spec every request is also counted with (the truth to judge by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +142,7 @@ class Job:
 def replay_one(job: Job, settings: Settings, observer: Any = None,
                on_request: Callable[[RequestPoint], None] | None = None) -> dict[str, Any]:
     """Replay one conversation; the report entry for --json (ReplayReport.to_json plus where it came from)."""
-    from ctxfold.replay import replay_conversation
+    from ctxfold.replay import Verifier, replay_conversation
 
     counter = load_counter(settings.tokenizer)
     template = load_template(settings.template)
@@ -145,9 +150,10 @@ def replay_one(job: Job, settings: Settings, observer: Any = None,
     if settings.auto_reserve:
         config = with_auto_reserve(config, job.conversation, counter)
     session_dir = None if settings.session_root is None else Path(settings.session_root) / job.label
+    verify = None if settings.verify_with is None else Verifier(load_counter(settings.verify_with), template)
     report = replay_conversation(
         job.conversation, config=config, session_dir=session_dir, observer=observer, on_request=on_request,
-        counter=counter, template=template,
+        verify=verify, counter=counter, template=template,
         summarizer=make_summarizer(config, counter),
         page_size_tokens=settings.page_size_tokens, kv_plan=settings.kv_plan,
     )
@@ -382,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
     settings = Settings(config=config, tokenizer=args.tokenizer, template=args.template,
                         page_size_tokens=args.page_size, kv_plan=args.kv_plan,
-                        auto_reserve=auto_reserve, session_root=args.session_dir)
+                        auto_reserve=auto_reserve, session_root=args.session_dir, verify_with=args.verify_with)
 
     num_workers = min(args.jobs or _cpus(), len(jobs))
     total_requests = sum(1 for j in jobs for m in j.conversation.messages if m.role is Role.ASSISTANT)
@@ -488,6 +494,10 @@ def totals(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for key in ("requests", "tokens_archived", "tokens_summarized", "kv_tokens_reused", "kv_tokens_prefilled",
                 "overflows", "orphans", "seconds", "seconds_in_ctxfold"):
         t[key] = sum(e[key] for e in entries)
+    verified = [e["overflows_verified"] for e in entries if e["overflows_verified"] is not None]
+    t["overflows_verified"] = sum(verified) if verified else None
+    t["unfittable"] = sum(len(e["unfittable"]) for e in entries)
+    t["guard_steps"] = dict(sum((Counter(e["guard_steps"]) for e in entries), Counter()))
     t["seconds"] = round(t["seconds"], 4)
     t["seconds_in_ctxfold"] = round(t["seconds_in_ctxfold"], 4)
     t["compactions"] = {k: sum(e["compactions"].get(k, 0) for e in entries) for k in _KINDS}
@@ -500,6 +510,9 @@ def problems(entry: dict[str, Any]) -> list[str]:
     out = []
     if entry["overflows"]:
         out.append(f"{entry['overflows']} request{'s' if entry['overflows'] != 1 else ''} over the window")
+    if entry["overflows_verified"]:
+        n = entry["overflows_verified"]
+        out.append(f"{n} request{'s' if n != 1 else ''} over the window counted with {entry['verified_by']}")
     if entry["orphans"]:
         out.append(f"{entry['orphans']} orphaned tool result{'s' if entry['orphans'] != 1 else ''}")
     if not entry["restore_exact"]:
@@ -585,6 +598,11 @@ def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, set
             term.line(f"plot: {args.plot} ({shown} of {len(chosen)} conversations)")
     if not args.quiet:
         term.line(f"done in {wall_s:.1f} s" + ("" if not args.session_dir else f"; sessions in {args.session_dir}"))
+    for e in entries:  # not sent, so not an overflow: said apart, with the reason
+        if e["unfittable"]:
+            n, first = len(e["unfittable"]), e["unfittable"][0]
+            print(f"ctxfold: note: {e['label']}: {n} request{'s' if n != 1 else ''} could not fit and would not "
+                  f"be sent (first at message {first['message']}: {first['reason']})", file=term.stream)
     if bad:
         for label, what in bad:
             print(f"ctxfold: problem: {label}: {', '.join(what)}", file=term.stream)

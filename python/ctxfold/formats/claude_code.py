@@ -26,7 +26,7 @@ from ctxfold.formats._common import (
     simple_content,
 )
 from ctxfold.formats.anthropic import assistant_blocks, messages_from_anthropic
-from ctxfold.messages import ContentPart, Conversation, Message, Role
+from ctxfold.messages import IMPORTED_SUMMARY_KEY, ContentPart, Conversation, Message, Role
 
 NAME = "claude_code"
 RECORD_TYPES = frozenset({"user", "assistant", "progress", "file-history-snapshot", "queue-operation", "system",
@@ -103,10 +103,12 @@ class _Session:
                 self.last_assistant = len(self.messages) - 1
         else:
             got = messages_from_anthropic({"role": "user", "content": msg.get("content")}, uuid)
-            summary = bool(rec.get("isCompactSummary"))
+            # Claude Code's own compaction summary, carried into the continued session as a user
+            # message: another agent's summary, a turn start for the policy (messages.is_imported_summary).
+            imported = {IMPORTED_SUMMARY_KEY: True} if rec.get("isCompactSummary") else {}
             for m in got:
-                self.messages.append(replace(m, summary=summary and m.role is Role.USER,
-                                             extra={**m.extra, "claude_code": cc}))
+                self.messages.append(replace(m, extra={**m.extra, "claude_code": cc,
+                                                       **(imported if m.role is Role.USER else {})}))
             if any(m.role is Role.USER for m in got):
                 self.last_assistant = -1  # a new user message closes the response
         if uuid:

@@ -235,7 +235,7 @@ def _collect(messages: Sequence[Message]) -> _Facts:
         if m.extra.get(INTERNAL_KEY):
             continue
         text = m.text
-        if m.summary:
+        if m.is_summary:  # ctxfold's own, or another agent's: durable state, carried as it is
             inner = m.extra.get(SUMMARY_TEXT_KEY)
             _carry(inner if isinstance(inner, str) else text, f)
             continue

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ctxfold.messages import Conversation, Message, Role, ToolSpec
+from ctxfold.messages import CTXFOLD_SUMMARY_KEY, Conversation, Message, Role, ToolSpec
 
 # The contract, after ds4's compaction prompt and DESIGN.md's summary contract. It says "stop" twice because
 # the summarizer runs inside a live agent transcript where "next step" usually means "call the next tool":
@@ -36,7 +36,7 @@ The task is in progress: be exact about the step in flight, the last tool result
 INTERNAL_KEY = "ctxfold_internal"  # Message.extra key marking the contract message (never shown to users)
 # Message.extra key of a summary message: the summary's own text, without the frame around it, so a
 # later compaction carries the summary forward instead of quoting frames inside frames.
-SUMMARY_TEXT_KEY = "ctxfold_summary"
+SUMMARY_TEXT_KEY = CTXFOLD_SUMMARY_KEY
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +210,7 @@ def render_plain(messages: Sequence[Message], *, max_chars_per_message: int | No
             text = f"{text[:half]}\n[... {len(text) - 2 * half} chars omitted ...]\n{text[-half:]}"
         if m.role is Role.TOOL:
             head = f"[tool result{' ' + m.name if m.name else ''}{' (error)' if m.is_error else ''}]"
-        elif m.summary:
+        elif m.is_summary:
             head = "[earlier summary]"
         else:
             head = f"[{m.role.value}]"
