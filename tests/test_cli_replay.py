@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import importlib.util
 import json
+import re
 import os
 import pty
 import socket
@@ -305,17 +306,50 @@ def test_an_unreachable_endpoint_falls_back_to_the_extractive_summary() -> None:
 
 
 @needs_replay
-def test_an_overflow_is_exit_1_with_the_problem_named(tmp_path: Path) -> None:
-    # One user message far larger than the window: nothing can make that request fit.
+def test_a_message_larger_than_the_window_is_archived_and_the_request_fits(tmp_path: Path) -> None:
+    # One user message far larger than the window: the guard archives it behind a marker.
     trace = tmp_path / "huge.json"
     trace.write_text(json.dumps({"messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "word " * 6000},
         {"role": "assistant", "content": "ok"},
     ]}))
-    proc = ctxfold("replay", str(trace), "--ctx", "2k", "--quiet")
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == ["ctxfold: problem: huge: 1 request over the window"]
+    proc = ctxfold("replay", str(trace), "--ctx", "2k", "--quiet", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    entry = json.loads(proc.stdout)["conversations"][0]
+    assert entry["overflows"] == 0 and entry["guard_steps"] == {"oversized_message": 1}
+
+
+def test_a_request_that_cannot_fit_is_not_sent_and_is_said_apart(tmp_path: Path) -> None:
+    # A system prompt larger than the window: no compaction can make any request fit.
+    trace = tmp_path / "system.json"
+    trace.write_text(json.dumps({"messages": [
+        {"role": "system", "content": "rule " * 4000},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok"},
+    ]}))
+    proc = ctxfold("replay", str(trace), "--ctx", "2k", "--quiet", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("ctxfold: note:")]
+    assert line.startswith("ctxfold: note: system: 1 request could not fit and would not be sent (first at message 1: "
+                           "the request cannot fit the 2,048-token context window: system prompt and tools ")
+    entry = json.loads((tmp_path / "r.json").read_text())["conversations"][0]
+    assert entry["requests"] == 0 and entry["overflows"] == 0 and len(entry["unfittable"]) == 1
+
+
+def test_an_overflow_by_the_verifying_count_is_exit_1_with_the_problem_named(tmp_path: Path) -> None:
+    # chars/4 counts digits four to a token; the real tokenizer does not: the policy thinks the
+    # requests fit, the verifying count says otherwise.
+    trace = tmp_path / "digits.json"
+    digits = "".join(str(k * 7 % 10) for k in range(12_000))  # chars/4: 3k tokens; really 4k
+    trace.write_text(json.dumps({"messages": [{"role": "user", "content": digits}, {"role": "assistant", "content": "ok"}]}))
+    proc = ctxfold("replay", str(trace), "--ctx", "4k", "--tokenizer", "chars4", "--verify-with", "deepseek-v4",
+                   "--quiet", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 1, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert re.fullmatch(r"ctxfold: problem: digits: [0-9]+ requests? over the window counted with deepseek-v4", line)
+    entry = json.loads((tmp_path / "r.json").read_text())["conversations"][0]
+    assert entry["overflows"] == 0 and entry["overflows_verified"] >= 1 and entry["verified_by"] == "deepseek-v4"
 
 
 @needs_replay

@@ -213,6 +213,7 @@ class Compactor:
         self._history_id: str | None = None  # archive id of the newest history dump
         self._archive_watermark = 0  # view index before which the turn-start pass has judged every output
         self._archive_params = ArchiveParams.from_config(self.config.minor)
+        self._frame_tokens: int | None = None  # see _summary_frame_tokens
         self._answer_tokens: list[int] = []  # tokens of each answer so far, sorted (the reserve's percentile)
         self._max_reply_tokens: int | None = None  # the current request's own max_tokens, where it gave one
 
@@ -269,6 +270,15 @@ class Compactor:
         """System + tools + view + queued messages + reply reserve, in tokens. O(len(queued))."""
         extra = sum(self.accounting.message_tokens(m) for m in queued)
         return self.accounting.total_tokens + extra + self.reply_reserve_tokens()
+
+    def expect_reply(self, max_tokens: int | None) -> None:
+        """The next requests' own limit on the answer (their ``max_tokens``), None where they give none:
+        the reply reserve is at least that (:meth:`reply_reserve_tokens`). The proxy sets it per request,
+        before it asks :meth:`quiet`."""
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 0):
+            raise ValueError(f"max_tokens must be a whole number >= 0, got {max_tokens!r}")
+        self._max_reply_tokens = max_tokens
 
     def reply_reserve_tokens(self) -> int:
         """Tokens kept free for the model's answer: the largest of the configured reserve, the current
@@ -437,17 +447,16 @@ class Compactor:
 
         ``queued`` are user messages typed while the turn runs: counted before deciding, appended to
         the view after any rewrite (so they follow a resume instruction), flagged as queued inserts.
-        ``max_reply_tokens`` is the request's own limit on the answer (``max_tokens``), where it gives
-        one: the reply reserve is at least that (:meth:`reply_reserve_tokens`).
+        ``max_reply_tokens``: the request's own limit on the answer (its ``max_tokens``), as
+        :meth:`expect_reply` sets it; not given, the last one set stays.
 
         The guard is never off: the breaker may stop the automatic passes for the rest of a turn, but
         a request never leaves over the window while any fit exists (:meth:`_guard`). Where none
         exists, :class:`~ctxfold.errors.NoFitError` is raised here, before the request is sent.
         """
-        if max_reply_tokens is not None and (isinstance(max_reply_tokens, bool) or max_reply_tokens < 0):
-            raise ValueError(f"max_reply_tokens must be a whole number >= 0, got {max_reply_tokens!r}")
         with self._lock:
-            self._max_reply_tokens = max_reply_tokens
+            if max_reply_tokens is not None:
+                self.expect_reply(max_reply_tokens)
             turn_start = self._at_turn_start()
             if turn_start:
                 self._new_turn()
@@ -518,7 +527,8 @@ class Compactor:
             parts["newest user request"] = sum(self._smallest_tokens(m) for m in kept)
         if queued:
             parts["queued messages"] = sum(self._smallest_tokens(m) for m in queued)
-        parts["summary frame"] = SUMMARY_FRAME_TOKENS + (acc.message_tokens(resume_message(0)) if not turn_start else 0)
+        parts["summary frame"] = (self._summary_frame_tokens()
+                                  + (acc.message_tokens(resume_message(0)) if not turn_start else 0))
         parts["reply reserve"] = self.reply_reserve_tokens()
         return parts
 
@@ -698,7 +708,7 @@ class Compactor:
         tokens = self.accounting.tokens()
         flags = self.accounting.flags()
         fresh = int(tokens[:bottom][(flags[:bottom] & SegmentFlag.SUMMARY) == 0].sum())
-        if fresh <= 2 * SUMMARY_FRAME_TOKENS:
+        if fresh <= 2 * self._summary_frame_tokens():
             # Only earlier summaries (or nothing) lie before BOTTOM: a new summary cannot shrink the
             # view, so do not spend a dump and a model call on it, and stop trying for this turn.
             return self._failed(trigger, reason, before, "nothing before BOTTOM worth summarizing", timings,
@@ -733,9 +743,9 @@ class Compactor:
         if guard_step is not None and ctx is not None:
             # The guard's summary takes what the window leaves beside everything else it must hold,
             # and no more than the extractive summary's own cap.
-            guard_cap = (ctx - self.accounting.fixed_tokens - besides - SUMMARY_FRAME_TOKENS
+            guard_cap = (ctx - self.accounting.fixed_tokens - besides - self._summary_frame_tokens()
                          - self.reply_reserve_tokens())
-            if guard_step == "extractive_summary":
+            if guard_step != "fold_newest":
                 guard_cap //= 2  # the other half for the tail
             guard_cap = max(16, guard_cap)
         summary = self._summarize(bottom, reason, mid_turn, guard_cap_tokens=guard_cap)
@@ -747,8 +757,15 @@ class Compactor:
         # it all would make the rebuilt view larger than the old one (ds4 grows the transcript so).
         half = fresh // 2
         budget, room = min(budget, half), min(room, half)
-        if guard_step in ("shorter_tail", "fold_newest"):
-            budget = room = 0  # no tail: only what the model has not seen yet stays verbatim
+        if guard_step == "extractive_summary" and ctx is not None:
+            budget = room = min(self.config.tail.budget_tokens(ctx), half)  # the policy's own tail
+        elif guard_step == "shorter_tail" and ctx is not None:
+            # The longest tail the window has room for beside everything else: none, when it has none.
+            left = (ctx - self.accounting.fixed_tokens - self.counter.count(summary.text)
+                    - self._summary_frame_tokens() - besides - self.reply_reserve_tokens())
+            budget = room = max(0, min(self.config.tail.budget_tokens(ctx), half, left))
+        elif guard_step == "fold_newest":
+            budget = room = 0  # no tail: the summary is all that stays of the turn
         tail = select_tail_from_ledger(self.accounting.ledger, budget_tokens=budget, bottom=bottom)
         while not tail.found and budget < room:
             # Not even the newest call group fits the configured tail: keep the smallest legal tail
@@ -789,6 +806,12 @@ class Compactor:
             return self._failed(trigger, reason, before,
                                 f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
                                 timings, summary=summary, dump=dump, give_up=True, guard_step=guard_step)
+        if guard_step == "extractive_summary" and ctx is not None and after > ctx:
+            # Not applied: the next step rewrites the same view with a shorter tail, instead of
+            # summarizing this rewrite's summary again.
+            return self._failed(trigger, reason, before,
+                                f"with the configured tail the request would still be over the window ({after} > "
+                                f"{ctx} tokens)", timings, summary=summary, dump=dump, guard_step=guard_step)
         old_view = self.view
         self._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
         self._rewrites += 1
@@ -875,9 +898,16 @@ class Compactor:
         if ctx is None:
             return self.config.tail.cap_tokens, self.config.tail.cap_tokens
         room = (self._trigger_line_tokens(ctx) - self.accounting.fixed_tokens - self.counter.count(summary_text)
-                - SUMMARY_FRAME_TOKENS - besides_tokens - self.reply_reserve_tokens())
+                - self._summary_frame_tokens() - besides_tokens - self.reply_reserve_tokens())
         room = max(0, room)
         return min(self.config.tail.budget_tokens(ctx), room), room
+
+    def _summary_frame_tokens(self) -> int:
+        """Tokens the frame around a summary adds (the pointer to the history dump included), with this
+        conversation's counter, plus a message's template frame: counted once."""
+        if self._frame_tokens is None:
+            self._frame_tokens = self.counter.count(frame_summary("", _SAMPLE_ARCHIVE_ID)) + _FRAME_TOKENS
+        return self._frame_tokens
 
     def _fits(self, result: Message) -> bool:
         ctx = self.context_tokens
@@ -1067,8 +1097,10 @@ class _Summary:
     fallback_from: str | None  # why the configured summarizer was not used, when the extractive one stood in
 
 
-SUMMARY_FRAME_TOKENS = 64
-MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)  # the frame around a summary, an upper bound for every tokenizer we ship
+MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)
+# An archive id as the summary frame's pointer shows one: hex digits of a sha256, which tokenize worse
+# than text (about two characters a token).
+_SAMPLE_ARCHIVE_ID = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 
 def frame_summary(summary: str, history_id: str | None) -> str:

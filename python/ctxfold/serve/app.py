@@ -44,7 +44,7 @@ from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive, rea
 from ctxfold.archive.marker import MARKER_PREFIX
 from ctxfold.compactor import CompactionEvent, Compactor
 from ctxfold.config import CompactConfig
-from ctxfold.errors import ConfigError, FormatError
+from ctxfold.errors import ConfigError, FormatError, NoFitError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
@@ -377,6 +377,11 @@ class ProxyApp:
                 resp = await self._handle(request, parsed, key, t0)
             for evicted in self.sessions.trim():
                 self._models.pop(evicted, None)
+        except NoFitError as e:
+            # Said before the request, never after: nothing goes upstream (what the client sent is stored).
+            self.metrics.bad_requests.inc("context_length_exceeded")
+            self.metrics.responses.inc("400")
+            return error_response(400, str(e), code="context_length_exceeded", param="messages")
         except BadRequest as e:
             self.metrics.bad_requests.inc(e.code)
             self.metrics.responses.inc(str(e.status))
@@ -408,6 +413,7 @@ class ProxyApp:
             session.note_wire(parsed.messages)
             new = new[k:]
         c = session.compactor
+        c.expect_reply(_max_reply_tokens(parsed.body))  # before the quiet checks: the reserve is part of them
         tools = parsed.body.get("tools") or []
         has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
                              for t in tools)
@@ -801,6 +807,16 @@ def _hold(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]
             recall_calls.add(index)
         hold = hold or index in recall_calls
     return hold
+
+
+def _max_reply_tokens(body: dict[str, Any]) -> int | None:
+    """The request's own limit on the answer: ``max_completion_tokens`` (OpenAI's current name) or
+    ``max_tokens``; None when it gives neither as a whole number >= 0 (the upstream judges the rest)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        n = body.get(name)
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+            return n
+    return None
 
 
 async def _write_error(resp: web.StreamResponse, message: str) -> None:
