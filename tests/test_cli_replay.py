@@ -6,9 +6,9 @@ from __future__ import annotations
 import http.server
 import importlib.util
 import json
-import re
 import os
 import pty
+import re
 import socket
 import struct
 import subprocess

@@ -249,7 +249,7 @@ def test_no_request_over_the_window_while_a_fit_exists(plan: dict[str, Any], exa
 
 def breaker_set(run: Run) -> None:
     """A turn whose policy summary could not help: the breaker stops the policy for the rest of it."""
-    run.compactor._turn.gave_up = True  # noqa: SLF001 - the state the guard must not depend on
+    run.compactor._turn.gave_up = True
 
 
 def test_archive_all_makes_a_parallel_group_fit(exact: TokenCounter, template: ChatTemplate, tmp_path: Path) -> None:
@@ -405,4 +405,4 @@ def test_the_breaker_resets_at_an_imported_summary(exact: TokenCounter, template
     run.answer(20)
     run.user(300, imported_summary=True)
     assert run.request()
-    assert not run.compactor._turn.gave_up  # noqa: SLF001 - a new turn: the policy runs again
+    assert not run.compactor._turn.gave_up
