@@ -5,18 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ctxfold import formats
-from ctxfold.messages import Conversation, ToolSpec
+from ctxfold.formats.header import MINI_SWE_AGENT_BASH
+from ctxfold.messages import Conversation
 
-# The one tool mini-swe-agent (tool-call mode) offers the model; the trajectories do not record it.
-MINI_SWE_AGENT_BASH = ToolSpec(
-    name="bash",
-    description="Execute a bash command",
-    parameters={
-        "type": "object",
-        "properties": {"command": {"type": "string", "description": "The bash command to execute"}},
-        "required": ["command"],
-    },
-)
+__all__ = ["MINI_SWE_AGENT_BASH", "deepseek_runs"]
 
 
 def deepseek_runs(traces_dir: Path) -> list[tuple[str, Conversation, bool]]:
@@ -24,6 +16,7 @@ def deepseek_runs(traces_dir: Path) -> list[tuple[str, Conversation, bool]]:
     runs = []
     for path in sorted((traces_dir / "deepseek_sample").glob("*/*.traj.json")):
         conv = formats.load(path)[0]
-        conv.tools = (MINI_SWE_AGENT_BASH,)
+        # The trajectories do not record the bash tool mini-swe-agent sent; the importer fills it in.
+        assert conv.tools == (MINI_SWE_AGENT_BASH,), path
         runs.append((f"{path.parent.name}/{path.name}", conv, "reasoner" in path.parent.name))
     return runs

@@ -11,8 +11,9 @@ through the tokenizer, ``int`` for a control token id emitted as such (SentenceP
 parse control tokens out of text). Concatenating the segments' texts gives the whole prompt; the
 sum of their counts is its count (see :func:`count_segments` for text that joins across segments).
 
-Presets: ``deepseek-v3.2`` (the DSML template the hosted DeepSeek API renders with; reproduces its
-recorded prompt_tokens exactly), ``deepseek-v4`` (the V4 encoding: ``<tool_result>`` inside user
+Presets: ``deepseek-v3.2`` (DeepSeek V3.2's DSML encoding), ``deepseek-v3.2-api`` (the same as the
+hosted DeepSeek API counts it: one token fewer after a user message that directly follows tool
+results; reproduces its recorded prompt_tokens exactly), ``deepseek-v4`` (the V4 encoding: ``<tool_result>`` inside user
 turns, ``tool_calls`` DSML blocks), ``chatml`` (Qwen3), ``mistral-v7`` (Mistral instruct v7 control tokens).
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import string
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -83,6 +84,8 @@ class ChatTemplate:
     result: str = "{content}"  # one tool result; {id} is the id of the call it answers
     result_separator: str = ""  # between two results of one run
     results_close: str = ""  # after the last result of a run
+    # Replaces results_close when a user message directly follows the run (None: no difference).
+    results_close_before_user: str | None = None
     generation_prompt: str = ""  # the end of every request: where the model starts writing
     think_open: str = ""
     think_close: str = ""
@@ -295,7 +298,10 @@ class Renderer:
                 parts += self._f.parts(t.result_separator)
             parts += self._f.parts(t.result, content=m.text, id=m.tool_call_id or "")
             if nxt is not Role.TOOL:
-                parts += self._f.parts(t.results_close, think=self._think(opts, keep_all_reasoning or at_turn))
+                close = t.results_close
+                if nxt is Role.USER and t.results_close_before_user is not None:
+                    close = t.results_close_before_user
+                parts += self._f.parts(close, think=self._think(opts, keep_all_reasoning or at_turn))
         else:
             if prev in (Role.USER, Role.TOOL, Role.SYSTEM) or prev is None:
                 parts += self._f.parts(t.assistant_open, think=self._think(opts, keep_all_reasoning or at_turn))
@@ -397,8 +403,21 @@ DEEPSEEK_V32 = ChatTemplate(
     think_open="{THINK}",
     think_close="{ENDTHINK}",
     keep_reasoning=Reasoning.AFTER_LAST_USER,
-    description="DeepSeek's DSML chat template as served by the DeepSeek API (deepseek-chat, "
-    "deepseek-reasoner): reproduces the API's recorded prompt_tokens exactly.",
+    description="DeepSeek V3.2's DSML encoding (encoding_dsv32.py): the hosted DeepSeek API's recorded "
+    "prompt_tokens exactly, but for a user message that directly follows tool results (see deepseek-v3.2-api).",
+)
+
+# The hosted API (deepseek-chat, deepseek-reasoner) counts one token fewer than encoding_dsv32.py
+# from a user message that directly follows tool results on (measured on public mini-swe-agent
+# DeepSeek runs). Counts cannot tell which token it leaves out; this preset leaves out the thinking
+# marker that closes the results, which the user turn's own marker makes redundant.
+DEEPSEEK_V32_API = replace(
+    DEEPSEEK_V32,
+    name="deepseek-v3.2-api",
+    results_close_before_user="\n</function_results>\n\n",
+    description="DeepSeek's DSML template as the hosted DeepSeek API counts it (deepseek-chat, "
+    "deepseek-reasoner): deepseek-v3.2, one token fewer after a user message that directly follows tool "
+    "results.",
 )
 
 _DS4_TOOLS = (
@@ -510,7 +529,7 @@ MISTRAL_V7 = ChatTemplate(
 )
 
 PRESETS: dict[str, ChatTemplate] = {
-    t.name: t for t in (DEEPSEEK_V32, DEEPSEEK_V4, CHATML_QWEN3, MISTRAL_V7)
+    t.name: t for t in (DEEPSEEK_V32, DEEPSEEK_V32_API, DEEPSEEK_V4, CHATML_QWEN3, MISTRAL_V7)
 }
 PRESETS["qwen3"] = CHATML_QWEN3
 PRESETS["mistral"] = MISTRAL_V7

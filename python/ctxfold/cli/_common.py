@@ -60,12 +60,19 @@ def non_negative_int(text: str) -> int:
 
 
 def add_format_option(p: argparse.ArgumentParser) -> None:
+    """How a trace is read: its format, what to do with bad records, and the system prompt and tool
+    definitions to use where the trace does not record them."""
     from ctxfold.formats import FORMATS
 
     p.add_argument("--format", choices=FORMATS, metavar="NAME",
                    help=f"read the input as this trace format instead of detecting it ({', '.join(FORMATS)})")
     p.add_argument("--lenient", action="store_true", help="skip malformed records of a trace (counted on "
                    "stderr) instead of stopping at the first one")
+    p.add_argument("--tools", metavar="FILE", help="the tool definitions the agent sent with each request, "
+                   "for traces that do not record them: a JSON list (or an object with a 'tools' list) in "
+                   "OpenAI or Anthropic shape; replaces any the trace records or ctxfold fills in")
+    p.add_argument("--system", metavar="FILE", help="the system prompt the agent sent, as a text file (one "
+                   "final newline is dropped), for traces that do not record it; replaces any the trace records")
 
 
 def add_counting_options(p: argparse.ArgumentParser) -> None:
@@ -74,9 +81,10 @@ def add_counting_options(p: argparse.ArgumentParser) -> None:
                    "cl100k_base), a tokenizer.json or SentencePiece .model file, estimate:NAME (the "
                    f"calibrated estimator), or chars4 (default: {DEFAULT_TOKENIZER})")
     p.add_argument("--template", metavar="NAME",
-                   help="chat template the requests are rendered with, for exact counts: deepseek-v3.2 (the "
-                   "hosted DeepSeek API), deepseek-v4, chatml (qwen3), mistral-v7; default: message text "
-                   "alone, without template tokens")
+                   help="chat template the requests are rendered with, for exact counts: deepseek-v3.2 "
+                   "(DeepSeek V3.2's own), deepseek-v3.2-api (the hosted DeepSeek API, which counts one token "
+                   "fewer after a user message that follows tool results), deepseek-v4, chatml (qwen3), "
+                   "mistral-v7; default: message text alone, without template tokens")
 
 
 def add_policy_options(p: argparse.ArgumentParser) -> None:
@@ -191,12 +199,18 @@ class Loaded:
 
 
 def load_traces(paths: Sequence[str], format: str | None = None, *, lenient: bool = False,
-                warn: Callable[[str], None] | None = None) -> list[Loaded]:
+                warn: Callable[[str], None] | None = None, system_file: str | None = None,
+                tools_file: str | None = None) -> list[Loaded]:
     """Every conversation of every file, in order. A missing or malformed file is an input error
     naming the file (and the line, for a malformed record); with ``lenient`` bad records are skipped
-    and ``warn`` hears how many, and the first."""
+    and ``warn`` hears how many, and the first. ``system_file`` and ``tools_file`` (--system,
+    --tools) go on every conversation, over what the trace records; ``warn`` hears where they
+    replace something the trace records."""
     from ctxfold.formats import read_path
+    from ctxfold.formats.header import HeaderFiles, apply_header
 
+    # The files first: a bad one fails before a long trace is parsed.
+    header = HeaderFiles.read(system_file, tools_file)
     out = []
     for path in paths:
         p = Path(path)
@@ -211,6 +225,16 @@ def load_traces(paths: Sequence[str], format: str | None = None, *, lenient: boo
                  f" (first: {report.skipped[0]})")
         if not report.conversations:
             raise FormatError("no conversation in this file", source=path)
+        if header:
+            replaced: dict[str, int] = {}
+            for c in report.conversations:
+                for what in apply_header(c, header):
+                    replaced[what] = replaced.get(what, 0) + 1
+            if replaced and warn is not None:
+                n = len(report.conversations)
+                warn(f"{path}: " + "; ".join(
+                    f"{'--system' if what == 'system prompt' else '--tools'} replaces the {what} the trace records"
+                    + ("" if n == 1 else f" (in {k} of its {n} conversations)") for what, k in replaced.items()))
         out.append(Loaded(path, report.format, report.conversations))
     return out
 

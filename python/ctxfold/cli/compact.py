@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     term = Terminal(quiet=args.quiet)
     config = build_config(args, default_context_tokens=DEFAULT_CONTEXT_TOKENS)
     config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
-    loaded = load_traces([args.file], args.format, lenient=args.lenient, warn=warn)
+    loaded = load_traces([args.file], args.format, lenient=args.lenient, warn=warn,
+                         system_file=args.system, tools_file=args.tools)
     from ctxfold.compactor import Compactor
 
     counter = load_counter(args.tokenizer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from ctxfold.cli._common import (
     wrap,
     write_output,
 )
+from ctxfold.formats.header import FILLED_IN, SUPPLIED
 from ctxfold.messages import Conversation, Message, Role
 
 EPILOG = """examples:
@@ -31,11 +33,17 @@ EPILOG = """examples:
   ctxfold count run.traj.json --tokenizer deepseek-v4 --requests
   ctxfold count run.json --tokenizer path/to/tokenizer.json --messages
   ctxfold count airline.json --json counts.json
+  ctxfold count session.jsonl --system prompt.txt --tools tools.json
 
 A request is one assistant turn: the prompt the model was sent for it is everything before it.
 Where the trace records the provider's usage (prompt_tokens), the predicted prompt tokens are
 shown beside it with the difference; with the model's own tokenizer and chat template the two
 should agree, and the gap measures how far an estimator or a template-less count is off.
+
+Many traces do not record the system prompt or the tool definitions the agent sent with every
+request (Claude Code transcripts record neither); count then says what is missing and how much
+of the gap it explains. --system FILE and --tools FILE supply them. mini-swe-agent trajectories
+get the bash tool mini-swe-agent 2 sends filled in, and count says so.
 
 exit codes: 0 success, 2 usage error, 3 input error (missing or malformed file),
 4 tokenizer unavailable, 5 internal error."""
@@ -75,6 +83,11 @@ class CountReport:
     ids: list[str] = field(default_factory=list)  # per message
     previews: list[str] = field(default_factory=list)  # per message: the start of its text, for the listing
     requests: list[tuple[int, int, int | None]] = field(default_factory=list)  # (message index, predicted, recorded)
+    # Where the system prompt and the tool definitions came from, each "recorded" (in the trace),
+    # "filled in" (the agent's known default), "from FILE" (--system, --tools) or "missing".
+    header: dict[str, str] = field(default_factory=dict)
+    filled_in: dict[str, str] = field(default_factory=dict)  # what was filled in, and why (for the note)
+    tools_called: tuple[str, ...] = ()  # names of the tools the messages call, in order of first call
 
     @property
     def total_tokens(self) -> int:
@@ -102,6 +115,7 @@ class CountReport:
                          for k, (i, p, r) in enumerate(self.requests)],
             "recorded_requests": len(cmp),
             "mean_abs_error_pct": _mean_abs_pct(cmp),
+            "header": self.header, "tools_called": list(self.tools_called),
         }
 
 
@@ -131,7 +145,97 @@ def count_conversation(conv: Conversation, counter: Any, template: Any, *, label
         label=label or conv.id, conversation=conv.id, source=conv.source, format=format,
         fixed_tokens=accounting.fixed_tokens, message_tokens=[int(n) for n in accounting.tokens()],
         roles=[m.role.value for m in conv.messages], ids=[m.id for m in conv.messages],
-        previews=[_preview_text(m) for m in conv.messages], requests=requests)
+        previews=[_preview_text(m) for m in conv.messages], requests=requests,
+        header=header_status(conv), filled_in=dict(conv.meta.get(FILLED_IN, {})),
+        tools_called=tuple(dict.fromkeys(c.name for m in conv.messages for c in m.tool_calls)))
+
+
+def header_status(conv: Conversation) -> dict[str, str]:
+    """Where ``conv``'s system prompt and tool definitions came from (see ``CountReport.header``)."""
+    filled, supplied = conv.meta.get(FILLED_IN, {}), conv.meta.get(SUPPLIED, {})
+    out = {}
+    for part, present in (("system", conv.system is not None), ("tools", bool(conv.tools))):
+        if part in supplied:
+            out[part] = f"from {supplied[part]}"
+        elif part in filled:
+            out[part] = "filled in"
+        else:
+            out[part] = "recorded" if present else "missing"
+    return out
+
+
+# What an agent sends besides the messages, for the note on a trace that lacks it.
+_AGENTS = {"claude_code": "Claude Code", "mini_swe_agent": "mini-swe-agent", "openhands": "OpenHands",
+           "swe_agent": "SWE-agent", "tau_bench": "tau-bench"}
+
+
+def _steady(gaps: Sequence[int]) -> bool:
+    """True when a conversation's gaps are one fixed cost: they vary by at most 32 tokens or 10%."""
+    mid = statistics.median(gaps)
+    return max(gaps) - min(gaps) <= max(32, abs(mid) // 10)
+
+
+def header_notes(reports: Sequence[CountReport]) -> list[str]:
+    """One line for the header parts that were filled in, and one for those the trace lacks, with
+    how far the lack explains the gap between the count and the recorded usage."""
+    notes: list[str] = []
+    filled: dict[str, int] = {}
+    for r in reports:
+        for part, why in r.filled_in.items():
+            key = f"{'tools' if part == 'tools' else 'system prompt'}: {why}"
+            filled[key] = filled.get(key, 0) + 1
+    for key, n in filled.items():
+        option = "--tools" if key.startswith("tools") else "--system"
+        many = f" ({n} conversations)" if len(reports) > 1 else ""
+        notes.append(f"filled in {key}{many}; {option} FILE gives others")
+    # A trace that calls tools sent their definitions; one without a system prompt may have sent none,
+    # so that part is named only when the recorded usage says something is missing.
+    lacking = []
+    for r in reports:
+        no_system = r.header.get("system") == "missing"
+        no_tools = r.header.get("tools") == "missing" and bool(r.tools_called)
+        if no_system or no_tools:
+            lacking.append((r, no_system, no_tools))
+    if not lacking:
+        return notes
+    per_conv = [[rec - p for p, rec in r.compared()] for r, _, _ in lacking]
+    gaps = [g for conv_gaps in per_conv for g in conv_gaps]
+    no_system = any(s for _, s, _ in lacking)
+    no_tools = any(t for _, _, t in lacking)
+    if not no_tools and (not gaps or statistics.median(gaps) <= 0):
+        return notes  # no system prompt, and nothing says one was sent
+    called = list(dict.fromkeys(name for r, _, _ in lacking for name in r.tools_called))
+    calls = f" (tools called here: {', '.join(called[:4])}{', ...' if len(called) > 4 else ''})" if called else ""
+    parts = [*(["system prompt"] if no_system else []), *(["tool definitions"] if no_tools else [])]
+    agents = {r.format for r, _, _ in lacking}
+    agent = _AGENTS.get(agents.pop()) if len(agents) == 1 else None
+    if agent is not None:
+        what = f"the trace lacks the {' and '.join(parts)} {agent} sends with every request{calls}"
+    else:
+        what = f"the trace records no {' and no '.join(parts)}{calls}"
+    options = [*(["--system FILE"] if no_system else []), *(["--tools FILE"] if no_tools else [])]
+    them = "it" if parts == ["system prompt"] else "them"
+    supply = f"{' and '.join(options)} {'supply' if len(options) > 1 else 'supplies'} {them}"
+    if not gaps:
+        notes.append(f"{what}, so the count leaves {them} out; {supply}")
+        return notes
+    mid = int(statistics.median(gaps))
+    size = {"system prompt": "a system prompt", "tool definitions": "tool definitions"}[parts[0]] \
+        if len(parts) == 1 else "a system prompt and tools"
+    if mid <= 0:
+        how = (f"yet recorded usage is not above the count (median gap {tokens(mid)} tokens), so little or "
+               "nothing was left out")
+    elif len(gaps) == 1:
+        how = f"recorded usage is {tokens(mid)} tokens above the count, about what {size} of that size take"
+    elif all(_steady(g) for g in per_conv if g):
+        how = (f"recorded usage is {tokens(mid)} tokens above the count (median of {len(gaps)} requests) and "
+               f"steady, as {size} of that size would leave it")
+    else:
+        how = (f"recorded usage is a median {tokens(mid)} tokens above the count, from {tokens(min(gaps))} to "
+               f"{tokens(max(gaps))}: what the trace lacks explains a fixed part, at most {tokens(min(gaps))}; "
+               "the part that grows with the conversation means the counter or the template is not the model's")
+    notes.append(f"{what}; {how}; {supply}")
+    return notes
 
 
 def _preview_text(m: Message) -> str:
@@ -174,6 +278,7 @@ def render(reports: Sequence[CountReport], counter_name: str, exact: bool, templ
                  "-" if err is None else f"{err:.2f}%"]
         out.append(table(["conversation", "messages", "system+tools", "user", "assistant", "tool", "total tokens",
                           "requests", "recorded", "mean |error|"], rows, total=total))
+        out.extend(f"note: {n}\n" for n in header_notes(reports))
     for r in reports:
         if len(reports) == 1:
             roles = r.by_role()
@@ -196,6 +301,8 @@ def render(reports: Sequence[CountReport], counter_name: str, exact: bool, templ
                              [[i, role, mid, n, _preview(text)] for i, (mid, role, n, text) in
                               enumerate(zip(r.ids, r.roles, r.message_tokens, r.previews, strict=True))],
                              align="rllrl"))
+        if len(reports) == 1:
+            out.extend(f"note: {n}\n" for n in header_notes(reports))
         if requests:
             out.append(f"\n{r.label}: requests\n")
             out.append(table(["request", "message", "predicted", "recorded", "diff", "diff %"],
@@ -205,7 +312,8 @@ def render(reports: Sequence[CountReport], counter_name: str, exact: bool, templ
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded: list[Loaded] = load_traces([args.file], args.format, lenient=args.lenient, warn=warn)
+    loaded: list[Loaded] = load_traces([args.file], args.format, lenient=args.lenient, warn=warn,
+                                     system_file=args.system, tools_file=args.tools)
     counter = load_counter(args.tokenizer)
     template = load_template(args.template)
     convs = [c for f in loaded for c in f.conversations]
@@ -221,6 +329,6 @@ def run(args: argparse.Namespace) -> int:
         doc = {"file": args.file, "tokenizer": name, "exact": exact, "template": args.template,
                "total_tokens": sum(r.total_tokens for r in reports), "requests": sum(len(r.requests) for r in reports),
                "recorded_requests": len(all_cmp), "mean_abs_error_pct": _mean_abs_pct(all_cmp),
-               "conversations": [r.to_json() for r in reports]}
+               "notes": header_notes(reports), "conversations": [r.to_json() for r in reports]}
         write_output(args.json, json.dumps(doc, indent=1) + "\n")
     return EXIT_OK

@@ -369,7 +369,8 @@ def run(args: argparse.Namespace) -> int:
 
         jobs.append(Job("demo", "(built in)", "builtin", demo_conversation()))
     else:
-        loaded = load_traces(args.traces, args.format, lenient=args.lenient, warn=warn)
+        loaded = load_traces(args.traces, args.format, lenient=args.lenient, warn=warn,
+                             system_file=args.system, tools_file=args.tools)
         convs = [(f, c) for f in loaded for c in f.conversations]
         labels = unique_labels([c for _, c in convs])
         jobs = [Job(label, f.path, f.format, c) for label, (f, c) in zip(labels, convs, strict=True)]

@@ -138,7 +138,8 @@ def _system(raw: Any) -> tuple[str | None, Any]:
     return "\n".join(texts), blocks
 
 
-def _tool_spec(raw: Any, k: int) -> ToolSpec:
+def tool_spec(raw: Any, k: int) -> ToolSpec:
+    """Tool definition ``k`` of a Messages API request (``name``, ``description``, ``input_schema``)."""
     d = expect_dict(raw, f"'tools'[{k}]")
     name = expect_str(d.get("name"), f"'tools'[{k}].name")
     rest = {x: v for x, v in d.items() if x not in ("name", "description", "input_schema")}
@@ -164,7 +165,7 @@ def load_document(value: Any, reader: Reader, conv_id: str) -> list[Conversation
             messages.append(m)
             locations.append(loc)
     messages = check_pairing(messages, locations, reader)
-    tools = tuple(t for t in (reader.guard(f"tools[{k}]", partial(_tool_spec, t, k))
+    tools = tuple(t for t in (reader.guard(f"tools[{k}]", partial(tool_spec, t, k))
                               for k, t in enumerate(expect_list(d.get("tools") or [], "'tools'"))) if t is not None)
     rest = {k: v for k, v in d.items() if k not in ("messages", "system", "tools", "id")}
     if system_blocks is not None:

@@ -133,10 +133,12 @@ _PLAIN_ROLES = {"system": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSI
 _MISSING = {"__missing__": True}
 
 
-def _tool_spec(raw: Any, k: int) -> ToolSpec:
+def tool_spec(raw: Any, k: int) -> ToolSpec:
+    """Tool definition ``k`` of a request, nested (chat completions) or flat (Responses API)."""
     d = expect_dict(raw, f"'tools'[{k}]")
-    fn = expect_dict(d.get("function", d), f"'tools'[{k}].function")
-    name = expect_str(fn.get("name"), f"'tools'[{k}].function.name")
+    where = f"'tools'[{k}].function" if "function" in d else f"'tools'[{k}]"
+    fn = expect_dict(d.get("function", d), where)
+    name = expect_str(fn.get("name"), f"{where}.name")
     desc = fn.get("description") or ""
     params = fn.get("parameters") or {}
     rest = {k2: v for k2, v in d.items() if k2 not in ("function", "type")}
@@ -199,7 +201,7 @@ def conversation_from_messages(
         system = first.content
         messages.pop(0)
     specs = tuple(
-        s for s in (reader.guard(f"{prefix}tools[{k}]", partial(_tool_spec, t, k))
+        s for s in (reader.guard(f"{prefix}tools[{k}]", partial(tool_spec, t, k))
                     for k, t in enumerate(tools)) if s is not None
     )
     return Conversation(messages=assign_ids(messages, "m"), id=conv_id, system=system, tools=specs,

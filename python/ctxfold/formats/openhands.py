@@ -17,7 +17,7 @@ from typing import Any
 
 from ctxfold.errors import FormatError
 from ctxfold.formats._common import Document, Reader, expect_dict, expect_list, iter_records, openai_usage
-from ctxfold.formats.openai import _tool_spec
+from ctxfold.formats.openai import tool_spec
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
 
 NAME = "openhands"
@@ -98,7 +98,7 @@ class _Stream:
             args = expect_dict(e.get("args"), "system action 'args'")
             self.system = str(args.get("content") or e.get("message") or "")
             tools = args.get("tools") or []
-            self.tools = tuple(_tool_spec(t, i) for i, t in enumerate(expect_list(tools, "'args.tools'")))
+            self.tools = tuple(tool_spec(t, i) for i, t in enumerate(expect_list(tools, "'args.tools'")))
             return
         tcm = e.get("tool_call_metadata")
         if tcm is not None and not isinstance(tcm, dict):

@@ -13,6 +13,7 @@ from typing import Any
 
 from ctxfold.errors import FormatError
 from ctxfold.formats._common import Reader, expect_dict, expect_list
+from ctxfold.formats.header import fill_known_defaults
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai
 from ctxfold.messages import Conversation, Message
 
@@ -41,7 +42,8 @@ def load_tau_bench(value: Any, reader: Reader, conv_id: str) -> list[Conversatio
 
 
 def load_mini_swe_agent(value: Any, reader: Reader, conv_id: str) -> list[Conversation]:
-    """``{info, messages[], trajectory_format, instance_id}``; the final ``exit`` message goes to meta."""
+    """``{info, messages[], trajectory_format, instance_id}``; the final ``exit`` message goes to meta.
+    The ``bash`` tool definition mini-swe-agent 2 sends is filled in (see :func:`fill_known_defaults`)."""
     d = expect_dict(value, "document")
     items = expect_list(d.get("messages"), "'messages'")
     # "exit" is mini-swe-agent's record of how the run ended (status, submitted patch): never sent
@@ -52,8 +54,10 @@ def load_mini_swe_agent(value: Any, reader: Reader, conv_id: str) -> list[Conver
     if exits:
         meta["exit"] = exits[-1]
     cid = d["instance_id"] if isinstance(d.get("instance_id"), str) else conv_id
-    return [conversation_from_messages(msgs, reader, where="", conv_id=cid, source_format=MINI_SWE_AGENT,
-                                       require_pairing=False, meta={"mini_swe_agent": meta})]
+    conv = conversation_from_messages(msgs, reader, where="", conv_id=cid, source_format=MINI_SWE_AGENT,
+                                      require_pairing=False, meta={"mini_swe_agent": meta})
+    # The trajectory leaves out the tool definition the agent sent with every request.
+    return [fill_known_defaults(conv)]
 
 
 _SWE_KEEP = ("agent", "message_type", "thought", "action", "is_demo", "tool_call_ids")
