@@ -46,7 +46,7 @@ from ctxfold.archive import (
     archive_turn_start,
     archive_whole,
 )
-from ctxfold.archive.marker import make_marker
+from ctxfold.archive.marker import is_marker, make_marker
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
 from ctxfold.errors import ArchiveError, NoFitError
@@ -62,7 +62,7 @@ from ctxfold.summarize import (
     Summarizer,
     build_summary_request,
 )
-from ctxfold.tail import select_tail_from_ledger
+from ctxfold.tail import SegmentTail, select_tail_from_ledger, widen_tail
 from ctxfold.templates import ChatTemplate
 
 
@@ -521,8 +521,9 @@ class Compactor:
         parts = {"system prompt and tools": acc.fixed_tokens}
         request = self._turn.request
         kept = [m for m in self.view[self._unseen_start():] if m.is_user_turn] if turn_start else []
-        if not kept and request is not None and self._request_index() >= 0:
-            kept = [request]
+        if not kept and request is not None and (r := self._request_index()) >= 0:
+            # Mid-turn every rewrite keeps the turn's request and what was queued after it.
+            kept = [request, *(m for m in self.view[r + 1:] if m.queued)]
         if kept:
             parts["newest user request"] = sum(self._smallest_tokens(m) for m in kept)
         if queued:
@@ -708,7 +709,9 @@ class Compactor:
         tokens = self.accounting.tokens()
         flags = self.accounting.flags()
         fresh = int(tokens[:bottom][(flags[:bottom] & SegmentFlag.SUMMARY) == 0].sum())
-        if fresh <= 2 * self._summary_frame_tokens():
+        # The guard may summarize earlier summaries again, shorter (whether that helps, the rebuilt
+        # view's count decides below); the policy does not spend a dump on it.
+        if fresh <= 2 * self._summary_frame_tokens() and (guard_step is None or bottom == 0):
             # Only earlier summaries (or nothing) lie before BOTTOM: a new summary cannot shrink the
             # view, so do not spend a dump and a model call on it, and stop trying for this turn.
             return self._failed(trigger, reason, before, "nothing before BOTTOM worth summarizing", timings,
@@ -736,7 +739,8 @@ class Compactor:
         if mid_turn:
             besides += self.accounting.message_tokens(resume_message(0))
             if 0 <= (r := self._request_index()) < bottom:
-                besides += int(tokens[r])
+                # The turn's request and the messages queued after it stay ahead of the summary.
+                besides += int(tokens[r]) + sum(int(tokens[i]) for i in range(r + 1, bottom) if self.view[i].queued)
 
         t1 = time.perf_counter()
         guard_cap = None
@@ -773,6 +777,7 @@ class Compactor:
             # for. Doubling keeps it small, so the next compaction is not due at once.
             budget = min(2 * max(budget, 1), room)
             tail = select_tail_from_ledger(self.accounting.ledger, budget_tokens=budget, bottom=bottom)
+        start, tail_tokens, stand_ins = self._widen_tail(tail, budget)
         timings["tail"] = time.perf_counter() - t2
 
         summary_msg = Message(
@@ -782,17 +787,17 @@ class Compactor:
         new_view: list[Message] = []
         new_origins: list[int] = []
         request_index = self._request_index()
-        if mid_turn and 0 <= request_index < tail.start:
+        if mid_turn and 0 <= request_index < start:
             # Mid-turn the turn's own request and the messages the user typed while it ran stay
             # verbatim ahead of the summary (Datus).
-            keep = [request_index] + [i for i in range(request_index + 1, tail.start) if self.view[i].queued]
+            keep = [request_index] + [i for i in range(request_index + 1, start) if self.view[i].queued]
             new_view.extend(self.view[i] for i in keep)
             new_origins.extend(self.view_origins[i] for i in keep)
         new_view.append(summary_msg)
         new_origins.append(-1)
         # An earlier resume instruction has done its job; a new one follows if this is mid-turn.
-        kept = [i for i in range(tail.start, len(self.view)) if not self.view[i].resume]
-        new_view.extend(self.view[i] for i in kept)
+        kept = [i for i in range(start, len(self.view)) if not self.view[i].resume]
+        new_view.extend(stand_ins.get(i, self.view[i]) for i in kept)
         new_origins.extend(self.view_origins[i] for i in kept)
         if mid_turn and _open_call_group(new_view, len(new_view)) < 0:
             # The hidden instruction makes the model resume after the summary. Not while a call is in
@@ -824,7 +829,8 @@ class Compactor:
             tokens_after=self.occupancy_tokens(queued), summary=summary.text, summarizer=summary.summarizer,
             summary_fallback=summary.fallback_from is not None, summary_failure=summary.fallback_from,
             summary_cut=summary.cut_reason if summary.cut_reason not in ("eos", "none") else None,
-            tail_start=tail.start, tail_rule=tail.rule.name.lower(), tail_tokens=tail.num_tokens,
+            tail_start=start, tail_rule=tail.rule.name.lower() if start == tail.start else "widened",
+            tail_tokens=tail_tokens,
             history_dump=str(dump) if dump is not None else None, kv=kv, seconds=timings, guard_step=guard_step,
         )
         if guard_step is None:  # the guard's passes are outside the policy: they leave its breaker alone
@@ -901,6 +907,43 @@ class Compactor:
                 - self._summary_frame_tokens() - besides_tokens - self.reply_reserve_tokens())
         room = max(0, room)
         return min(self.config.tail.budget_tokens(ctx), room), room
+
+    def _widen_tail(self, tail: SegmentTail, budget_tokens: int) -> tuple[int, int, dict[int, Message]]:
+        """The tail widened by whole groups that fit the budget with their tool results archived
+        (:func:`ctxfold.tail.widen_tail`): (start, tokens, view index -> the marker that stands in for
+        it). The plain tail, unchanged, when no group before it needs archiving to fit or the archive
+        cannot be written."""
+        start = tail.start
+        if start == 0 or tail.num_tokens >= budget_tokens:
+            return start, tail.num_tokens, {}
+        tokens = self.accounting.tokens()
+        flags = self.accounting.flags()
+        archived = tokens.copy()
+        head = self.config.minor.archive_preview_chars
+        # Only the results the budget could reach matter: at least a marker's header each.
+        seen = 0
+        for i in range(start - 1, -1, -1):
+            m = self.view[i]
+            if m.role is not Role.TOOL or is_marker(m.text):
+                continue
+            marker = make_marker(_SAMPLE_ARCHIVE_ID, m.text, head)
+            if len(marker) < len(m.text):
+                archived[i] = min(int(tokens[i]), self.accounting.message_tokens(replace(m, content=marker)))
+            seen += 1
+            if seen * _MARKER_MIN_TOKENS > budget_tokens:
+                break
+        wide = widen_tail(tokens, flags, self.accounting.group_starts(), archived, tail=tail,
+                          budget_tokens=budget_tokens)
+        if not wide.archived:
+            return start, tail.num_tokens, {}
+        stand_ins: dict[int, Message] = {}
+        for i in wide.archived:
+            result = archive_whole(self.view[i], self.store, head_chars=head, tail_chars=0,
+                                   count_tokens=self.counter.count, index=i)
+            if result.report.error is not None:
+                return start, tail.num_tokens, {}  # the plain tail: nothing may enter as a marker unwritten
+            stand_ins[i] = result.messages[0]
+        return wide.start, wide.num_tokens, stand_ins
 
     def _summary_frame_tokens(self) -> int:
         """Tokens the frame around a summary adds (the pointer to the history dump included), with this
@@ -1098,6 +1141,8 @@ class _Summary:
 
 
 MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)
+# A marker's header alone (the 64-hex id and the recall hint), in tokens, at least.
+_MARKER_MIN_TOKENS = 40
 # An archive id as the summary frame's pointer shows one: hex digits of a sha256, which tokenize worse
 # than text (about two characters a token).
 _SAMPLE_ARCHIVE_ID = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"

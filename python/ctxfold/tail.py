@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from ctxfold import _core
 from ctxfold._arrays import as_view
+from ctxfold.ledger import SegmentFlag
 
 #: A preferred boundary must keep at least this share of what the best legal cut keeps.
 DEFAULT_MIN_FILL = 0.9
@@ -198,3 +199,64 @@ def select_token_tail(
 def align_down_to_page(pos: int, page_size_tokens: int) -> int:
     """``pos`` rounded down to a multiple of the engine's KV page size (vLLM blocks: 16 tokens)."""
     return _core.align_down_to_page(pos, page_size_tokens)
+
+
+# ---- a fuller tail: groups that enter with their results archived ------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WidenedTail:
+    """A segment tail widened by whole groups whose tool results enter as archive markers."""
+
+    start: int  # first segment of the widened tail (<= the plain tail's start)
+    num_tokens: int  # tokens of [start, bottom) with the chosen results counted at their archived size
+    archived: tuple[int, ...]  # segments (tool results) that enter as markers, ascending
+
+
+def widen_tail(
+    tokens: Any,
+    flags: Any,
+    group_starts: Any,
+    archived_tokens: Any,
+    *,
+    tail: SegmentTail,
+    budget_tokens: int,
+) -> WidenedTail:
+    """Widen ``tail`` backwards by whole atomic groups while they fit the rest of the budget, their
+    tool results counted at their archived size (``archived_tokens``: int64[n], the tokens of each
+    segment as a marker; equal to ``tokens`` where archiving would not shrink it). A group whose call
+    stays keeps its results (as markers), so nothing is orphaned, and the tail uses its budget where the
+    plain cut stops at a group with one huge result (or, with a result bigger than the budget, keeps
+    nothing).
+
+    Widening starts only at a group that does not fit whole: one that does was left out by the plain
+    cut on purpose (it aligns to a user turn). Then it goes on, group by group, until one does not fit
+    even with its results archived, or at a system segment or a group that opens on a result.
+    O(segments added)."""
+    t = as_view(tokens, np.int64, "tokens")
+    f = as_view(flags, np.uint32, "flags")
+    g = as_view(group_starts, np.int32, "group_starts")
+    a = as_view(archived_tokens, np.int64, "archived_tokens")
+    if not (len(t) == len(f) == len(g) == len(a)):
+        raise ValueError(f"tokens, flags, group_starts and archived_tokens differ in length: "
+                         f"{len(t)}, {len(f)}, {len(g)}, {len(a)}")
+    start, used = tail.start, tail.num_tokens
+    archived: list[int] = []
+    tool_result, system = int(SegmentFlag.TOOL_RESULT), int(SegmentFlag.SYSTEM)
+    while start > 0:
+        first = int(g[start - 1])
+        if first < 0 or first >= start or int(f[first]) & (tool_result | system):
+            break  # not a legal start: a system prefix, or a group that opens on a result
+        whole = int(t[first:start].sum())
+        if used + whole <= budget_tokens:
+            if not archived:
+                break  # the plain cut left this group out on purpose
+            start, used = first, used + whole
+            continue
+        results = [i for i in range(first, start) if int(f[i]) & tool_result and int(a[i]) < int(t[i])]
+        size = whole - sum(int(t[i]) - int(a[i]) for i in results)
+        if not results or used + size > budget_tokens:
+            break
+        start, used = first, used + size
+        archived = results + archived
+    return WidenedTail(start, used, tuple(archived))
