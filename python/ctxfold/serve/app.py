@@ -320,11 +320,19 @@ def parse_tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
 def relayed_headers(pairs: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
     """The end-to-end headers of ``pairs`` (name, value), in order, repeated ones included: without
     hop-by-hop ones, those a ``Connection`` header names, and ``drop`` (lower-case names)."""
-    pairs = list(pairs)
-    named = {t.strip().lower() for k, v in pairs if k.lower() == "connection" for t in v.split(",")}
-    return [(k, v) for k, v in pairs
-            if (low := k.lower()) not in _HOP_BY_HOP and low not in drop and low not in named
-            and not low.startswith("proxy-")]
+    out: list[tuple[str, str]] = []
+    connection: list[str] = []
+    for k, v in pairs:  # one pass, on every request and answer
+        low = k.lower()
+        if low in _HOP_BY_HOP or low in drop or low.startswith("proxy-"):
+            if low == "connection":
+                connection.append(v)
+            continue
+        out.append((k, v))
+    named = {t.strip().lower() for v in connection for t in v.split(",")} - _HOP_BY_HOP  # keep-alive, close: gone
+    if named:
+        out = [(k, v) for k, v in out if k.lower() not in named]
+    return out
 
 
 def redact_url(url: str) -> str:
