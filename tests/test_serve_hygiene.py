@@ -140,6 +140,11 @@ def test_paths_the_proxy_does_not_handle_are_relayed(upstream: tuple[ScriptedUps
     r = httpx.delete(f"{proxy[1]}/tokenize", timeout=30)  # outside /v1: the same path on the upstream
     assert r.status_code == 201 and up.other_requests[-1]["method"] == "DELETE"
     assert up.other_requests[-1]["path"] == "/tokenize"
+    # HEAD: the answer ends with its head (the upstream's connection is not left waiting for a body).
+    with httpx.Client(timeout=10) as client:
+        for _ in range(2):
+            r = client.head(f"{proxy[1]}/v1/models")
+            assert r.status_code == 200 and r.content == b"" and r.headers["content-type"].startswith("application/json")
     # The proxy's own paths stay its own.
     assert httpx.get(f"{proxy[1]}/health", timeout=30).json()["status"] == "ok"
 
