@@ -59,6 +59,15 @@ def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, st
                       headers={"Content-Type": "application/json", **(headers or {})})
 
 
+def settle(app: ProxyApp, timeout_s: float = 10.0) -> None:
+    """Wait until the proxy has recorded the answers it sent: it does so after the client has the answer,
+    still under the conversation's lock, so a test that reads the data directory at once may be early."""
+    deadline = time.monotonic() + timeout_s
+    while app.sessions.num_locked:
+        assert time.monotonic() < deadline, "a conversation stayed locked"
+        time.sleep(0.01)
+
+
 # -- passthrough -------------------------------------------------------------------------------------
 
 def test_json_answer_comes_back_byte_for_byte(upstream: tuple[ScriptedUpstream, str],
@@ -121,6 +130,7 @@ def test_a_conversation_continues_its_session_and_records_answers(
         turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
         turns.append(("user", f"follow-up {k}"))
     post(proxy[1], chat(("user", "another conversation")))
+    settle(proxy[0])
     sessions = _sessions(tmp_path / "data")
     assert len(sessions) == 2
     restored = max((Session(p).restore() for p in sessions), key=len)
@@ -135,6 +145,7 @@ def test_a_rewritten_history_forks_a_new_session(upstream: tuple[ScriptedUpstrea
     post(proxy[1], chat(("user", "q"), ("assistant", "echo: q"), ("user", "next")))
     # The client edits the assistant's answer: no stored session is a prefix any more.
     post(proxy[1], chat(("user", "q"), ("assistant", "EDITED"), ("user", "next")))
+    settle(proxy[0])
     sessions = _sessions(tmp_path / "data")
     assert len(sessions) == 2
     assert sorted(len(Session(p).restore()) for p in sessions) == [4, 4]
@@ -150,6 +161,7 @@ def test_history_sent_back_in_another_form_continues_the_session(
     assert post(proxy[1], body).status_code == 200
     body["messages"] += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "third"}]
     assert post(proxy[1], body).status_code == 200  # the forms the session now holds are the client's
+    settle(proxy[0])
     sessions = _sessions(tmp_path / "data")
     assert len(sessions) == 1
     assert [m.text for m in Session(sessions[0]).restore().messages] == ["q", first["content"], "next", "echo: next",
@@ -162,6 +174,7 @@ def test_a_lone_surrogate_escape_is_forwarded_and_stored(upstream: tuple[Scripte
     r = post(proxy[1], None, raw=raw)
     assert r.status_code == 200, r.text
     assert upstream[0].received[-1]["messages"][0]["content"] == "half a pair: \ud83d"
+    settle(proxy[0])
     restored = Session(_sessions(tmp_path / "data")[0]).restore()
     assert restored.messages[0].content == "half a pair: \ud83d"
 
@@ -465,6 +478,7 @@ def test_a_cut_stream_ends_with_an_error_event_and_leaves_the_session_clean(
     # The cut answer is not recorded; the retry continues the same session and records the full one.
     with httpx.stream("POST", f"{proxy[1]}/v1/chat/completions", json=body, timeout=30) as r:
         assert b"".join(r.iter_raw()) == up.sent[-1]
+    settle(proxy[0])
     sessions = _sessions(tmp_path / "data")
     assert len(sessions) == 1
     msgs = Session(sessions[0]).restore().messages
@@ -528,11 +542,13 @@ def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixtu
 
     assert main(["serve", "--upstream", "ftp://models.example"]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err
-    assert main(["serve", "--upstream", "http://127.0.0.1:1", "--read-timeout-s", "0"]) == 2
-    assert "read_timeout_s: must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--upstream", "http://127.0.0.1:1", "--read-timeout-s", "0"])
+    assert exit_.value.code == 2
+    assert "argument --read-timeout-s: '0' must be a finite number of seconds above 0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="fsync: 'sometimes' is not one of compactions, always, never"):
         ProxyConfig(upstream="http://127.0.0.1:1", data_dir=Path("d"), fsync="sometimes")
-    with pytest.raises(ConfigError, match="max_loaded_conversations: must be >= 1"):
+    with pytest.raises(ConfigError, match="max_loaded_conversations: must be a whole number >= 1"):
         ProxyConfig(upstream="http://127.0.0.1:1", data_dir=Path("d"), max_loaded_conversations=0)
 
 

@@ -26,6 +26,7 @@ view event that points at them is logged (write-ahead).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from ctxfold import fastjson
-from ctxfold.archive.store import LocalBackend
+from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.codec import (
     decode_conversation_header,
     decode_message,
@@ -48,6 +49,17 @@ EVENTS_FILE = "events.jsonl"
 HISTORY_DIR = "history"
 ARCHIVE_DIR = "archive"
 LOG_VERSION = 1
+
+
+def _open_log(path: Path, flags: int) -> int:
+    """``os.open`` of an event log: mode 0600 (it holds a user's conversation), and never through a
+    symbolic link (O_NOFOLLOW), which a write would follow to a file of the link's choosing."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_symlink(path)
+        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +123,9 @@ class Session:
     # -- writing ----------------------------------------------------------------------------------
     def create(self, conversation: Conversation) -> None:
         """Start a new session for ``conversation`` (its header; messages are appended one by one)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.root)
         try:  # O_EXCL: a new log, so no torn tail to cut (see _open), and no race with another creator
-            self._fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+            self._fd = _open_log(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
             raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with "
                                   "Session.load()") from None
@@ -180,15 +192,15 @@ class Session:
 
     def _open(self) -> int:
         if self._fd is None:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.root)
             self._cut_torn_tail()
-            self._fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = _open_log(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         return self._fd
 
     def _cut_torn_tail(self) -> None:
         """Drop a last line cut off by a crash so the next event starts on a line of its own."""
         try:
-            with open(self.events_path, "rb+") as f:
+            with os.fdopen(_open_log(self.events_path, os.O_RDWR), "rb+") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
                 if size == 0:

@@ -172,10 +172,38 @@ class LocalBackend:
         return removed
 
     def _ensure_root(self) -> None:
-        if self.root.is_dir():
+        if self.root.is_dir() and not self.root.is_symlink():
             return
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.root)
         _fsync_dir(self.root.parent)
+
+
+def make_private_dir(path: str | os.PathLike[str]) -> None:
+    """Create ``path`` and its missing parents, each with mode 0700 (they hold a user's conversations;
+    ``Path.mkdir`` gives parents the umask's default, 0755 as a rule). An existing ``path`` that is a
+    symbolic link is refused (:func:`refuse_symlink`): what ctxfold writes goes where it was told."""
+    missing: list[str] = []
+    p = os.fspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p.rstrip(os.sep)) or "."
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass  # made meanwhile by another writer: checked below like any existing one
+    refuse_symlink(path)
+
+
+def refuse_symlink(path: str | os.PathLike[str]) -> None:
+    """Raise OSError (ELOOP) when ``path`` is a symbolic link: a link planted in a data directory
+    would send a write to a file of the link's choosing."""
+    if os.path.islink(path):
+        raise OSError(errno.ELOOP, "is a symbolic link; ctxfold does not write through links in its data "
+                                   "directory: replace it with a real directory or file", os.fspath(path))
 
 
 def _mkstemp(root: Path) -> tuple[int, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,14 @@ or the port cannot be used, 5 internal error."""
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
-    from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
+    from ctxfold.serve import (
+        DEFAULT_CLIENT_TIMEOUT_S,
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_MAX_LOADED_CONVERSATIONS,
+        DEFAULT_MAX_RECALL_CHARS,
+        FSYNC_MODES,
+    )
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -43,8 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--upstream", required=True, metavar="URL",
                    help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=non_negative_int, default=8080,
-                   help="port to listen on (default 8080; 0: any free port)")
+    p.add_argument("--port", type=port_number, default=8080,
+                   help="port to listen on, 0 to 65535 (default 8080; 0: any free port)")
     p.add_argument("--data-dir", type=Path, default=Path("ctxfold-data"),
                    help="sessions, history dumps and archives (default ./ctxfold-data)")
     p.add_argument("--archive-url", metavar="URL",
@@ -69,11 +77,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="to connect upstream (default 10)")
-    p.add_argument("--read-timeout-s", type=float, default=600.0,
+    p.add_argument("--connect-timeout-s", type=positive_seconds, default=10.0, metavar="S",
+                   help="to connect upstream (default 10)")
+    p.add_argument("--read-timeout-s", type=positive_seconds, default=600.0, metavar="S",
                    help="longest silence from the upstream before 504 or a cut stream (default 600)")
-    p.add_argument("--max-recall-rounds", type=non_negative_int, default=4,
+    p.add_argument("--client-timeout-s", type=positive_seconds, default=DEFAULT_CLIENT_TIMEOUT_S, metavar="S",
+                   help="a client must send a request's head, and then its body, within this (else the "
+                   f"connection is closed, or 408); idle connections close after it (default {DEFAULT_CLIENT_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="client connections open at once; more are answered 503 and closed (default "
+                   f"{DEFAULT_MAX_CONNECTIONS}; each also holds an upstream connection: mind ulimit -n)")
+    p.add_argument("--max-recall-rounds", type=non_negative_int, default=4, metavar="N",
                    help="read_archive rounds the proxy answers within one request (default 4)")
+    p.add_argument("--max-recall-chars", type=positive_int, default=DEFAULT_MAX_RECALL_CHARS, metavar="N",
+                   help="archived text the proxy's read_archive answers add to one request, all calls together; "
+                   f"beyond it the model is told to read on later (default {DEFAULT_MAX_RECALL_CHARS})")
     p.add_argument("--fsync", choices=FSYNC_MODES, default="compactions",
                    help="fsync of the session logs: compactions (default: compactions and archives; the messages "
                    "are written, and the client resends them anyway), always (every message too: a disk flush on "
@@ -89,6 +107,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free port)."""
+    from ctxfold.serve import PORT_RANGE
+
+    low, high = PORT_RANGE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number ({low} to {high})") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is outside the port range {low} to {high}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
+    return value
+
+
 def build_config(args: argparse.Namespace) -> Any:
     from ctxfold.serve.app import ProxyConfig
 
@@ -100,6 +143,8 @@ def build_config(args: argparse.Namespace) -> Any:
         summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
         max_recall_rounds=args.max_recall_rounds, max_loaded_conversations=args.max_loaded_conversations,
+        max_recall_chars=args.max_recall_chars, client_timeout_s=args.client_timeout_s,
+        max_connections=args.max_connections,
         fsync=args.fsync, tokenizer=args.tokenizer,
         template=None if args.template == "none" else args.template,
     )
@@ -112,10 +157,15 @@ def run(args: argparse.Namespace) -> int:
     from ctxfold.serve.app import serve
 
     config = build_config(args)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    if not config.data_dir.exists():
+        from ctxfold.archive.store import make_private_dir
+
+        make_private_dir(config.data_dir)  # 0700: it holds users' conversations
+
+    from ctxfold.serve.app import redact_url
 
     def ready(url: str) -> None:
-        print(f"ctxfold serve: listening on {url}, forwarding to {config.completions_url}, data in "
+        print(f"ctxfold serve: listening on {url}, forwarding to {redact_url(config.completions_url)}, data in "
               f"{config.data_dir}", file=sys.stderr, flush=True)
 
     loop_factory = event_loop_factory(args.event_loop)

@@ -22,6 +22,15 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB o
 # this are closed and read back from disk when they come back.
 DEFAULT_MAX_LOADED_CONVERSATIONS = 512
 FSYNC_MODES = ("compactions", "always", "never")  # ProxyConfig.fsync, the first is the default
+# read_archive output added to one request, all calls and rounds together: one full-size read (the
+# tool's own cap per call), about 25k tokens.
+DEFAULT_MAX_RECALL_CHARS = 100_000
+# A request's head and body must arrive within this; idle kept-alive connections close after it.
+DEFAULT_CLIENT_TIMEOUT_S = 60.0
+# Client connections at once. With an upstream connection each and an open log per loaded conversation
+# (512), this stays inside the usual 1024 file descriptors.
+DEFAULT_MAX_CONNECTIONS = 200
+PORT_RANGE = (0, 65535)
 
 if TYPE_CHECKING:
     from ctxfold.serve.app import BadRequest, ProxyApp, ProxyConfig, parse_request, serve
@@ -54,9 +63,13 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DEFAULT_CLIENT_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_LOADED_CONVERSATIONS",
+    "DEFAULT_MAX_RECALL_CHARS",
     "FSYNC_MODES",
+    "PORT_RANGE",
     "SESSION_HEADER",
     "BadRequest",
     "ProxyApp",

@@ -31,24 +31,35 @@ import asyncio
 import gc
 import json
 import logging
+import math
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import web
 
 from ctxfold import fastjson
 from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive, read_archive_tool_openai
 from ctxfold.archive.marker import MARKER_PREFIX
+from ctxfold.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
 from ctxfold.compactor import CompactionEvent, Compactor
 from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError, FormatError, NoFitError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
+from ctxfold.serve import (
+    DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_LOADED_CONVERSATIONS,
+    DEFAULT_MAX_RECALL_CHARS,
+    FSYNC_MODES,
+)
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
@@ -59,13 +70,21 @@ from ctxfold.serve.sessions import (
     session_key,
 )
 from ctxfold.serve.sse import AnswerAssembler, SseReader
-from ctxfold.serve.upstream import UpstreamClient, UpstreamCut, UpstreamTimeout
+from ctxfold.serve.upstream import UpstreamClient, UpstreamCut, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("ctxfold.serve")
 
-# Request headers worth passing upstream; hop-by-hop ones and Accept-Encoding stay here (the proxy
-# reads the stream, so it must arrive uncompressed).
-_FORWARD_HEADERS = ("authorization", "openai-organization", "openai-project", "api-key", "user-agent")
+# Headers that describe one connection, not the message (RFC 9110, 7.6.1): never relayed either way.
+# Those a Connection header names are dropped too.
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+                         "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
+# Request headers the proxy writes itself on a chat completion: the body may be rewritten (length,
+# type), and the proxy reads the answer, so it must come uncompressed (no Accept-Encoding).
+_OWN_REQUEST_HEADERS = frozenset({"host", "content-length", "content-type", "accept-encoding", "expect",
+                                  SESSION_HEADER.lower()})
+# Answer headers aiohttp writes for the body the client receives (a completion's body may be the last of
+# several recall rounds, and is sent with the proxy's own framing).
+_OWN_ANSWER_HEADERS = frozenset({"content-length", "content-encoding"})
 # The smoothing of the calibration factor: new = old + ALPHA * (observed - old).
 CALIBRATION_ALPHA = 0.5
 CALIBRATION_RANGE = (0.5, 2.0)
@@ -88,6 +107,16 @@ class ProxyConfig:
     connect_timeout_s: float = 10.0  # to open a connection upstream
     read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
     max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
+    # read_archive output the proxy adds to one request, all its calls and rounds together: each call
+    # may ask for 100k characters, and a model that asks for hundreds at once would otherwise make the
+    # next upstream request tens of megabytes. Past it, a call gets what is left and is told to go on later.
+    max_recall_chars: int = DEFAULT_MAX_RECALL_CHARS
+    # A client must send a request's head, and its body, within this; an idle kept-alive connection is
+    # closed after it. Half-sent requests would otherwise hold a connection (and its memory) for an hour.
+    client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
+    # Client connections open at once; more are answered 503 and closed. Each one in flight holds an
+    # upstream connection too, and every loaded conversation an open log: all count against ulimit -n.
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
     # and read back from the data directory when they return.
     max_loaded_conversations: int = DEFAULT_MAX_LOADED_CONVERSATIONS
@@ -108,14 +137,24 @@ class ProxyConfig:
         if self.summarizer not in ("upstream", "config", "extractive"):
             raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
         if not self.upstream.startswith(("http://", "https://")):
-            raise ConfigError(f"upstream: {self.upstream!r} is not an http(s) URL; e.g. http://127.0.0.1:8000/v1")
-        for name in ("max_body_bytes", "connect_timeout_s", "read_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.max_loaded_conversations < 1:
-            raise ConfigError(f"max_loaded_conversations: must be >= 1, got {self.max_loaded_conversations}")
-        if self.max_recall_rounds < 0:
-            raise ConfigError(f"max_recall_rounds: must be >= 0, got {self.max_recall_rounds}")
+            raise ConfigError(f"upstream: {redact_url(self.upstream)!r} is not an http(s) URL; "
+                              "e.g. http://127.0.0.1:8000/v1")
+        try:
+            port = urlsplit(self.upstream).port
+        except ValueError:
+            port = -1
+        if port == -1 or not urlsplit(self.upstream).hostname:
+            raise ConfigError(f"upstream: {redact_url(self.upstream)!r} has no host or a port outside 0-65535")
+        # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
+        for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_recall_rounds", 0),
+                          ("max_recall_chars", 1), ("max_connections", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name}: must be a whole number >= {low}, got {value!r}")
+        for name in ("connect_timeout_s", "read_timeout_s", "client_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
 
     @property
     def completions_url(self) -> str:
@@ -127,6 +166,14 @@ class ProxyConfig:
     @property
     def base_url(self) -> str:
         return self.completions_url.removesuffix("/chat/completions")
+
+    def upstream_target(self, path_qs: str) -> str:
+        """Where a request the proxy relays goes on the upstream's origin: ``/v1/...`` under the
+        upstream's base path (``/v1/models`` -> ``/openai/v1/models`` for ``http://h/openai/v1``),
+        any other path as it is."""
+        if path_qs == "/v1" or path_qs.startswith(("/v1/", "/v1?")):
+            return urlsplit(self.base_url).path + path_qs.removeprefix("/v1")
+        return path_qs
 
 
 class BadRequest(Exception):
@@ -175,21 +222,51 @@ class ParsedRequest:
 
 
 def _decode_body(raw: bytes) -> tuple[Any, bool]:
-    """The request object, and whether orjson read it (see fastjson)."""
+    """The request object, and whether orjson read it (see fastjson). Only standard JSON: no NaN or
+    Infinity, no number beyond a float (an upstream would refuse them, or read something else)."""
     try:
-        return fastjson.loads_tagged(raw)
-    except ValueError:
+        value, fast = fastjson.loads_tagged(raw)
+    except (ValueError, RecursionError):
         pass  # below, the same verdict, and what is wrong where
+    else:
+        if fast:  # orjson reads standard JSON alone
+            return value, True
+        # The standard library read it (orjson refused it, or it holds a long number), and that one
+        # also takes NaN, Infinity and 1e999: read again, strictly. Rare: lone surrogates, long numbers.
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest(400, f"request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
                               "cannot be decoded; send the JSON encoded as UTF-8", code="invalid_utf8") from None
     try:
-        return json.loads(text), False
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float), False
     except json.JSONDecodeError as e:
         raise BadRequest(400, f"request body is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}",
                          code="invalid_json") from None
+    except _NotFinite as e:  # JSON has no NaN or Infinity; an upstream would choke on them, or read null
+        raise BadRequest(400, f"request body is not valid JSON: {e} is not a JSON number; send a finite "
+                              "number or null", code="invalid_json") from None
+    except RecursionError:
+        raise BadRequest(400, "request body is not valid JSON for this proxy: arrays and objects are nested "
+                              "too deeply (about a thousand levels); flatten it", code="invalid_json") from None
+    except ValueError:  # an integer of more digits than Python reads
+        raise BadRequest(400, "request body is not valid JSON for this proxy: a number has more than "
+                              f"{sys.get_int_max_str_digits()} digits", code="invalid_json") from None
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotFinite(name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: valid JSON, but no float holds it, and it would go out as Infinity
+        raise _NotFinite(text if len(text) <= 40 else text[:37] + "...")
+    return value
 
 
 def parse_request(raw: bytes) -> ParsedRequest:
@@ -238,6 +315,34 @@ def parse_tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
     except FormatError as e:
         raise BadRequest(400, f"invalid tool definition: {e}", code="invalid_tools", param="tools") from None
     return conv.tools
+
+
+def relayed_headers(pairs: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    """The end-to-end headers of ``pairs`` (name, value), in order, repeated ones included: without
+    hop-by-hop ones, those a ``Connection`` header names, and ``drop`` (lower-case names)."""
+    out: list[tuple[str, str]] = []
+    connection: list[str] = []
+    for k, v in pairs:  # one pass, on every request and answer
+        low = k.lower()
+        if low in _HOP_BY_HOP or low in drop or low.startswith("proxy-"):
+            if low == "connection":
+                connection.append(v)
+            continue
+        out.append((k, v))
+    named = {t.strip().lower() for v in connection for t in v.split(",")} - _HOP_BY_HOP  # keep-alive, close: gone
+    if named:
+        out = [(k, v) for k, v in out if k.lower() not in named]
+    return out
+
+
+def redact_url(url: str) -> str:
+    """``url`` without the password of its user part (``http://user:***@host/v1``), for whatever a
+    person or a log may read: health, errors, the startup line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 def _to_wire(m: Message) -> dict[str, Any]:
@@ -318,9 +423,16 @@ class ProxyApp:
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
+        # Everything else (/v1/models, /v1/embeddings, a vendor's own paths) goes to the upstream as it came.
+        app.router.add_route("*", "/{path:.*}", self.relay)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
+
+    def _client(self) -> UpstreamClient:
+        if self._upstream is None:  # not an assert: python -O must not turn this into an AttributeError
+            raise RuntimeError("the proxy's upstream client is used before the app started")
+        return self._upstream
 
     async def _startup(self, app: web.Application) -> None:
         self._upstream = UpstreamClient(self.config.completions_url, connect_timeout_s=self.config.connect_timeout_s,
@@ -332,7 +444,7 @@ class ProxyApp:
         await asyncio.to_thread(self.sessions.close)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "upstream": self.config.completions_url,
+        return web.json_response({"status": "ok", "upstream": redact_url(self.config.completions_url),
                                   "sessions_loaded": self.sessions.num_sessions})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -340,8 +452,53 @@ class ProxyApp:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
+    async def relay(self, request: web.Request) -> web.StreamResponse:
+        """A request the proxy does not handle, to the upstream and back: method, path and query,
+        body and end-to-end headers one way; status, headers and body, as they come, the other."""
+        upstream = self._client()
+        try:
+            body = await self._read_body(request)
+        except BadRequest as e:
+            refused = error_response(e.status, e.message, code=e.code, param=e.param)
+            refused.force_close()
+            return refused
+        headers = relayed_headers(request.headers.items(), frozenset({"host", "content-length", "expect"}))
+        resp: web.StreamResponse | None = None
+        try:
+            async with upstream.request(request.method, self.config.upstream_target(request.raw_path), body,
+                                        headers) as up:
+                resp = web.StreamResponse(status=up.status,
+                                          headers=relayed_headers(up.header_list, frozenset({"content-length"})))
+                length = up.headers.get("content-length")
+                if length is not None and length.isdigit() and request.method != "HEAD":
+                    resp.content_length = int(length)  # the same bytes: the upstream's framing holds
+                await resp.prepare(request)
+                async for chunk in up.iter_chunks():
+                    await resp.write(chunk)
+                await resp.write_eof()
+            return resp
+        except ValueError as e:  # a method, path or header the upstream client cannot write
+            return error_response(400, f"cannot relay this request: {e}", code="invalid_request")
+        except (UpstreamError, TimeoutError) as e:
+            if resp is None or not resp.prepared:
+                return self._upstream_failure(e)
+            if request.transport is not None:  # the head went out: a cut connection is the only way to tell
+                request.transport.close()
+            return resp
+        except (ConnectionError, RuntimeError):  # the client went away
+            return resp if resp is not None else web.Response(status=499)
+
     # -- the request ---------------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
+        """The body within ``max_body_bytes`` (else 413) and ``client_timeout_s`` (else 408)."""
+        try:
+            async with asyncio.timeout(self.config.client_timeout_s):
+                return await self._read_body_unbounded(request)
+        except TimeoutError:
+            raise BadRequest(408, f"the request body did not arrive within {self.config.client_timeout_s:g} s "
+                                  "(--client-timeout-s)", code="request_timeout") from None
+
+    async def _read_body_unbounded(self, request: web.Request) -> bytes:
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise BadRequest(413, f"request body is {request.content_length} bytes; this proxy accepts at most "
@@ -386,7 +543,7 @@ class ProxyApp:
             self.metrics.bad_requests.inc(e.code)
             self.metrics.responses.inc(str(e.status))
             resp = error_response(e.status, e.message, code=e.code, param=e.param)
-            if e.status == 413:
+            if e.status in (408, 413):
                 resp.force_close()  # the rest of the body is not read: the connection cannot be reused
             return resp
         except Exception as e:  # a bug must cost one request, not the server
@@ -458,7 +615,7 @@ class ProxyApp:
                 body["tools"] = list(tools) + [read_archive_tool_openai()]
             payload = fastjson.dumps(body, fast=parsed.fast_json)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers = dict(relayed_headers(request.headers.items(), _OWN_REQUEST_HEADERS))
         headers["Content-Type"] = "application/json"
         try:
             if parsed.stream:
@@ -553,23 +710,25 @@ class ProxyApp:
     # -- upstream: JSON ------------------------------------------------------------------------------
     async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
                             headers: dict[str, str], recall: bool, deferred: Deferred) -> web.StreamResponse:
-        assert self._upstream is not None
+        upstream = self._client()
         rounds = 0
+        recall_left = [self.config.max_recall_chars]  # read_archive output this request may still add
         while True:
             try:
-                async with self._upstream.post(payload, headers) as up:
+                async with upstream.post(payload, headers) as up:
                     raw = await up.read()
-                    status, ctype = up.status, up.headers.get("content-type", "application/json")
+                    status, answer_headers = up.status, relayed_headers(up.header_list, _OWN_ANSWER_HEADERS)
             except Exception as e:  # noqa: BLE001 - every transport failure becomes a 502/504 for the client
                 return self._upstream_failure(e)
             if status != 200:
                 self.metrics.upstream_errors.inc("status")
-                return web.Response(body=raw, status=status, headers={"Content-Type": ctype})
+                return web.Response(body=raw, status=status, headers=answer_headers)
             try:
                 data = fastjson.loads(raw)
                 message = data["choices"][0]["message"]
-                assert isinstance(message, dict)
-            except (ValueError, KeyError, IndexError, TypeError, AssertionError):
+            except (ValueError, KeyError, IndexError, TypeError):
+                message = None
+            if not isinstance(message, dict):
                 self.metrics.upstream_errors.inc("bad_body")
                 return error_response(502, "the upstream answered 200 with a body that is not a chat completion",
                                       kind="upstream_error", code="bad_upstream_body")
@@ -577,10 +736,10 @@ class ProxyApp:
             if recall and calls and rounds < self.config.max_recall_rounds and all(
                     (c.get("function") or {}).get("name") == READ_ARCHIVE for c in calls):
                 rounds += 1
-                body = await self._answer_recall(session, body, message)
+                body = await self._answer_recall(session, body, message, recall_left)
                 payload = fastjson.dumps(body)
                 continue
-            resp = web.Response(body=raw, status=200, headers={"Content-Type": ctype})
+            resp = web.Response(body=raw, status=200, headers=answer_headers)
             try:
                 await resp.prepare(request)
                 await resp.write_eof()
@@ -589,17 +748,33 @@ class ProxyApp:
             await self._record_after(session, message, data.get("usage"), deferred, calibrate=rounds == 0)
             return resp
 
-    async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any]
-                             ) -> dict[str, Any]:
-        """The request again, with the model's read_archive calls and their answers appended."""
+    async def _answer_recall(self, session: ProxySession, body: dict[str, Any], message: dict[str, Any],
+                             left: list[int]) -> dict[str, Any]:
+        """The request again, with the model's read_archive calls and their answers appended. ``left``
+        (one number, shared by the request's rounds): the characters of archived text the request may
+        still receive; a call asking for more gets what is left, and the answer says so."""
         store = session.compactor.store
         results = []
         for call in message.get("tool_calls") or []:
             fn = call.get("function") or {}
             tc = ToolCall(id=str(call.get("id", "")), name=str(fn.get("name", "")),
                           arguments=str(fn.get("arguments", "")))
-            answer = await asyncio.to_thread(answer_read_archive, store, tc)
             self.metrics.recall_calls.inc()
+            wanted = _recall_limit(tc.arguments)
+            if wanted is not None and left[0] <= 0:
+                results.append(_to_wire(_recall_refused(tc, self.config.max_recall_chars)))
+                continue
+            cut = wanted is not None and wanted > left[0]
+            if cut:
+                args = json.loads(tc.arguments)
+                args["limit"] = left[0]
+                tc = replace(tc, arguments=json.dumps(args))
+            answer = await asyncio.to_thread(answer_read_archive, store, tc)
+            if wanted is not None and not answer.is_error:
+                header, _, piece = answer.text.partition("\n")
+                left[0] -= len(piece)
+                if cut and "next_offset=" in header:  # the limit, not the end of the output, stopped it
+                    answer = replace(answer, content=answer.text + _recall_cut_note(self.config.max_recall_chars))
             results.append(_to_wire(answer))
         out = dict(body)
         out["messages"] = list(body["messages"]) + [message] + results
@@ -680,11 +855,11 @@ class ProxyApp:
     def _upstream_failure(self, e: BaseException) -> web.Response:
         if isinstance(e, TimeoutError):
             self.metrics.upstream_errors.inc("timeout")
-            return error_response(504, f"the upstream {self.config.completions_url} did not answer within "
+            return error_response(504, f"the upstream {redact_url(self.config.completions_url)} did not answer within "
                                        f"{self.config.read_timeout_s:g} s (--read-timeout-s)",
                                   kind="upstream_error", code="upstream_timeout")
         self.metrics.upstream_errors.inc("connect")
-        return error_response(502, f"cannot reach the upstream {self.config.completions_url}: {e}",
+        return error_response(502, f"cannot reach the upstream {redact_url(self.config.completions_url)}: {e}",
                               kind="upstream_error", code="upstream_unreachable")
 
     # -- upstream: streaming -------------------------------------------------------------------------
@@ -700,8 +875,8 @@ class ProxyApp:
         receiving the next answer's events. Any other answer gets its held events, in order: the bytes
         the client receives are the upstream's.
         """
-        assert self._upstream is not None
-        resp = web.StreamResponse(status=200, headers={"Cache-Control": "no-cache"})
+        upstream = self._client()
+        resp = web.StreamResponse(status=200)
 
         async def send(data: bytes) -> None:
             if not resp.prepared:
@@ -709,13 +884,14 @@ class ProxyApp:
             await resp.write(data)
 
         rounds = 0
+        recall_left = [self.config.max_recall_chars]  # read_archive output this request may still add
         while True:
             reader, answer = SseReader(), AnswerAssembler()
             held: list[bytes] = []
             recall_calls: set[int] = set()  # tool-call indexes of read_archive calls in this answer
             cut: str | None = None
             try:
-                async with self._upstream.post(payload, headers) as up:
+                async with upstream.post(payload, headers) as up:
                     if up.status != 200:
                         raw = await up.read()
                         self.metrics.upstream_errors.inc("status")
@@ -723,9 +899,12 @@ class ProxyApp:
                             await _write_error(resp, f"the upstream answered {up.status}: {raw[:300]!r}")
                             return resp
                         return web.Response(body=raw, status=up.status,
-                                            headers={"Content-Type": up.headers.get("content-type", "application/json")})
-                    if not resp.prepared:
-                        resp.headers["Content-Type"] = up.headers.get("content-type", "text/event-stream")
+                                            headers=relayed_headers(up.header_list, _OWN_ANSWER_HEADERS))
+                    if not resp.prepared:  # the first round's head is the one the client gets
+                        for name, value in relayed_headers(up.header_list, _OWN_ANSWER_HEADERS):
+                            resp.headers.add(name, value)
+                        resp.headers.setdefault("Content-Type", "text/event-stream")
+                        resp.headers.setdefault("Cache-Control", "no-cache")
                     try:
                         async for chunk in up.iter_chunks():
                             if not recall:
@@ -766,7 +945,7 @@ class ProxyApp:
             if (recall and names and all(n == READ_ARCHIVE for n in names)
                     and rounds < self.config.max_recall_rounds):
                 rounds += 1
-                body = await self._answer_recall(session, body, answer.message())
+                body = await self._answer_recall(session, body, answer.message(), recall_left)
                 payload = fastjson.dumps(body)
                 continue
             tail = b"".join(held) + reader.rest()
@@ -778,6 +957,36 @@ class ProxyApp:
                 return resp  # the client went away without the whole answer
             await self._record_after(session, answer.message(), answer.usage, deferred, calibrate=rounds == 0)
             return resp
+
+
+def _recall_limit(arguments: str) -> int | None:
+    """The characters a read_archive call asks for (its limit, or the tool's default, within the tool's
+    cap), or None when its arguments are not an object with a usable limit: the tool answers those
+    with an error, which reads nothing."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return None
+    if not isinstance(args, dict):
+        return None
+    limit = args.get("limit", DEFAULT_LIMIT_CHARS)
+    if isinstance(limit, float) and limit.is_integer():
+        limit = int(limit)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        return None
+    return min(limit, MAX_LIMIT_CHARS)
+
+
+def _recall_cut_note(max_chars: int) -> str:
+    return (f"\n[cut: read_archive output is limited to {max_chars} characters per answer; "
+            "read the rest from next_offset in a later answer]")
+
+
+def _recall_refused(call: ToolCall, max_chars: int) -> Message:
+    return Message(role=Role.TOOL, id="", tool_call_id=call.id, name=READ_ARCHIVE, is_error=True,
+                   content=f"Not read: this answer's read_archive output already reached its limit of {max_chars} "
+                           "characters. Answer with what you have, and call read_archive again with the same "
+                           "arguments in a later answer if you still need it.")
 
 
 def _hold(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]) -> bool:
@@ -828,6 +1037,91 @@ async def _write_error(resp: web.StreamResponse, message: str) -> None:
         pass  # the client went away too
 
 
+# After an answer to a request whose body was not read (413, 408), aiohttp reads and drops what the client
+# still sends for this long, so the client sees the answer rather than a reset; then it closes.
+LINGER_S = 2.0
+
+
+def make_runner(proxy: ProxyApp) -> web.AppRunner:
+    """The proxy's aiohttp runner. aiohttp's keep-alive timer also runs from the moment a connection
+    opens until a request's head has arrived: with ``client_timeout_s`` it times out half-sent heads
+    (and idle connections), where aiohttp's default would wait an hour."""
+    return web.AppRunner(proxy.app(), access_log=None, handle_signals=False,
+                         keepalive_timeout=proxy.config.client_timeout_s, lingering_time=LINGER_S)
+
+
+_BUSY_BODY = json.dumps({"error": {
+    "message": "ctxfold serve has as many client connections open as it accepts (--max-connections); retry shortly",
+    "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+         b"Connection: close\r\nContent-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
+
+
+class _Gate(asyncio.Protocol):
+    """One client connection: counted by its site, handed to aiohttp's protocol when under the limit,
+    else answered 503 and closed before anything is read. Counted from connection_made to
+    connection_lost, which asyncio calls in pairs and one at a time, so the count is exact."""
+
+    __slots__ = ("_inner", "_site")
+
+    def __init__(self, site: BoundedSite) -> None:
+        self._site = site
+        self._inner: asyncio.Protocol | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        site = self._site
+        if site.open_connections >= site.max_connections or site.factory is None:
+            site.refused += 1
+            cast(asyncio.Transport, transport).write(_BUSY)
+            transport.close()  # after the write is flushed
+            return
+        site.open_connections += 1
+        self._inner = site.factory()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._inner is not None:
+            self._site.open_connections -= 1
+            self._inner.connection_lost(exc)
+
+
+class BoundedSite(web.TCPSite):
+    """aiohttp's TCP site with at most ``max_connections`` client connections open at once."""
+
+    __slots__ = ("factory", "max_connections", "open_connections", "refused")
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int) -> None:
+        super().__init__(runner, host, port, reuse_address=True)
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.refused = 0  # connections answered 503 since the start
+        self.factory: Callable[[], asyncio.Protocol] | None = None
+
+    async def start(self) -> None:
+        await super(web.TCPSite, self).start()  # BaseSite's: TCPSite's would build a server of its own
+        self.factory = self._runner.server
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Gate(self), self._host, self._port,
+                                                backlog=self._backlog, reuse_address=True)
+        sockets = getattr(self._server, "sockets", None) or []
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+
 async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,
                 stop_on_signals: bool = False) -> None:
     """Run the proxy until cancelled (or SIGTERM/SIGINT with ``stop_on_signals``, from the main thread).
@@ -840,14 +1134,12 @@ async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[s
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     proxy = ProxyApp(config)
-    runner = web.AppRunner(proxy.app(), access_log=None, handle_signals=False)
+    runner = make_runner(proxy)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = BoundedSite(runner, host, port, max_connections=config.max_connections)
         await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        bound = sockets[0].getsockname()[1] if sockets else port
+        bound = site.port
         # What startup built (modules, tokenizer tables, the app) lives as long as the process: frozen,
         # a full collection does not scan it again. On the trace replay this cut the collector's
         # time per request by two fifths and its longest pauses from 43 to 16 ms.

@@ -34,6 +34,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from ctxfold.archive.store import refuse_symlink
 from ctxfold.compactor import Compactor
 from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Conversation, Message
@@ -52,23 +53,35 @@ def _text(value: Any) -> str:
 def fingerprint_wire(d: Mapping[str, Any]) -> bytes:
     """What the model sees of an OpenAI chat message dict, hashed: role, content, tool calls (id, name,
     arguments), the call a result answers. Never raises, whatever the types (bad messages are checked
-    elsewhere); ``fingerprint_wire(message_to_openai(m, api=True))`` equals it for the parsed message."""
+    elsewhere); ``fingerprint_wire(message_to_openai(m, api=True))`` equals it for the parsed message.
+
+    Every field goes in with a tag and its length in bytes: two different messages cannot feed the
+    hash the same bytes, whatever their text holds (separators alone let text that contains one
+    shift a field boundary)."""
     h = hashlib.blake2b(digest_size=16)
+
+    def field(tag: bytes, value: Any) -> None:
+        # A string and a JSON value that prints the same ("[1]" and [1]) are different content.
+        data = _text(value).encode("utf-8", "surrogatepass")
+        h.update(tag + (b"s" if isinstance(value, str) else b"j") + len(data).to_bytes(8, "little") + data)
+
     role = d.get("role")
-    h.update(_text("system" if role == "developer" else role).encode("utf-8", "surrogatepass"))
+    field(b"r", "system" if role == "developer" else role)
     content = d.get("content")
-    h.update(b"\x00c" + _text("" if content is None else content).encode("utf-8", "surrogatepass"))
+    field(b"c", "" if content is None else content)
     calls = d.get("tool_calls")
     if isinstance(calls, list):
+        h.update(b"L" + len(calls).to_bytes(8, "little"))
         for c in calls:
             fn = c.get("function") if isinstance(c, dict) else None
             fn = fn if isinstance(fn, dict) else {}
-            parts = (c.get("id") if isinstance(c, dict) else c, fn.get("name"), fn.get("arguments", ""))
-            h.update(b"\x00t" + "\x00".join(_text(x) for x in parts).encode("utf-8", "surrogatepass"))
+            field(b"i", c.get("id") if isinstance(c, dict) else c)
+            field(b"n", fn.get("name"))
+            field(b"a", fn.get("arguments", ""))
     elif calls is not None:
-        h.update(b"\x00T" + _text(calls).encode("utf-8", "surrogatepass"))
+        field(b"T", calls)
     if role == "tool":
-        h.update(b"\x00r" + _text(d.get("tool_call_id")).encode("utf-8", "surrogatepass"))
+        field(b"t", d.get("tool_call_id"))
     return h.digest()
 
 
@@ -182,6 +195,11 @@ class SessionStore:
         return evicted
 
     @property
+    def num_locked(self) -> int:
+        """Loaded keys whose lock is held: requests under way, an answer not yet recorded."""
+        return sum(1 for lock in list(self._loaded_locks.values()) if lock.locked())
+
+    @property
     def num_sessions(self) -> int:
         return sum(len(v) for v in self._sessions.values())
 
@@ -209,8 +227,9 @@ class SessionStore:
         """A new session holding ``conversation`` (system prompt, tools, messages). Under ``lock(key)``,
         after :meth:`find`."""
         candidates = self._sessions[key]
+        self._refuse_links(key)
         n = len(candidates)
-        while (self.root / key / f"{n:04d}").exists():  # a directory left without a log by a crash
+        while os.path.lexists(self.root / key / f"{n:04d}"):  # a directory left without a log by a crash
             n += 1
         path = self.root / key / f"{n:04d}"
         # The whole history goes in at construction: a conversation first seen long (a proxy put in front
@@ -227,13 +246,23 @@ class SessionStore:
         candidates.append(s)
         return s
 
+    def _refuse_links(self, key: str) -> None:
+        """OSError when the sessions folder or the key's folder is a symbolic link: the proxy writes
+        only into directories of its data directory, never where a link planted there points. (The
+        data directory itself may be a link: the operator chose it.)"""
+        refuse_symlink(self.root)
+        refuse_symlink(self.root / key)
+
     def _load_key(self, key: str) -> list[ProxySession]:
         folder = self.root / key
+        self._refuse_links(key)
         if not folder.is_dir():
             return []
         out = []
         for entry in sorted(os.listdir(folder)):
             path = folder / entry
+            if entry != "archive":
+                refuse_symlink(path)
             if not (path / "events.jsonl").is_file():
                 continue
             compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log

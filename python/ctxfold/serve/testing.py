@@ -116,6 +116,10 @@ class ScriptedUpstream:
             "Goals: finish the user's task. Files: none recorded. Commands: none. Decisions: keep the "
             "verbatim tail. Next steps: continue from the last user message."
         )
+        # Headers added to every completion answer (errors too), repeated names allowed: what a real
+        # upstream sends besides the body (x-request-id, x-ratelimit-*, Retry-After with a 429).
+        self.answer_headers: list[tuple[str, str]] = []
+        self.other_requests: list[dict[str, Any]] = []  # requests to any other path, in order
         self.rejected_over_context = 0
         self.in_flight = 0  # completions being answered now
         self.max_in_flight = 0
@@ -138,7 +142,22 @@ class ScriptedUpstream:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_route("*", "/{path:.*}", self._other)
         return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]},
+                                 headers=self.answer_headers)
+
+    async def _other(self, request: web.Request) -> web.Response:
+        """Any other path: what arrived, as JSON (method, path, path and query as sent, body as text, headers)."""
+        seen = {"method": request.method, "path": request.path, "raw_path": request.raw_path,
+                "body": (await request.read()).decode("utf-8", "replace"),
+                "headers": [[k, v] for k, v in request.headers.items()]}
+        self.other_requests.append(seen)
+        return web.json_response(seen, status=201, headers=[("X-Upstream-Path", request.path),
+                                                            *self.answer_headers])
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -159,7 +178,7 @@ class ScriptedUpstream:
         if self.fail_status is not None and self.fail_count > 0:
             self.fail_count -= 1
             return web.json_response({"error": {"message": "scripted failure", "type": "server_error"}},
-                                     status=self.fail_status)
+                                     status=self.fail_status, headers=self.answer_headers)
         if self.fail_summaries and is_summary_request(body):
             return web.json_response({"error": {"message": "scripted summary failure", "type": "server_error"}},
                                      status=500)
@@ -184,12 +203,13 @@ class ScriptedUpstream:
                 "choices": [{"index": 0, "message": answer, "finish_reason": finish}], "usage": usage,
             })
             self.sent.append(raw)
-            return web.Response(body=raw, content_type="application/json")
+            return web.Response(body=raw, content_type="application/json", headers=self.answer_headers)
         return await self._stream(request, body, answer, cid, created, finish, usage)
 
     async def _stream(self, request: web.Request, body: dict[str, Any], answer: dict[str, Any], cid: str,
                       created: int, finish: str, usage: dict[str, Any]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers=[("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                                           *self.answer_headers])
         await resp.prepare(request)
         model = body.get("model", self.model)
 

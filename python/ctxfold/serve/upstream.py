@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -65,7 +65,9 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self.headers: dict[str, str] = {}  # lower-case names, the last value of a repeated one
+        self.header_list: list[tuple[str, str]] = []  # every header as it came, repeated ones included
+        self.expect_body = True  # False for the answer to a HEAD request: it ends with its head
         self.head_done = False
         self.done = False
         self.reusable = False
@@ -76,10 +78,12 @@ class _Connection(asyncio.Protocol):
         self.last_data_s = self._loop.time()
 
     # -- the exchange ---------------------------------------------------------------------------------
-    def send(self, data: list[bytes]) -> None:
+    def send(self, data: list[bytes], *, expect_body: bool = True) -> None:
         self._reset()
+        self.expect_body = expect_body
         self.active = True
-        assert self.transport is not None
+        if self.transport is None:  # connection_made runs before create_connection returns
+            raise UpstreamCut("the connection to the upstream closed before the request was sent")
         self.transport.writelines(data)
 
     async def wait(self, timeout_s: float) -> None:
@@ -155,15 +159,22 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks --------------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key, text = name.decode("latin-1"), value.decode("latin-1")
+        self.headers[key.lower()] = text
+        self.header_list.append((key, text))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if status < 200:  # an informational answer (103 Early Hints): the real one follows
             self.headers = {}
+            self.header_list = []
             return
         self.status = status
         self.head_done = True
+        if not self.expect_body:  # HEAD: a Content-Length here describes a body that is not sent
+            self.done = True  # the parser would wait for that body: the connection is not reused
+            self._notify()
+            return
         self.until_close = (status not in (204, 304) and "content-length" not in self.headers
                             and "chunked" not in self.headers.get("transfer-encoding", "").lower())
         self._notify()
@@ -192,6 +203,7 @@ class UpstreamResponse:
         self._conn: _Connection | None = conn
         self.status = conn.status
         self.headers = conn.headers  # lower-case names
+        self.header_list = conn.header_list  # as they came, in order, repeated ones included
 
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.iter_chunks()])
@@ -199,7 +211,8 @@ class UpstreamResponse:
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, de-chunked. Raises UpstreamTimeout or UpstreamCut."""
         conn = self._conn
-        assert conn is not None, "the body was read already"
+        if conn is None:
+            raise RuntimeError("the body of this answer was read already")
         while True:
             if conn.chunks:
                 for chunk in conn.take_chunks():
@@ -237,17 +250,30 @@ class UpstreamClient:
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         default_port = self.port == (443 if parts.scheme == "https" else 80)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        self._request_line = (f"POST {target} HTTP/1.1\r\nHost: {host if default_port else f'{host}:{self.port}'}"
-                              "\r\n").encode("ascii")
+        self._host_line = f"Host: {host if default_port else f'{host}:{self.port}'}\r\n"
+        self._request_line = f"POST {target} HTTP/1.1\r\n{self._host_line}".encode("ascii")
         self._idle: list[_Connection] = []  # most recently used last: the warmest connection is reused
         self._busy: set[_Connection] = set()
 
+    def post(self, body: bytes, headers: Mapping[str, str]) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """Send ``body`` with ``headers`` (no Host or Content-Length: this client writes those) to the
+        client's URL and wait for the head of the answer; read its body within the ``async with``."""
+        return self._exchange(self._request_line, body, headers.items(), expect_body=True)
+
+    def request(self, method: str, target: str, body: bytes, headers: Iterable[tuple[str, str]]
+                ) -> AbstractAsyncContextManager[UpstreamResponse]:
+        """:meth:`post`, for any method and target (a path and query on the same origin); ``headers``
+        as (name, value) pairs, repeated names allowed."""
+        if not method.isalpha() or not target.startswith("/") or any(c in target for c in " \r\n"):
+            raise ValueError(f"cannot send {method} {target!r} upstream: not a method and a path")
+        line = f"{method} {target} HTTP/1.1\r\n{self._host_line}".encode("utf-8", "surrogateescape")
+        return self._exchange(line, body, headers, expect_body=method != "HEAD")
+
     @asynccontextmanager
-    async def post(self, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[UpstreamResponse]:
-        """Send ``body`` with ``headers`` (no Host or Content-Length: this client writes those) and
-        wait for the head of the answer; read its body within the ``async with``."""
-        head = [self._request_line]
-        for name, value in headers.items():
+    async def _exchange(self, request_line: bytes, body: bytes, headers: Iterable[tuple[str, str]], *,
+                        expect_body: bool) -> AsyncIterator[UpstreamResponse]:
+        head = [request_line]
+        for name, value in headers:
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"header {name!r}: a line break in a header would split the request")
             head.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
@@ -255,7 +281,7 @@ class UpstreamClient:
         conn = await self._connection()
         self._busy.add(conn)
         try:
-            conn.send([b"".join(head), body])
+            conn.send([b"".join(head), body], expect_body=expect_body)
             while not conn.head_done:
                 if conn.error is not None:
                     raise conn.error
