@@ -584,3 +584,37 @@ def test_without_aiohttp_the_cli_works_and_serve_says_what_to_install() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert out.returncode == 4
     assert "pip install 'ctxfold[serve]'" in out.stderr and "Traceback" not in out.stderr
+
+
+# -- the window guard in the proxy ------------------------------------------------------------------------
+
+def test_a_request_whose_max_tokens_cannot_fit_is_refused_before_the_upstream(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    up, url = upstream
+    proxy, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=4096))
+    try:
+        before = len(up.received)
+        r = post(srv.url, chat(("user", "hello"), max_tokens=5000))
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert error["message"].startswith("the request cannot fit the 4,096-token context window: ")
+        assert "reply reserve 5,000" in error["message"]
+        assert len(up.received) == before  # said before the request, never after
+        r = post(srv.url, chat(("user", "hello"), max_completion_tokens=1000))  # the same conversation, asking less
+        assert r.status_code == 200
+    finally:
+        srv.close()
+
+
+def test_a_pasted_file_larger_than_the_window_goes_upstream_as_a_marker(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    up, url = upstream
+    proxy, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=4096))
+    try:
+        r = post(srv.url, chat(("user", "Here is the file:\n" + "line of the file\n" * 4000), max_tokens=256))
+        assert r.status_code == 200
+        sent = up.received[-1]["messages"][-1]["content"]
+        assert sent.startswith("[ctxfold archived id=") and len(sent) < 2000
+    finally:
+        srv.close()
