@@ -79,7 +79,26 @@ class Case:
         self.groups = synth.group_starts(messages)
         self.total = int(tokens.sum())
         self._lc: list[Any] | None = None
+        self._archived: npt.NDArray[np.int64] | None = None
+        self.last_archived: set[int] = set()  # messages the last method kept as markers
         self.counter = peers.list_counter(tokens)
+
+    @property
+    def archived(self) -> npt.NDArray[np.int64]:
+        """Tokens of each message as an archive marker (the default 1000-character preview), where that
+        is smaller: what a group costs when it enters the tail with its results archived."""
+        if self._archived is None:
+            from ctxfold.archive.marker import make_marker
+
+            tok = synth.deepseek_tokenizer()
+            out = self.tokens.copy()
+            for i, m in enumerate(self.messages):
+                if m.role is Role.TOOL:
+                    marker = make_marker("9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", m.text, 1000)
+                    out[i] = min(int(out[i]), len(tok.encode(marker, add_special_tokens=False).ids)
+                                 + synth.PER_MESSAGE_TOKENS)
+            self._archived = out
+        return self._archived
 
     @property
     def lc(self) -> list[Any]:
@@ -121,6 +140,24 @@ def _ctxfold_tail() -> Method | str:
     return run
 
 
+def _ctxfold_widened_tail() -> Method | str:
+    try:
+        from ctxfold import tail
+    except ImportError:
+        return "ctxfold.tail is not in this build"
+    if not hasattr(tail, "widen_tail"):
+        return "ctxfold.tail.widen_tail is not in this build"
+
+    def run(case: Case, budget: int) -> list[int]:
+        room = budget - int(case.tokens[0])
+        t = tail.select_tail(case.tokens, case.flags, case.groups, budget_tokens=room)
+        w = tail.widen_tail(case.tokens, case.flags, case.groups, case.archived, tail=t, budget_tokens=room)
+        case.last_archived = set(w.archived)
+        return [0, *range(w.start, len(case.tokens))]
+
+    return run
+
+
 def _trim(start_on_human: bool) -> Method | str:
     try:
         import langchain_core  # noqa: F401
@@ -149,6 +186,7 @@ def _drop_oldest(case: Case, budget: int) -> list[int]:
 def tail_methods() -> list[tuple[str, Method | str]]:
     return [
         ("ctxfold select_tail", _ctxfold_tail()),
+        ("ctxfold select_tail + results archived", _ctxfold_widened_tail()),
         ('trim_messages start_on="human"', _trim(True)),
         ("trim_messages (no start_on)", _trim(False)),
         ("oldest user turn that fits (numpy)", _oldest_user_turn),
@@ -194,8 +232,10 @@ def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dic
                 # Only budgets that force a cut, and leave room beyond the system prompt.
                 if case.total <= b or int(case.tokens[0]) >= b:
                     continue
+                case.last_archived = set()
                 kept = method(case, b)
-                kept_tokens = int(case.tokens[kept].sum())
+                sizes = [int(case.archived[i]) if i in case.last_archived else int(case.tokens[i]) for i in kept]
+                kept_tokens = sum(sizes)
                 over += kept_tokens > b
                 use.append(kept_tokens / b)
                 of_best.append(kept_tokens / best_legal_tokens(case, b))

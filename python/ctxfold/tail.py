@@ -229,10 +229,11 @@ def widen_tail(
     plain cut stops at a group with one huge result (or, with a result bigger than the budget, keeps
     nothing).
 
-    Widening starts only at a group that does not fit whole: one that does was left out by the plain
-    cut on purpose (it aligns to a user turn). Then it goes on, group by group, until one does not fit
-    even with its results archived, or at a system segment or a group that opens on a result.
-    O(segments added)."""
+    Groups that fit whole were left out by the plain cut on purpose (it aligns to a user turn): they
+    are taken only on the way to a group that enters with its results archived, never on their own
+    (after one has, any group that fits is taken).
+    Widening stops at the first group that does not fit even with its results archived, at a system
+    segment and at a group that opens on a result. O(segments added)."""
     t = as_view(tokens, np.int64, "tokens")
     f = as_view(flags, np.uint32, "flags")
     g = as_view(group_starts, np.int32, "group_starts")
@@ -240,23 +241,25 @@ def widen_tail(
     if not (len(t) == len(f) == len(g) == len(a)):
         raise ValueError(f"tokens, flags, group_starts and archived_tokens differ in length: "
                          f"{len(t)}, {len(f)}, {len(g)}, {len(a)}")
-    start, used = tail.start, tail.num_tokens
+    start, used = tail.start, tail.num_tokens  # committed: ends at a group that entered archived
+    probe, probe_used = start, used  # groups taken whole since, pending such a group
     archived: list[int] = []
     tool_result, system = int(SegmentFlag.TOOL_RESULT), int(SegmentFlag.SYSTEM)
-    while start > 0:
-        first = int(g[start - 1])
-        if first < 0 or first >= start or int(f[first]) & (tool_result | system):
+    while probe > 0:
+        first = int(g[probe - 1])
+        if first < 0 or first >= probe or int(f[first]) & (tool_result | system):
             break  # not a legal start: a system prefix, or a group that opens on a result
-        whole = int(t[first:start].sum())
-        if used + whole <= budget_tokens:
-            if not archived:
-                break  # the plain cut left this group out on purpose
-            start, used = first, used + whole
+        whole = int(t[first:probe].sum())
+        if probe_used + whole <= budget_tokens:
+            probe, probe_used = first, probe_used + whole
+            if archived:  # past the plain cut already: nothing to protect
+                start, used = probe, probe_used
             continue
-        results = [i for i in range(first, start) if int(f[i]) & tool_result and int(a[i]) < int(t[i])]
+        results = [i for i in range(first, probe) if int(f[i]) & tool_result and int(a[i]) < int(t[i])]
         size = whole - sum(int(t[i]) - int(a[i]) for i in results)
-        if not results or used + size > budget_tokens:
+        if not results or probe_used + size > budget_tokens:
             break
-        start, used = first, used + size
+        probe, probe_used = first, probe_used + size
+        start, used = probe, probe_used
         archived = results + archived
     return WidenedTail(start, used, tuple(archived))
