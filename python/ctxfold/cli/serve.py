@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +27,11 @@ and archives live in --data-dir; a restarted proxy resumes every conversation. G
 /metrics (Prometheus text). Details: docs/serve.md.
 
 exit codes: 0 stopped by a signal, 2 usage error (bad option or setting), 3 the data directory
-or the port cannot be used, 5 internal error."""
+or the port cannot be used, 4 tokenizer or package (the serve extra) unavailable, 5 internal error."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
+    from ctxfold.cli._common import FORMATTER, non_negative_int, positive_float, positive_int, wrap
     from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -43,7 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--upstream", required=True, metavar="URL",
                    help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=non_negative_int, default=8080,
+    p.add_argument("--port", type=port_number, default=8080,
                    help="port to listen on (default 8080; 0: any free port)")
     p.add_argument("--data-dir", type=Path, default=Path("ctxfold-data"),
                    help="sessions, history dumps and archives (default ./ctxfold-data)")
@@ -69,8 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--connect-timeout-s", type=float, default=10.0, help="to connect upstream (default 10)")
-    p.add_argument("--read-timeout-s", type=float, default=600.0,
+    p.add_argument("--connect-timeout-s", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="to connect upstream (default 10)")
+    p.add_argument("--read-timeout-s", type=positive_float, default=600.0, metavar="SECONDS",
                    help="longest silence from the upstream before 504 or a cut stream (default 600)")
     p.add_argument("--max-recall-rounds", type=non_negative_int, default=4,
                    help="read_archive rounds the proxy answers within one request (default 4)")
@@ -89,12 +92,39 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def port_number(text: str) -> int:
+    from ctxfold.cli._common import non_negative_int
+
+    port = non_negative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: 0 to 65535 (0: any free port)")
+    return port
+
+
+def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
+    """What argparse cannot see alone: the upstream URL, --summarizer config without a config file,
+    and the window against the reply reserve (check_settings)."""
+    from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
+    from ctxfold.cli._common import check_settings
+
+    if not args.upstream.startswith(("http://", "https://")):
+        raise CommandError(f"--upstream {args.upstream}: expected the http(s) base URL of an OpenAI-compatible "
+                           "server, e.g. http://127.0.0.1:8000/v1", EXIT_USAGE)
+    if args.data_dir.exists() and not args.data_dir.is_dir():
+        raise CommandError(f"--data-dir {args.data_dir}: exists and is not a directory", EXIT_INPUT)
+    if args.summarizer == "config" and args.config is None:
+        raise CommandError("--summarizer config: reads the summarizer section of --config FILE; add --config, "
+                           "or choose --summarizer upstream or extractive", EXIT_USAGE)
+    check_settings(args, compact)
+
+
 def build_config(args: argparse.Namespace) -> Any:
     from ctxfold.serve.app import ProxyConfig
 
     overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
                  if getattr(args, k) is not None}
     compact = load_config(args.config, **overrides) if args.config else CompactConfig.from_mapping(overrides)
+    check_args(args, compact)
     return ProxyConfig(
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
         summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
@@ -124,6 +154,14 @@ def run(args: argparse.Namespace) -> int:
             runner.run(serve(config, args.host, args.port, ready=ready, stop_on_signals=True))
     except KeyboardInterrupt:
         pass
+    except OSError as exc:
+        # The listening socket (no file name, unlike a data directory error): say which address, plainly.
+        if exc.filename is None and exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            from ctxfold.cli import EXIT_INPUT, CommandError
+
+            raise CommandError(f"--host {args.host} --port {args.port}: cannot listen there ({os.strerror(exc.errno)}); "
+                               "choose another port, or --port 0 for any free one", EXIT_INPUT) from exc
+        raise
     return 0
 
 
