@@ -78,7 +78,8 @@ def add_format_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, metavar="NAME",
                    help=f"read the input as this trace format instead of detecting it ({', '.join(FORMATS)})")
     p.add_argument("--lenient", action="store_true", help="skip malformed records of a trace (counted on "
-                   "stderr) instead of stopping at the first one")
+                   "stderr) instead of stopping at the first one; replay also skips a whole file it cannot read, "
+                   "with a warning, and exits 1 at the end")
     p.add_argument("--tools", metavar="FILE", help="the tool definitions the agent sent with each request, "
                    "for traces that do not record them: a JSON list (or an object with a 'tools' list) in "
                    "OpenAI or Anthropic shape; replaces any the trace records or ctxfold fills in")
