@@ -104,6 +104,10 @@ def test_strict_summarizer_in_compact(closed_port: int, tmp_path: Path, traces_d
          "must be 0 or a positive whole number (see ctxfold replay --help)")),
         (["replay", "--demo", "--ctx", "1k", "--page-size", "2k"], ("ctxfold: error: --page-size 2048: a KV cache "
          "page cannot be larger than the 1024-token window, so 1 to 1024")),
+        (["replay", "--demo", "--strict-summarizer"], ("ctxfold: error: --strict-summarizer: the extractive "
+         "summarizer cannot fail; the option is for a model's endpoint (--summarizer URL --model NAME)")),
+        (["replay", "--demo", "--plot-only", "demo*"], ("ctxfold: error: --plot-only chooses the conversations of a "
+         "plot: add --plot FILE.png")),
         (["compact", "x.json", "-o", "y.json", "--ctx", "100"], ("ctxfold: error: --ctx 100: the context window "
          "must be at least 512 tokens; a smaller one cannot hold a prompt and an answer")),
         (["serve", "--upstream", "http://127.0.0.1:9/v1", "--ctx", "10"], ("ctxfold: error: --context-tokens 10: "
@@ -116,12 +120,12 @@ def test_strict_summarizer_in_compact(closed_port: int, tmp_path: Path, traces_d
          ("ctxfold: error: --max-output-tokens 16384: the reply reserve (16384 tokens) must leave at least 256 "
          "tokens of the 16384-token window for the prompt, so 0 to 16128; lower it or widen the window with "
          "--context-tokens")),
-        (["serve", "--upstream", "127.0.0.1:8000"], ("ctxfold: error: --upstream 127.0.0.1:8000: expected the "
-         "http(s) base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")),
+        (["serve", "--upstream", "127.0.0.1:8000"], ("ctxfold: error: --upstream 127.0.0.1:8000: not an http(s) "
+         "URL; expected the base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")),
         (["serve", "--upstream", "http://127.0.0.1:9/v1", "--port", "99999"], ("ctxfold serve: error: argument "
-         "--port: '99999' is not a TCP port: 0 to 65535 (0: any free port) (see ctxfold serve --help)")),
+         "--port: 99999 is outside the port range 0 to 65535 (see ctxfold serve --help)")),
         (["serve", "--upstream", "http://127.0.0.1:9/v1", "--connect-timeout-s", "-1"], ("ctxfold serve: error: "
-         "argument --connect-timeout-s: '-1' must be a positive number (see ctxfold serve --help)")),
+         "argument --connect-timeout-s: '-1' must be a finite number of seconds above 0 (see ctxfold serve --help)")),
         (["serve", "--upstream", "http://127.0.0.1:9/v1", "--summarizer", "config"], ("ctxfold: error: --summarizer "
          "config: reads the summarizer section of --config FILE; add --config, or choose --summarizer upstream or "
          "extractive")),

@@ -56,17 +56,6 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (seconds, for timeouts)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
-    return value
-
-
 # -- common options --------------------------------------------------------------------------------------
 
 
@@ -194,6 +183,9 @@ def check_settings(args: argparse.Namespace, config: CompactConfig, *, counter: 
     if ctx is not None and page_size is not None and page_size > ctx:
         raise CommandError(f"--page-size {page_size}: a KV cache page cannot be larger than the {ctx}-token "
                            f"window, so 1 to {ctx}", EXIT_USAGE)
+    if getattr(args, "strict_summarizer", False) and config.summarizer.kind == "extractive":
+        raise CommandError("--strict-summarizer: the extractive summarizer cannot fail; the option is for a "
+                           "model's endpoint (--summarizer URL --model NAME)", EXIT_USAGE)
     if getattr(args, "kv_plan", None) == "tokens":
         has_ids = counter is None or getattr(counter, "tokenizer", None) is not None
         if getattr(args, "template", None) is None or not has_ids:

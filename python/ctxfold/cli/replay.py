@@ -355,6 +355,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.demo and not args.traces:
         raise CommandError("name at least one trace file, or --demo for the built-in conversation", EXIT_USAGE)
     check_summarizer_args(args)
+    if args.plot_only and args.plot is None:
+        raise CommandError("--plot-only chooses the conversations of a plot: add --plot FILE.png", EXIT_USAGE)
     if args.plot is not None:
         if Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
             raise CommandError(f"--plot {args.plot}: name a .png, .svg or .pdf file", EXIT_USAGE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -31,7 +32,7 @@ or the port cannot be used, 4 tokenizer or package (the serve extra) unavailable
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ctxfold.cli._common import FORMATTER, non_negative_int, positive_float, positive_int, wrap
+    from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
     from ctxfold.serve import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS, FSYNC_MODES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -71,9 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--connect-timeout-s", type=positive_float, default=10.0, metavar="SECONDS",
+    p.add_argument("--connect-timeout-s", type=positive_seconds, default=10.0, metavar="S",
                    help="to connect upstream (default 10)")
-    p.add_argument("--read-timeout-s", type=positive_float, default=600.0, metavar="SECONDS",
+    p.add_argument("--read-timeout-s", type=positive_seconds, default=600.0, metavar="S",
                    help="longest silence from the upstream before 504 or a cut stream (default 600)")
     p.add_argument("--max-recall-rounds", type=non_negative_int, default=4,
                    help="read_archive rounds the proxy answers within one request (default 4)")
@@ -93,12 +94,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def port_number(text: str) -> int:
-    from ctxfold.cli._common import non_negative_int
+    """A TCP port, 0 to 65535 (0: any free port)."""
+    low, high = 0, 65535
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number ({low} to {high})") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is outside the port range {low} to {high}")
+    return value
 
-    port = non_negative_int(text)
-    if port > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: 0 to 65535 (0: any free port)")
-    return port
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
+    return value
 
 
 def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
@@ -108,8 +123,8 @@ def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
     from ctxfold.cli._common import check_settings
 
     if not args.upstream.startswith(("http://", "https://")):
-        raise CommandError(f"--upstream {args.upstream}: expected the http(s) base URL of an OpenAI-compatible "
-                           "server, e.g. http://127.0.0.1:8000/v1", EXIT_USAGE)
+        raise CommandError(f"--upstream {args.upstream}: not an http(s) URL; expected the base URL of an "
+                           "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1", EXIT_USAGE)
     if args.data_dir.exists() and not args.data_dir.is_dir():
         raise CommandError(f"--data-dir {args.data_dir}: exists and is not a directory", EXIT_INPUT)
     if args.summarizer == "config" and args.config is None:
