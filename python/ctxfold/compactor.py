@@ -608,7 +608,7 @@ class Compactor:
         last: CompactionEvent | None = None
         if turn_start and self._archive_enabled(mid_turn=False):
             last = self._archive_pass(stage="turn_start", trigger="turn_start",
-                                      reason="more than keep_recent_user_turns user turns") or last
+                                      reason=f"more than {cfg.minor.keep_recent_user_turns} user turns") or last
         ctx = self.context_tokens
         if ctx is None:
             return last  # unknown window: token triggers are skipped
@@ -617,8 +617,8 @@ class Compactor:
         used = self.occupancy_tokens(queued)
         if (not turn_start and self._archive_enabled(mid_turn=True)
                 and used >= cfg.minor.mid_turn_token_threshold * ctx):
-            last = self._archive_pass(stage="mid_turn", trigger="mid_turn",
-                                      reason="mid-turn occupancy over minor.mid_turn_token_threshold") or last
+            last = self._archive_pass(stage="mid_turn", trigger="mid_turn", reason=f"mid-turn occupancy over "
+                                      f"{cfg.minor.mid_turn_token_threshold:.0%} of the window") or last
             used = self.occupancy_tokens(queued)
         trigger = self._summary_trigger(used, ctx, turn_start)
         if trigger is not None:
@@ -633,7 +633,8 @@ class Compactor:
                                  or ctx - used <= cfg.soft.free_threshold_tokens(ctx)):
             return "soft", f"soft limit {where}"
         if cfg.major.enabled and (turn_start or cfg.major.mid_turn_enabled) and used >= cfg.major.token_threshold * ctx:
-            return ("major" if turn_start else "mid_turn"), f"major.token_threshold reached {where}"
+            return ("major" if turn_start else "mid_turn"), (f"summary threshold ({cfg.major.token_threshold:.0%} "
+                                                             f"of the window) reached {where}")
         return None
 
     def _archive_enabled(self, *, mid_turn: bool) -> bool:
@@ -714,8 +715,9 @@ class Compactor:
         if fresh <= 2 * self._summary_frame_tokens() and (guard_step is None or bottom == 0):
             # Only earlier summaries (or nothing) lie before BOTTOM: a new summary cannot shrink the
             # view, so do not spend a dump and a model call on it, and stop trying for this turn.
-            return self._failed(trigger, reason, before, "nothing before BOTTOM worth summarizing", timings,
-                                give_up=True, guard_step=guard_step)
+            return self._failed(trigger, reason, before, "nothing to summarize: what comes before the newest "
+                                "messages is too short or already a summary", timings, give_up=True,
+                                guard_step=guard_step)
 
         # The history since the last dump, written before the rewrite (write-ahead) to the session
         # and to the archive, where the model can read it back with read_archive.

@@ -37,7 +37,7 @@ SummarizerKind = Literal["extractive", "openai", "callable"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 SUMMARIZER_KINDS: tuple[str, ...] = get_args(SummarizerKind)
 
-# DESIGN.md: reply reserve = min(max_output_tokens or 8192, 20480) (Datus's rule).
+# Reply reserve = min(max_output_tokens or 8192, 20480) (Datus's rule).
 DEFAULT_REPLY_RESERVE_TOKENS = 8192
 MAX_REPLY_RESERVE_TOKENS = 20480
 

@@ -8,6 +8,7 @@ report of ``ctxfold replay``), so a saved report can be drawn again later. Needs
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,18 +57,31 @@ def plot_replay(entries: Sequence[Mapping[str, Any]], path: str | Path, *, conte
     """Draw one panel per conversation (at most ``max_panels``, see :func:`select`) and save to ``path``
     (.png, .svg or .pdf). Returns the number of panels drawn.
 
-    Each panel: occupancy (prompt + reply reserve, tokens) at each model request; the context window
-    and the trigger lines; each compaction as a drop from its tokens before to after, marked by kind
+    A conversation without a model request has nothing to draw and gets no panel. Each panel:
+    occupancy (prompt + reply reserve, tokens) at each model request; the context window and the
+    trigger lines; each compaction as a drop from its tokens before to after, marked by kind
     (a hollow circle when a pass ran but was not applied)."""
+    fig, n = figure(entries, context_tokens=context_tokens, trigger_lines=trigger_lines, title=title,
+                    max_panels=max_panels)
+    fig.savefig(str(path), dpi=110)
+    return n
+
+
+def figure(entries: Sequence[Mapping[str, Any]], *, context_tokens: int | None,
+           trigger_lines: Mapping[str, int] | None = None, title: str = "ctxfold replay",
+           max_panels: int = MAX_PANELS) -> tuple[Any, int]:
+    """The figure :func:`plot_replay` saves (a matplotlib ``Figure`` on an Agg canvas) and its number
+    of panels."""
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    if not entries:
-        raise ValueError("nothing to plot: no conversation in the report")
-    shown = select(entries, max_panels)
+    drawable = [e for e in entries if e["occupancy"]]
+    if not drawable:
+        raise ValueError("nothing to plot: no conversation in the report has a model request")
+    shown = select(drawable, max_panels)
     n = len(shown)
     ncols = 1 if n == 1 else 2 if n <= 4 else 3
     nrows = math.ceil(n / ncols)
@@ -113,7 +127,10 @@ def plot_replay(entries: Sequence[Mapping[str, Any]], path: str | Path, *, conte
         if entry.get("orphans"):
             problems.append(f"{entry['orphans']} orphans")
         label = str(entry.get("label") or entry.get("conversation") or f"conversation {k}")
-        ax.set_title(f"{label}: {what}" + (f" [{'; '.join(problems)}]" if problems else ""), fontsize=9,
+        # Wrapped to the panel's width (about 64 characters at this size, 110 in a single panel), so a
+        # long label or a list of problems stays above its own panel.
+        title = f"{label}: {what}" + (f" [{'; '.join(problems)}]" if problems else "")
+        ax.set_title(textwrap.fill(title, 110 if ncols == 1 else 64), fontsize=9,
                      color="#b00000" if problems else "black", loc="left")
         ax.set_xlabel("model request (assistant turn)")
         if k % ncols == 0:
@@ -139,9 +156,8 @@ def plot_replay(entries: Sequence[Mapping[str, Any]], path: str | Path, *, conte
     if not_applied_seen:
         handles.append(Line2D([], [], color="#7f7f7f", marker="o", markerfacecolor="none", linestyle="none",
                               label="compaction attempted, not applied"))
-    suffix = f" ({n} of {len(entries)} conversations, the most compacted)" if n < len(entries) else ""
+    suffix = f" ({n} of {len(drawable)} conversations, the most compacted)" if n < len(drawable) else ""
     fig.suptitle(title + suffix, fontsize=12)
     fig.legend(handles=handles, loc="outside lower center", ncols=min(2 if ncols == 1 else 3, len(handles)), fontsize=8,
                frameon=False)
-    fig.savefig(str(path), dpi=110)
-    return n
+    return fig, n

@@ -138,7 +138,8 @@ class ReplayReport:
             "events": [
                 {"request": i, "kind": e.kind, "trigger": e.trigger, "reason": e.reason, "applied": e.applied,
                  "tokens_before": e.tokens_before, "tokens_after": e.tokens_after, "archived": len(e.archived),
-                 "summarizer": e.summarizer, "summary_fallback": e.summary_fallback, "tail_rule": e.tail_rule,
+                 "summarizer": e.summarizer, "summary_fallback": e.summary_fallback,
+                 "summary_failure": e.summary_failure, "tail_rule": e.tail_rule,
                  "tail_tokens": e.tail_tokens, "failure": e.failure, "guard_step": e.guard_step,
                  "kv_tokens_reused": e.kv.tokens_reused if e.kv else None,
                  "kv_tokens_prefilled": e.kv.tokens_to_prefill if e.kv else None}

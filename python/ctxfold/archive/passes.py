@@ -38,7 +38,7 @@ ERROR_PREVIEW_FACTOR = 2
 
 @dataclass(frozen=True, slots=True)
 class ArchiveParams:
-    """The minor-compaction knobs (defaults from DESIGN.md)."""
+    """The minor-compaction knobs (defaults from the Datus agent framework's minor compaction)."""
 
     keep_recent_user_turns: int = 4  # turn start: tool outputs of the newest N real user turns are kept
     archive_threshold_chars: int = 1000  # turn start: only outputs of at least this many chars are archived

@@ -37,12 +37,12 @@ def wrap(text: str, width: int = 78) -> str:
 
 def positive_int(text: str) -> int:
     """An integer >= 1; accepts 16k / 128K / 1M as shorthands (k = 1024, as context sizes are quoted)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    m = re.fullmatch(r"\s*(-?\d+)\s*([kKmM]?)\s*", text)
     if m is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 16384 or 16k)")
     value = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number (e.g. 16384 or 16k)")
     return value
 
 
@@ -52,7 +52,7 @@ def non_negative_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or a positive whole number")
     return value
 
 
@@ -67,7 +67,8 @@ def add_format_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, metavar="NAME",
                    help=f"read the input as this trace format instead of detecting it ({', '.join(FORMATS)})")
     p.add_argument("--lenient", action="store_true", help="skip malformed records of a trace (counted on "
-                   "stderr) instead of stopping at the first one")
+                   "stderr) instead of stopping at the first one; replay also skips a whole file it cannot read, "
+                   "with a warning, and exits 1 at the end")
     p.add_argument("--tools", metavar="FILE", help="the tool definitions the agent sent with each request, "
                    "for traces that do not record them: a JSON list (or an object with a 'tools' list) in "
                    "OpenAI or Anthropic shape; replaces any the trace records or ctxfold fills in")
@@ -94,12 +95,16 @@ def add_policy_options(p: argparse.ArgumentParser) -> None:
                    f"(16k = 16384; default: the config file's context_tokens, else {DEFAULT_CONTEXT_TOKENS})")
     p.add_argument("--config", metavar="FILE", help="compaction settings: an agent.yml (agent.compact), or a "
                    "YAML/TOML file of compact keys; --policy and --ctx override it")
-    p.add_argument("--policy", choices=POLICIES, help="preset: ds4 (soft/hard triggers), datus (archive, "
-                   "major and mid-turn passes) or both (default: both, or the config file's)")
+    p.add_argument("--policy", choices=POLICIES, help="which compaction passes run: ds4 (soft and hard "
+                   "triggers, after the ds4 inference engine: summarize near the window's end), datus (archive "
+                   "and summary passes, after the Datus agent framework: old tool outputs go to an archive "
+                   "first, a summary when that is not enough) or both (default: both, or the config file's)")
     p.add_argument("--summarizer", metavar="extractive|URL", help="who writes summaries: extractive (built "
                    "from the conversation itself, no model; the default) or the base URL of an "
                    "OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (needs --model)")
     p.add_argument("--model", help="model name for --summarizer URL (default: $CTXFOLD_SUMMARY_MODEL)")
+    p.add_argument("--strict-summarizer", action="store_true", help="exit 1 when any summary fell back to "
+                   "the extractive one because the --summarizer endpoint failed (default: a warning)")
     p.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
                    help="KV cache page size the reuse figures round down to (default: 16)")
     p.add_argument("--kv-plan", choices=("segments", "tokens"), default="segments",
@@ -139,6 +144,54 @@ def reply_reserve_config(config: CompactConfig, explicit: int | None) -> tuple[C
     if explicit is not None:
         return replace(config, reply_reserve_tokens=explicit), False
     return config, config.reply_reserve_tokens is None and config.max_output_tokens is None
+
+
+# A window below this cannot hold a system prompt, a request and an answer: every request would
+# overflow and the run would only print that, once per request.
+MIN_CONTEXT_TOKENS = 512
+# What the reply reserve must leave of the window for the prompt itself.
+MIN_PROMPT_TOKENS = 256
+
+
+def check_settings(args: argparse.Namespace, config: CompactConfig, *, counter: TokenCounter | None = None) -> None:
+    """Refuse impossible or contradictory settings before any work, as one usage error naming the
+    option (or the config file's key) and the allowed range. ``counter``, once loaded, is checked
+    against --kv-plan tokens."""
+
+    def source(flag: str, dest: str, key: str) -> str:
+        """The option as the user gave it, else the config file's key with its value."""
+        value = getattr(args, dest, None)
+        return f"{flag} {value}" if value is not None else f"{key} {getattr(config, key)} in {args.config}"
+
+    ctx = config.context_tokens
+    ctx_flag, ctx_dest = ("--ctx", "ctx") if hasattr(args, "ctx") else ("--context-tokens", "context_tokens")
+    if ctx is not None and ctx < MIN_CONTEXT_TOKENS:
+        raise CommandError(f"{source(ctx_flag, ctx_dest, 'context_tokens')}: the context window must be at least "
+                           f"{MIN_CONTEXT_TOKENS} tokens; a smaller one cannot hold a prompt and an answer",
+                           EXIT_USAGE)
+    if ctx is not None and config.reply_reserve() > ctx - MIN_PROMPT_TOKENS:
+        if config.reply_reserve_tokens is not None:
+            reserve_flag, reserve_dest = ("--reply-reserve", "reply_reserve") if hasattr(args, "reply_reserve") \
+                else ("--reply-reserve-tokens", "reply_reserve_tokens")
+            what = source(reserve_flag, reserve_dest, "reply_reserve_tokens")
+        else:  # the reserve follows the reply cap
+            what = source("--max-output-tokens", "max_output_tokens", "max_output_tokens")
+        raise CommandError(f"{what}: the reply reserve ({config.reply_reserve()} tokens) must leave at least "
+                           f"{MIN_PROMPT_TOKENS} tokens of the {ctx}-token window for the prompt, so 0 to "
+                           f"{ctx - MIN_PROMPT_TOKENS}; lower it or widen the window with {ctx_flag}", EXIT_USAGE)
+    page_size = getattr(args, "page_size", None)
+    if ctx is not None and page_size is not None and page_size > ctx:
+        raise CommandError(f"--page-size {page_size}: a KV cache page cannot be larger than the {ctx}-token "
+                           f"window, so 1 to {ctx}", EXIT_USAGE)
+    if getattr(args, "strict_summarizer", False) and config.summarizer.kind == "extractive":
+        raise CommandError("--strict-summarizer: the extractive summarizer cannot fail; the option is for a "
+                           "model's endpoint (--summarizer URL --model NAME)", EXIT_USAGE)
+    if getattr(args, "kv_plan", None) == "tokens":
+        has_ids = counter is None or getattr(counter, "tokenizer", None) is not None
+        if getattr(args, "template", None) is None or not has_ids:
+            raise CommandError("--kv-plan tokens: plans over token ids, so it needs a tokenizer.json tokenizer "
+                               "and its chat template: add --tokenizer deepseek-v4 --template deepseek-v4 (or "
+                               "--tokenizer qwen3 --template chatml), or use --kv-plan segments", EXIT_USAGE)
 
 
 def with_auto_reserve(config: CompactConfig, conversation: Conversation, counter: TokenCounter) -> CompactConfig:

@@ -55,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
     counter = load_counter(args.tokenizer)
     if not counter.exact:
         raise ConfigError(f"--tokenizer must be an exact tokenizer, not the estimate {counter.name!r}")
-    groups = read_corpus(args.corpus)
+    def skipped(path: Path, why: str) -> None:
+        print(f"ctxfold: warning: {path}: {why}; file skipped", file=sys.stderr)
+
+    groups = read_corpus(args.corpus, on_skip=skipped)
     if not groups:
         raise ConfigError(f"no text found in the corpus {' '.join(args.corpus)}")
     corpus = f"{' '.join(args.corpus)}: {len(groups)} conversations, {sum(len(g.texts) for g in groups)} texts"

@@ -15,6 +15,7 @@ from ctxfold.cli._common import (
     add_format_option,
     add_policy_options,
     build_config,
+    check_settings,
     check_summarizer_args,
     load_counter,
     load_template,
@@ -41,7 +42,7 @@ the framed summary, the verbatim tail. One conversation is written as one JSON d
 as JSON lines (one conversation a line); both read back with every ctxfold command.
 
 exit codes: 0 compacted, 1 a conversation could not be compacted (written unchanged, reason on
-stderr), 2 usage error, 3 input error, 4 tokenizer/package/endpoint unavailable, 5 internal error."""
+stderr) or, with --strict-summarizer, its summary fell back to the extractive one, 2 usage error, 3 input error, 4 tokenizer/package/endpoint unavailable, 5 internal error."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -73,12 +74,14 @@ def run(args: argparse.Namespace) -> int:
     term = Terminal(quiet=args.quiet)
     config = build_config(args, default_context_tokens=DEFAULT_CONTEXT_TOKENS)
     config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
+    check_settings(args, config)
     loaded = load_traces([args.file], args.format, lenient=args.lenient, warn=warn,
                          system_file=args.system, tools_file=args.tools)
     from ctxfold.compactor import Compactor
 
     counter = load_counter(args.tokenizer)
     template = load_template(args.template)
+    check_settings(args, config, counter=counter)
     convs = [c for f in loaded for c in f.conversations]
     labels = unique_labels(convs)
     if args.session_dir is not None:
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 raise CommandError(f"--session-dir: {d} is not empty (a session from an earlier run?); choose "
                                    "another directory or remove it", EXIT_INPUT)
     out: list[str] = []
-    failed = 0
+    failed = fell_back = 0
     for label, conv in zip(labels, convs, strict=True):
         cfg = with_auto_reserve(config, conv, counter) if auto_reserve else config
         session_dir = None if args.session_dir is None else Path(args.session_dir) / label
@@ -102,11 +105,19 @@ def run(args: argparse.Namespace) -> int:
         finally:
             compactor.close()
         if event.applied:
+            # The summarizer's name says "(fallback)" already; the reason goes in its place.
+            summarizer, fallback = (event.summarizer or "").removesuffix(" (fallback)"), ""
+            if event.summary_fallback:
+                fell_back += 1
+                fallback = f" (fallback: {event.summary_failure})" if event.summary_failure else " (fallback)"
+                if args.strict_summarizer:
+                    print(f"ctxfold: problem: {label}: the summarizer failed ({event.summary_failure}); the "
+                          "extractive summary stood in (--strict-summarizer)", file=term.stream)
             kv = f", KV keep {tokens(event.kv.tokens_reused)} prefill {tokens(event.kv.tokens_to_prefill)}" \
                 if event.kv is not None else ""
             term.line(f"{label}: {len(conv.messages)} -> {len(result.messages)} messages, "
                       f"{tokens(event.tokens_before)} -> {tokens(event.tokens_after)} tokens; summary by "
-                      f"{event.summarizer}{' (fallback)' if event.summary_fallback else ''}, tail "
+                      f"{summarizer}{fallback}, tail "
                       f"{tokens(event.tail_tokens)} tokens ({event.tail_rule}){kv}")
         else:
             failed += 1
@@ -117,4 +128,4 @@ def run(args: argparse.Namespace) -> int:
     if args.session_dir is not None:
         term.line(f"sessions in {args.session_dir}; ctxfold restore {Path(args.session_dir) / labels[0]} -o FILE "
                   "rebuilds the original")
-    return EXIT_PROBLEM if failed else EXIT_OK
+    return EXIT_PROBLEM if failed or (fell_back and args.strict_summarizer) else EXIT_OK

@@ -25,6 +25,7 @@ from ctxfold.cli._common import (
     GREEN,
     GREY,
     YELLOW,
+    Loaded,
     Terminal,
     Throttle,
     add_counting_options,
@@ -32,6 +33,7 @@ from ctxfold.cli._common import (
     add_policy_options,
     bar,
     build_config,
+    check_settings,
     check_summarizer_args,
     load_counter,
     load_template,
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
 
 EPILOG = """examples:
   ctxfold replay --demo                                  the built-in conversation at a 16k window
-  ctxfold replay run.traj.json --ctx 32k --policy ds4    one trace, ds4's soft trigger only
+  ctxfold replay run.traj.json --ctx 32k --policy ds4    one trace, the ds4 policy (soft and hard triggers)
   ctxfold replay traces/*.json --jobs 4 --json report.json --plot occupancy.png
   ctxfold replay session.jsonl --tokenizer deepseek-v4 --template deepseek-v4
   ctxfold replay run.json --summarizer http://127.0.0.1:8000/v1 --model qwen3-8b
@@ -71,8 +73,12 @@ freed by archiving and by summaries, the KV cache tokens an engine keeps and mus
 across the rewrites, orphaned tool results and requests over the window (both must be 0), whether
 the session restores the recording byte for byte, and the seconds spent inside ctxfold.
 
-exit codes: 0 all checks passed, 1 an overflow, orphan or inexact restore, 2 usage error,
-3 input error, 4 tokenizer/package/endpoint unavailable, 5 internal error."""
+A summary the --summarizer endpoint could not write is replaced by the extractive one: the
+COMPACTING line gives the reason and the run ends with a count of them by reason.
+
+exit codes: 0 all checks passed, 1 an overflow, orphan or inexact restore, a file skipped by
+--lenient, or (with --strict-summarizer) a summary that fell back, 2 usage error, 3 input error,
+4 tokenizer/package/endpoint unavailable, 5 internal error."""
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -209,7 +215,7 @@ def event_record(event: CompactionEvent) -> dict[str, Any]:
     return {"kind": event.kind, "reason": event.reason, "applied": event.applied, "failure": event.failure,
             "tokens_before": event.tokens_before, "tokens_after": event.tokens_after,
             "archived": len(event.archived), "tail_tokens": event.tail_tokens,
-            "summary_fallback": event.summary_fallback,
+            "summary_fallback": event.summary_fallback, "summary_failure": event.summary_failure,
             "kv_tokens_reused": event.kv.tokens_reused if event.kv else None,
             "kv_tokens_prefilled": event.kv.tokens_to_prefill if event.kv else None}
 
@@ -227,7 +233,9 @@ def describe_event(term: Terminal, e: dict[str, Any], label: str, many: bool) ->
     if e["kind"] == "last_resort":
         return [(f"{prefix} {e['reason']}: result archived, the model gets a marker and a tool error "
                 f"(old={tokens(before)} new={tokens(after)})")]
-    fallback = " (extractive fallback)" if e["summary_fallback"] else ""
+    fallback = ""
+    if e["summary_fallback"]:
+        fallback = f" (extractive fallback: {e['summary_failure']})" if e["summary_failure"] else " (extractive fallback)"
     lines = [(f"{prefix} rebuilding context: old={tokens(before)} summary+tail={tokens(after)} "
              f"tail={tokens(e['tail_tokens'])}{fallback}")]
     if e["kv_tokens_reused"] is not None:
@@ -347,6 +355,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if not args.demo and not args.traces:
         raise CommandError("name at least one trace file, or --demo for the built-in conversation", EXIT_USAGE)
     check_summarizer_args(args)
+    if args.plot_only and args.plot is None:
+        raise CommandError("--plot-only chooses the conversations of a plot: add --plot FILE.png", EXIT_USAGE)
     if args.plot is not None:
         if Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
             raise CommandError(f"--plot {args.plot}: name a .png, .svg or .pdf file", EXIT_USAGE)
@@ -363,14 +373,16 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     term = Terminal(quiet=args.quiet)
     config = build_config(args, default_context_tokens=DEFAULT_CONTEXT_TOKENS)
+    config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
+    check_settings(args, config)
     jobs: list[Job] = []
+    skipped_files: list[str] = []
     if args.demo:
         from ctxfold.demo import demo_conversation
 
         jobs.append(Job("demo", "(built in)", "builtin", demo_conversation()))
     else:
-        loaded = load_traces(args.traces, args.format, lenient=args.lenient, warn=warn,
-                             system_file=args.system, tools_file=args.tools)
+        loaded, skipped_files = _load(args)
         convs = [(f, c) for f in loaded for c in f.conversations]
         labels = unique_labels([c for _, c in convs])
         jobs = [Job(label, f.path, f.format, c) for label, (f, c) in zip(labels, convs, strict=True)]
@@ -378,6 +390,7 @@ def run(args: argparse.Namespace) -> int:
     # Load what can fail for the environment before any replay: an unknown tokenizer is exit 4 at once.
     counter = load_counter(args.tokenizer)
     load_template(args.template)
+    check_settings(args, config, counter=counter)
 
     if args.session_dir is not None:
         for j in jobs:
@@ -386,17 +399,17 @@ def run(args: argparse.Namespace) -> int:
                 raise CommandError(f"--session-dir: {d} is not empty (a session from an earlier run?); choose "
                                    "another directory or remove it", EXIT_INPUT)
 
-    config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
     settings = Settings(config=config, tokenizer=args.tokenizer, template=args.template,
                         page_size_tokens=args.page_size, kv_plan=args.kv_plan,
                         auto_reserve=auto_reserve, session_root=args.session_dir, verify_with=args.verify_with)
 
     num_workers = min(args.jobs or _cpus(), len(jobs))
     total_requests = sum(1 for j in jobs for m in j.conversation.messages if m.role is Role.ASSISTANT)
+    num_files = len(args.traces) - len(skipped_files)
     if not args.quiet:
         what = "the built-in demo conversation" if args.demo else (
-            f"{len(jobs)} conversation{'s' if len(jobs) != 1 else ''} from {len(args.traces)} "
-            f"file{'s' if len(args.traces) != 1 else ''}")
+            f"{len(jobs)} conversation{'s' if len(jobs) != 1 else ''} from {num_files} "
+            f"file{'s' if num_files != 1 else ''}")
         term.line(f"ctxfold replay: {what}, {total_requests} requests; ctx {tokens(config.context_tokens)} "
                   f"tokens, policy {config.policy}, counter {getattr(counter, 'name', args.tokenizer)}, "
                   f"summarizer {config.summarizer.kind}"
@@ -411,7 +424,34 @@ def run(args: argparse.Namespace) -> int:
     finally:
         term.clear_status()
     wall_s = time.perf_counter() - t0
-    return _finish(args, term, config, settings, entries, wall_s, num_workers)
+    return _finish(args, term, config, settings, entries, wall_s, num_workers, skipped_files)
+
+
+def _load(args: argparse.Namespace) -> tuple[list[Loaded], list[str]]:
+    """The trace files, and with --lenient the ones skipped: a file that cannot be read at all
+    (missing, empty, no conversation) gets one warning line and the others still run."""
+    if not args.lenient:
+        return load_traces(args.traces, args.format, warn=warn, system_file=args.system, tools_file=args.tools), []
+    from ctxfold.cli import _exit_code, one_line
+
+    # A bad --system or --tools file stops the run here, rather than being blamed on every trace.
+    load_traces([], system_file=args.system, tools_file=args.tools)
+    loaded: list[Loaded] = []
+    skipped: list[str] = []
+    for path in args.traces:
+        try:
+            loaded += load_traces([path], args.format, lenient=True, warn=warn, system_file=args.system,
+                                  tools_file=args.tools)
+        except Exception as exc:
+            if _exit_code(exc) != EXIT_INPUT:
+                raise
+            text = one_line(exc)
+            warn(f"{text if text.startswith(path) else f'{path}: {text}'}; file skipped")
+            skipped.append(path)
+    if not loaded:
+        which = "the file was" if len(skipped) == 1 else f"all {len(skipped)} files were"
+        raise CommandError(f"no conversation to replay: {which} skipped", EXIT_INPUT)
+    return loaded, skipped
 
 
 def _run_here(jobs: Sequence[Job], settings: Settings, term: Terminal, progress: Progress,
@@ -552,17 +592,31 @@ def trigger_lines(config: CompactConfig) -> dict[str, int]:
         return {}
     lines: dict[str, int] = {}
     if config.soft.enabled:
-        lines["soft trigger (ds4)"] = min(int(ctx * config.soft.percent / 100),
+        lines["soft trigger (ds4 policy)"] = min(int(ctx * config.soft.percent / 100),
                                           ctx - config.soft.free_threshold_tokens(ctx))
     if config.major.enabled:
-        lines["major threshold (Datus)"] = int(ctx * config.major.token_threshold)
+        lines["summary threshold (datus policy)"] = int(ctx * config.major.token_threshold)
     if config.minor.enabled and config.minor.mid_turn_enabled:
-        lines["mid-turn archive (Datus)"] = int(ctx * config.minor.mid_turn_token_threshold)
+        lines["mid-turn archive threshold (datus policy)"] = int(ctx * config.minor.mid_turn_token_threshold)
     return lines
 
 
+def fallback_summary(entries: Sequence[dict[str, Any]]) -> str | None:
+    """One line on the summaries the extractive summarizer wrote because the configured one failed:
+    how many, and each distinct reason with its count; None when there were none."""
+    reasons = Counter(ev.get("summary_failure") or "no reason recorded"
+                      for e in entries for ev in e["events"] if ev.get("summary_fallback"))
+    n = sum(reasons.values())
+    if not n:
+        return None
+    total = sum(1 for e in entries for ev in e["events"] if ev["kind"] == "summary" and ev["applied"])
+    why = "; ".join(f"{reason} ({'once' if k == 1 else f'{k} times'})" for reason, k in reasons.most_common())
+    return (f"{n} of {total} summar{'ies' if total != 1 else 'y'} fell back to the extractive summary "
+            f"because the summarizer failed: {why}")
+
+
 def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, settings: Settings,
-            entries: list[dict[str, Any]], wall_s: float, num_workers: int) -> int:
+            entries: list[dict[str, Any]], wall_s: float, num_workers: int, skipped_files: Sequence[str]) -> int:
     from ctxfold import __version__
 
     if args.json != "-":
@@ -592,11 +646,16 @@ def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, set
             if not chosen:
                 raise CommandError(f"--plot-only {' '.join(args.plot_only)}: matches no conversation "
                                    f"(labels are like {entries[0]['label']!r})", EXIT_USAGE)
-        shown = plot_replay(chosen, args.plot, context_tokens=config.context_tokens,
-                            trigger_lines=trigger_lines(config),
-                            title=f"ctxfold replay: policy {config.policy}, ctx {tokens(config.context_tokens)}")
-        if not args.quiet:
-            term.line(f"plot: {args.plot} ({shown} of {len(chosen)} conversations)")
+        empty = sum(1 for e in chosen if not e["requests"])
+        if empty == len(chosen):
+            warn(f"--plot {args.plot}: not drawn, no conversation has a model request")
+        else:
+            shown = plot_replay(chosen, args.plot, context_tokens=config.context_tokens,
+                                trigger_lines=trigger_lines(config),
+                                title=f"ctxfold replay: policy {config.policy}, ctx {tokens(config.context_tokens)}")
+            if not args.quiet:
+                term.line(f"plot: {args.plot} ({shown} of {len(chosen)} conversations"
+                          + (f"; {empty} without a model request not drawn)" if empty else ")"))
     if not args.quiet:
         term.line(f"done in {wall_s:.1f} s" + ("" if not args.session_dir else f"; sessions in {args.session_dir}"))
     for e in entries:  # not sent, so not an overflow: said apart, with the reason
@@ -604,9 +663,18 @@ def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, set
             n, first = len(e["unfittable"]), e["unfittable"][0]
             print(f"ctxfold: note: {e['label']}: {n} request{'s' if n != 1 else ''} could not fit and would not "
                   f"be sent (first at message {first['message']}: {first['reason']})", file=term.stream)
-    if bad:
+    fell_back = fallback_summary(entries)
+    if fell_back is not None and not args.strict_summarizer:
+        warn(fell_back)
+    if bad or skipped_files or (fell_back is not None and args.strict_summarizer):
         for label, what in bad:
             print(f"ctxfold: problem: {label}: {', '.join(what)}", file=term.stream)
+        if skipped_files:
+            n = len(skipped_files)
+            print(f"ctxfold: problem: {n} file{'s' if n != 1 else ''} skipped (unreadable or no conversation): "
+                  f"{', '.join(skipped_files)}", file=term.stream)
+        if fell_back is not None and args.strict_summarizer:
+            print(f"ctxfold: problem: --strict-summarizer: {fell_back}", file=term.stream)
         return EXIT_PROBLEM
     if not args.quiet and term.color:
         term.line(term.style("all checks passed: no overflow, no orphan, every restore exact", GREEN))

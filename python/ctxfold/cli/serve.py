@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +28,7 @@ and archives live in --data-dir; a restarted proxy resumes every conversation. G
 /metrics (Prometheus text). Details: docs/serve.md.
 
 exit codes: 0 stopped by a signal, 2 usage error (bad option or setting), 3 the data directory
-or the port cannot be used, 5 internal error."""
+or the port cannot be used, 4 tokenizer or package (the serve extra) unavailable, 5 internal error."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -132,12 +134,30 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
+    """What argparse cannot see alone: the upstream URL, --summarizer config without a config file,
+    and the window against the reply reserve (check_settings)."""
+    from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
+    from ctxfold.cli._common import check_settings
+
+    if not args.upstream.startswith(("http://", "https://")):
+        raise CommandError(f"--upstream {args.upstream}: not an http(s) URL; expected the base URL of an "
+                           "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1", EXIT_USAGE)
+    if args.data_dir.exists() and not args.data_dir.is_dir():
+        raise CommandError(f"--data-dir {args.data_dir}: exists and is not a directory", EXIT_INPUT)
+    if args.summarizer == "config" and args.config is None:
+        raise CommandError("--summarizer config: reads the summarizer section of --config FILE; add --config, "
+                           "or choose --summarizer upstream or extractive", EXIT_USAGE)
+    check_settings(args, compact)
+
+
 def build_config(args: argparse.Namespace) -> Any:
     from ctxfold.serve.app import ProxyConfig
 
     overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
                  if getattr(args, k) is not None}
     compact = load_config(args.config, **overrides) if args.config else CompactConfig.from_mapping(overrides)
+    check_args(args, compact)
     return ProxyConfig(
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
         summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
@@ -174,6 +194,14 @@ def run(args: argparse.Namespace) -> int:
             runner.run(serve(config, args.host, args.port, ready=ready, stop_on_signals=True))
     except KeyboardInterrupt:
         pass
+    except OSError as exc:
+        # The listening socket (no file name, unlike a data directory error): say which address, plainly.
+        if exc.filename is None and exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            from ctxfold.cli import EXIT_INPUT, CommandError
+
+            raise CommandError(f"--host {args.host} --port {args.port}: cannot listen there ({os.strerror(exc.errno)}); "
+                               "choose another port, or --port 0 for any free one", EXIT_INPUT) from exc
+        raise
     return 0
 
 

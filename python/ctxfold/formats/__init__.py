@@ -146,7 +146,7 @@ def _detect_or_fail(doc: Document, reader: Reader) -> str:
     name = _detect(doc)
     if name is None:
         raise reader.error(f"cannot tell which trace format this is; expected one of {', '.join(FORMATS)} "
-                           "(pass format= to choose one)")
+                           "(choose one: --format NAME on the command line, format= in Python)")
     return name
 
 

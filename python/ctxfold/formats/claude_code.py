@@ -148,8 +148,11 @@ def load_document(doc: Document, reader: Reader, conv_id: str) -> list[Conversat
 
         reader.guard(where, one)
     base = session_id or conv_id
-    out = [Conversation(messages=main.messages, id=base, source_format=NAME, source=reader.source,
-                        meta={"claude_code": info})]
+    # A subagent's own file (Claude Code writes one per subagent) holds sidechain records only: no
+    # empty conversation for the parent session it came from.
+    out = [] if agents and not main.messages else [
+        Conversation(messages=main.messages, id=base, source_format=NAME, source=reader.source,
+                     meta={"claude_code": info})]
     for aid, sess in agents.items():
         out.append(Conversation(messages=sess.messages, id=f"{base}/agent-{aid}", source_format=NAME,
                                 source=reader.source,

@@ -48,7 +48,7 @@ from ctxfold.archive.marker import MARKER_PREFIX
 from ctxfold.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
 from ctxfold.compactor import CompactionEvent, Compactor
 from ctxfold.config import CompactConfig
-from ctxfold.errors import ConfigError, FormatError, NoFitError
+from ctxfold.errors import ConfigError, CtxfoldError, FormatError, NoFitError
 from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai, message_to_openai
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
@@ -176,7 +176,7 @@ class ProxyConfig:
         return path_qs
 
 
-class BadRequest(Exception):
+class BadRequest(CtxfoldError):
     """A client mistake: becomes an OpenAI-shaped error response."""
 
     def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:

@@ -27,13 +27,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from ctxfold.errors import CtxfoldError
+
 # Body bytes read ahead of a slow consumer (a client reading a stream slowly) before the socket is
 # paused: the upstream then waits, as TCP makes it.
 READ_AHEAD_BYTES = 1 << 20
 MAX_IDLE_CONNECTIONS = 256  # kept open for reuse; more are closed once their answer is read
 
 
-class UpstreamError(Exception):
+class UpstreamError(CtxfoldError):
     """The upstream could not be asked, or its answer was not read to its end."""
 
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from ctxfold.messages import CTXFOLD_SUMMARY_KEY, Conversation, Message, Role, ToolSpec
 
-# The contract, after ds4's compaction prompt and DESIGN.md's summary contract. It says "stop" twice because
+# The contract, after ds4's compaction prompt: durable task state only, no invented facts, no tool calls. It says "stop" twice because
 # the summarizer runs inside a live agent transcript where "next step" usually means "call the next tool":
 # during compaction that step must be recorded, not executed (ds4 COMPACT.md).
 SUMMARY_CONTRACT = """\
