@@ -54,21 +54,22 @@ def test_a_failing_summarizer_is_named_on_the_line_in_the_report_and_at_the_end(
     assert proc.returncode == EXIT_OK, proc.stderr
     (entry,) = json.loads(proc.stdout)["conversations"]
     summaries = [e for e in entry["events"] if e["kind"] == "summary" and e["applied"]]
-    assert len(summaries) == 7
-    assert [e["summary_failure"] for e in summaries] == [REFUSED] * 7
+    n = len(summaries)
+    assert n >= 3
+    assert [e["summary_failure"] for e in summaries] == [REFUSED] * n
     rebuilt = [line for line in proc.stderr.splitlines() if "rebuilding context" in line]
-    assert len(rebuilt) == 7 and all(line.endswith(f"(extractive fallback: {REFUSED})") for line in rebuilt)
-    assert (f"ctxfold: warning: 7 of 7 summaries fell back to the extractive summary because the summarizer "
-            f"failed: {REFUSED} (7 times)") in proc.stderr.splitlines()
+    assert len(rebuilt) == n and all(line.endswith(f"(extractive fallback: {REFUSED})") for line in rebuilt)
+    assert (f"ctxfold: warning: {n} of {n} summaries fell back to the extractive summary because the summarizer "
+            f"failed: {REFUSED} ({n} times)") in proc.stderr.splitlines()
 
 
 def test_strict_summarizer_makes_a_fallback_exit_1(closed_port: int) -> None:
     proc = ctxfold("replay", "--demo", "--summarizer", f"http://127.0.0.1:{closed_port}/v1", "--model", "m",
                    "--strict-summarizer", "--quiet")
     assert proc.returncode == EXIT_PROBLEM
-    assert proc.stderr.splitlines() == [
-        ("ctxfold: problem: --strict-summarizer: 7 of 7 summaries fell back to the extractive summary because the "
-        f"summarizer failed: {REFUSED} (7 times)")]
+    (line,) = proc.stderr.splitlines()
+    assert re.fullmatch(r"ctxfold: problem: --strict-summarizer: ([0-9]+) of \1 summaries fell back to the extractive "
+                        rf"summary because the summarizer failed: {re.escape(REFUSED)} \(\1 times\)", line), line
 
 
 def test_strict_summarizer_in_compact(closed_port: int, tmp_path: Path, traces_dir: Path) -> None:

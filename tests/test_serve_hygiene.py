@@ -344,8 +344,8 @@ def test_the_archive_and_the_log_refuse_links(tmp_path: Path) -> None:
     ("--read-timeout-s", "nan", "argument --read-timeout-s: 'nan' must be a finite number of seconds"),
     ("--connect-timeout-s", "-3", "argument --connect-timeout-s: '-3' must be a finite number of seconds"),
     ("--client-timeout-s", "inf", "argument --client-timeout-s: 'inf' must be a finite number of seconds"),
-    ("--max-connections", "0", "argument --max-connections: '0' must be at least 1"),
-    ("--max-recall-chars", "0", "argument --max-recall-chars: '0' must be at least 1"),
+    ("--max-connections", "0", "argument --max-connections: '0' must be a positive whole number"),
+    ("--max-recall-chars", "0", "argument --max-recall-chars: '0' must be a positive whole number"),
 ])
 def test_bad_serve_flags_are_a_one_line_usage_error(tmp_path: Path, flag: str, value: str, needle: str) -> None:
     # A subprocess with a timeout: a port accepted by mistake would start serving.
