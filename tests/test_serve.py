@@ -591,7 +591,7 @@ def test_without_aiohttp_the_cli_works_and_serve_says_what_to_install() -> None:
 def test_a_request_whose_max_tokens_cannot_fit_is_refused_before_the_upstream(
         upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     up, url = upstream
-    proxy, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=4096))
+    _proxy, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=4096))
     try:
         before = len(up.received)
         r = post(srv.url, chat(("user", "hello"), max_tokens=5000))
@@ -610,7 +610,7 @@ def test_a_request_whose_max_tokens_cannot_fit_is_refused_before_the_upstream(
 def test_a_pasted_file_larger_than_the_window_goes_upstream_as_a_marker(
         upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     up, url = upstream
-    proxy, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=4096))
+    _proxy, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=4096))
     try:
         r = post(srv.url, chat(("user", "Here is the file:\n" + "line of the file\n" * 4000), max_tokens=256))
         assert r.status_code == 200
