@@ -79,7 +79,9 @@ def run(benchmark: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _pool() -> None:
-    """The transcripts need the DeepSeek V4 tokenizer (the tokenizers extra): skip, do not fail."""
+    """The transcripts need the real traces and the DeepSeek V4 tokenizer (the tokenizers extra): skip,
+    do not fail."""
+    synth.need_traces()
     try:
         synth.pool()
     except ImportError as exc:

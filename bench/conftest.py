@@ -1,4 +1,8 @@
-"""Benchmarks read the real traces from ``../shared/traces`` beside the repository, or ``$CTXFOLD_TRACES``."""
+"""Benchmarks read the real traces from ``../shared/traces`` beside the repository, or ``$CTXFOLD_TRACES``.
+
+Without them the benchmarks that need them skip, saying where to get them; with
+``CTXFOLD_REQUIRE_TRACES=1`` a missing folder fails instead (synth.need_traces).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from synth import TRACES_DIR
+from synth import need_traces
 
 
 @pytest.fixture(scope="session")
 def traces_dir() -> Path:
-    if not TRACES_DIR.is_dir():
-        pytest.fail(f"real traces not found at {TRACES_DIR}; set CTXFOLD_TRACES to the shared/traces folder")
-    return TRACES_DIR
+    return need_traces()

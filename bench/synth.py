@@ -29,6 +29,22 @@ from ctxfold.messages import Conversation, Message, Role
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
+REQUIRE_TRACES = os.environ.get("CTXFOLD_REQUIRE_TRACES", "") not in ("", "0")
+
+
+def need_traces() -> Path:
+    """The real traces folder, for a benchmark: without it the benchmark skips, saying where to get
+    them, or fails when CTXFOLD_REQUIRE_TRACES=1 (as tests/conftest.py does for the tests)."""
+    import pytest
+
+    if not TRACES_DIR.is_dir():
+        message = (f"real traces not found at {TRACES_DIR}: the real agent traces are not part of the project; "
+                   "put them in ../shared/traces beside the clone or point CTXFOLD_TRACES at them "
+                   "(README.md, 'Tests', names each set's public source)")
+        if REQUIRE_TRACES:
+            pytest.fail(f"{message} (CTXFOLD_REQUIRE_TRACES is set, so this is a failure)", pytrace=False)
+        pytest.skip(message)
+    return TRACES_DIR
 
 # Template tokens around one message (role marker, separators): a fixed allowance, as the segment
 # tests use; the subject here is cost against size, not the exact template.

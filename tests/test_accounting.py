@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import TRACES_DIR
 from ctxfold import formats
 from ctxfold.accounting import PLAIN, RequestAccounting
 from ctxfold.counting import Text, load_counter
@@ -156,8 +155,8 @@ def test_reasoning_of_earlier_turns_drops_when_a_new_user_turn_starts(traces_dir
 
 
 @functools.cache
-def _swe_texts() -> Conversation:
-    return formats.load(TRACES_DIR / "deepseek_sample" / "deepseek_chat" / "pylint-dev__astroid-1978.traj.json")[0]
+def _swe_texts(traces_dir: Path) -> Conversation:
+    return formats.load(traces_dir / "deepseek_sample" / "deepseek_chat" / "pylint-dev__astroid-1978.traj.json")[0]
 
 
 _ROLES = st.sampled_from(["user", "assistant_call", "assistant", "tool", "tool"])
@@ -166,10 +165,10 @@ _ROLES = st.sampled_from(["user", "assistant_call", "assistant", "tool", "tool"]
 @settings(max_examples=40, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["append", "append", "append", "truncate", "replace"]), _ROLES,
                               st.integers(0, 10_000), st.text(max_size=40)), max_size=25))
-def test_incremental_equals_from_scratch(ops: list[tuple[str, str, int, str]]) -> None:
+def test_incremental_equals_from_scratch(traces_dir: Path, ops: list[tuple[str, str, int, str]]) -> None:
     """Any sequence of appends, truncations and replacements leaves the accountant equal to a fresh
     count of the same messages (real texts from a trace, and arbitrary unicode)."""
-    swe = _swe_texts()
+    swe = _swe_texts(traces_dir)
     texts = [m.text for m in swe.messages if m.text]
     counter = load_counter("qwen3")
     acc = RequestAccounting(counter, CHATML_QWEN3)

@@ -175,7 +175,7 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 def _session_from_trace(traces_dir: Path, root: Path) -> tuple[Path, formats.Conversation]:
-    conv = formats.load(traces_dir / "claude_code_small" / "tool_heavy.jsonl")[0]
+    conv = formats.load(traces_dir / "claude_code" / "session.jsonl")[0]
     s = Session(root, durable=False)
     s.create(conv)
     s.append_messages(conv.messages)
@@ -184,25 +184,25 @@ def _session_from_trace(traces_dir: Path, root: Path) -> tuple[Path, formats.Con
 
 
 @pytest.mark.parametrize("shape", ["openai", "anthropic"])
-def test_restore_writes_the_original(capsys: pytest.CaptureFixture[str], tmp_path: Path, traces_dir: Path,
+def test_restore_writes_the_original(capsys: pytest.CaptureFixture[str], tmp_path: Path, synthetic_traces_dir: Path,
                                      shape: str) -> None:
-    root, conv = _session_from_trace(traces_dir, tmp_path / "sessions" / "conv")
+    root, conv = _session_from_trace(synthetic_traces_dir, tmp_path / "sessions" / "conv")
     out = tmp_path / "restored.json"
     code, _, err = run_main(capsys, "restore", str(root), "-o", str(out), "--to", shape)
     assert code == EXIT_OK, err
     assert json.loads(out.read_text()) == formats.dump(conv, shape)
 
 
-def test_restore_to_stdout(capsys: pytest.CaptureFixture[str], tmp_path: Path, traces_dir: Path) -> None:
-    root, conv = _session_from_trace(traces_dir, tmp_path / "s")
+def test_restore_to_stdout(capsys: pytest.CaptureFixture[str], tmp_path: Path, synthetic_traces_dir: Path) -> None:
+    root, conv = _session_from_trace(synthetic_traces_dir, tmp_path / "s")
     code, out, _ = run_main(capsys, "restore", str(root), "-o", "-")
     assert code == EXIT_OK
     assert json.loads(out) == formats.dump(conv, "openai")
 
 
 def test_restore_of_a_folder_of_sessions_names_them(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                    traces_dir: Path) -> None:
-    _session_from_trace(traces_dir, tmp_path / "sessions" / "first")
+                                                    synthetic_traces_dir: Path) -> None:
+    _session_from_trace(synthetic_traces_dir, tmp_path / "sessions" / "first")
     code, _, err = run_main(capsys, "restore", str(tmp_path / "sessions"), "-o", str(tmp_path / "o.json"))
     assert code == EXIT_INPUT
     line = one_error_line(err)
@@ -215,8 +215,8 @@ def test_restore_of_a_missing_directory(capsys: pytest.CaptureFixture[str], tmp_
     assert "no such directory" in one_error_line(err)
 
 
-def test_restore_of_a_corrupt_log(capsys: pytest.CaptureFixture[str], tmp_path: Path, traces_dir: Path) -> None:
-    root, _ = _session_from_trace(traces_dir, tmp_path / "s")
+def test_restore_of_a_corrupt_log(capsys: pytest.CaptureFixture[str], tmp_path: Path, synthetic_traces_dir: Path) -> None:
+    root, _ = _session_from_trace(synthetic_traces_dir, tmp_path / "s")
     lines = Session(root).events_path.read_bytes().split(b"\n")
     lines[2] = b"{not json"
     Session(root).events_path.write_bytes(b"\n".join(lines))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,9 +198,26 @@ def test_registry_many_sequences_from_many_threads() -> None:
     assert "seq-0" not in reg
 
 
-def test_worked_example_runs(traces_dir: Path) -> None:
-    env = ctxfold_env(CTXFOLD_TRACES=str(traces_dir))
-    out = subprocess.run([sys.executable, str(REPO / "examples" / "engine_example.py"), "--context-tokens", "16384"],
-                         capture_output=True, text=True, env=env, timeout=120, check=False)
+def _example(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "examples" / "engine_example.py"), *argv],
+                          capture_output=True, text=True, env=ctxfold_env(), timeout=120, check=False)
+
+
+def test_worked_example_runs_on_the_demo_conversation() -> None:
+    out = _example("--context-tokens", "16384")
     assert out.returncode == 0, out.stderr
     assert "compaction" in out.stdout and "tokens held of 16384" in out.stdout
+
+
+def test_worked_example_reads_a_trace_file(synthetic_traces: dict[Path, Any]) -> None:
+    trace = next(p for p in synthetic_traces if p.name.endswith(".traj.json"))
+    out = _example(str(trace), "--context-tokens", "8192")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(trace.name.removesuffix(".traj.json")) and "compaction" in out.stdout
+
+
+def test_worked_example_on_a_missing_file_says_so_in_one_line(tmp_path: Path) -> None:
+    out = _example(str(tmp_path / "nope.json"))
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("engine_example: error: ") and "nope.json" in line

@@ -124,8 +124,8 @@ def test_unknown_shape_and_unknown_format_name() -> None:
         formats.load("/nonexistent/trace.json")
 
 
-def test_detection_reads_the_content_not_the_extension(tmp_path: Path, traces_dir: Path) -> None:
-    src = traces_dir / "claude_code_small" / "short.jsonl"
+def test_detection_reads_the_content_not_the_extension(tmp_path: Path, synthetic_traces_dir: Path) -> None:
+    src = synthetic_traces_dir / "claude_code" / "session.jsonl"
     p = _write(tmp_path, "session.txt", src.read_bytes())
     assert formats.detect_format(p.read_bytes()) == "claude_code"
     assert formats.load(p)[0].id == formats.load(src)[0].id
