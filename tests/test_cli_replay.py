@@ -347,7 +347,8 @@ def test_an_overflow_by_the_verifying_count_is_exit_1_with_the_problem_named(tmp
                    "--quiet", "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 1, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert re.fullmatch(r"ctxfold: problem: digits: [0-9]+ requests? over the window counted with deepseek-v4", line)
+    assert re.fullmatch(r"ctxfold: problem: digits: [0-9]+ requests? over the window counted with deepseek-v4, "
+                        r"the first at message 1, with a reply reserve of 256 tokens", line), line
     entry = json.loads((tmp_path / "r.json").read_text())["conversations"][0]
     assert entry["overflows"] == 0 and entry["overflows_verified"] >= 1 and entry["verified_by"] == "deepseek-v4"
 

@@ -127,6 +127,14 @@ class ReplayReport:
             "overflows_verified": self.overflows_verified if self.verified_by is not None else None,
             "verified_by": self.verified_by,
             "unfittable": [{"message": i, "reason": why} for i, why in self.unfittable],
+            # Every request over the window by either count, with the reply reserve it was judged with.
+            "over_window": [{"request": r.index, "message": r.message_index, "occupancy_tokens": r.occupancy_tokens,
+                             "verified_prompt_tokens": r.verified_prompt_tokens,
+                             "reply_reserve_tokens": r.reply_reserve_tokens}
+                            for r in self.requests if self.context_tokens is not None and (
+                                r.occupancy_tokens > self.context_tokens or (
+                                    r.verified_prompt_tokens is not None
+                                    and r.verified_prompt_tokens + r.reply_reserve_tokens > self.context_tokens))],
             "guard_steps": self.guard_steps,
             "orphans": self.orphans,
             "restore_exact": self.restore_exact,

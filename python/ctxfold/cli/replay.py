@@ -554,6 +554,10 @@ def problems(entry: dict[str, Any]) -> list[str]:
     if entry["overflows_verified"]:
         n = entry["overflows_verified"]
         out.append(f"{n} request{'s' if n != 1 else ''} over the window counted with {entry['verified_by']}")
+    if entry.get("over_window"):
+        first = entry["over_window"][0]
+        out.append(f"the first at message {first['message']}, with a reply reserve of "
+                   f"{first['reply_reserve_tokens']:,} tokens")
     if entry["orphans"]:
         out.append(f"{entry['orphans']} orphaned tool result{'s' if entry['orphans'] != 1 else ''}")
     if not entry["restore_exact"]:
