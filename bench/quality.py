@@ -79,26 +79,26 @@ class Case:
         self.groups = synth.group_starts(messages)
         self.total = int(tokens.sum())
         self._lc: list[Any] | None = None
-        self._archived: npt.NDArray[np.int64] | None = None
+        self._archived: dict[int, npt.NDArray[np.int64]] = {}  # by preview length
         self.last_archived: set[int] = set()  # messages the last method kept as markers
         self.counter = peers.list_counter(tokens)
 
-    @property
-    def archived(self) -> npt.NDArray[np.int64]:
-        """Tokens of each message as an archive marker (the default 1000-character preview), where that
-        is smaller: what a group costs when it enters the tail with its results archived."""
-        if self._archived is None:
+    def archived(self, preview_chars: int) -> npt.NDArray[np.int64]:
+        """Tokens of each message as an archive marker with a preview of ``preview_chars``, where that is
+        smaller: what a group costs when it enters the tail with its results archived."""
+        if preview_chars not in self._archived:
             from ctxfold.archive.marker import make_marker
+            from ctxfold.compactor import SAMPLE_ARCHIVE_ID
 
             tok = synth.deepseek_tokenizer()
             out = self.tokens.copy()
             for i, m in enumerate(self.messages):
                 if m.role is Role.TOOL:
-                    marker = make_marker("9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08", m.text, 1000)
+                    marker = make_marker(SAMPLE_ARCHIVE_ID, m.text, preview_chars)
                     out[i] = min(int(out[i]), len(tok.encode(marker, add_special_tokens=False).ids)
                                  + synth.PER_MESSAGE_TOKENS)
-            self._archived = out
-        return self._archived
+            self._archived[preview_chars] = out
+        return self._archived[preview_chars]
 
     @property
     def lc(self) -> list[Any]:
@@ -151,7 +151,8 @@ def _ctxfold_widened_tail() -> Method | str:
     def run(case: Case, budget: int) -> list[int]:
         room = budget - int(case.tokens[0])
         t = tail.select_tail(case.tokens, case.flags, case.groups, budget_tokens=room)
-        w = tail.widen_tail(case.tokens, case.flags, case.groups, case.archived, tail=t, budget_tokens=room)
+        preview = tail.widened_preview_chars(room, 1000)
+        w = tail.widen_tail(case.tokens, case.flags, case.groups, case.archived(preview), tail=t, budget_tokens=room)
         case.last_archived = set(w.archived)
         return [0, *range(w.start, len(case.tokens))]
 
@@ -205,6 +206,12 @@ def best_legal_tokens(case: Case, budget: int) -> int:
     return int(case.tokens[0]) + (int(suffix[fits[0]]) if fits.size else 0)
 
 
+def tail_preview(room_tokens: int) -> int:
+    from ctxfold import tail
+
+    return tail.widened_preview_chars(room_tokens, 1000)
+
+
 def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dict[str, Any]:
     headers = [
         "method",
@@ -234,7 +241,8 @@ def tail_table(cases: Sequence[Case], budgets: Sequence[int], title: str) -> dic
                     continue
                 case.last_archived = set()
                 kept = method(case, b)
-                sizes = [int(case.archived[i]) if i in case.last_archived else int(case.tokens[i]) for i in kept]
+                archived = case.archived(tail_preview(b - int(case.tokens[0]))) if case.last_archived else case.tokens
+                sizes = [int(archived[i]) if i in case.last_archived else int(case.tokens[i]) for i in kept]
                 kept_tokens = sum(sizes)
                 over += kept_tokens > b
                 use.append(kept_tokens / b)

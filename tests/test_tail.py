@@ -15,12 +15,15 @@ from ctxfold.tail import (
     NO_TAIL,
     RAW_CUT,
     Boundary,
+    SegmentTail,
     TailRule,
     align_down_to_page,
     select_cut,
     select_tail,
     select_tail_from_ledger,
     select_token_tail,
+    widen_tail,
+    widened_preview_chars,
 )
 
 # ---- segment tables -----------------------------------------------------------------------------
@@ -489,3 +492,59 @@ def test_traces_compare_with_trim_messages(traces) -> None:  # type: ignore[no-u
     )
     assert np.percentile(ours, 10) >= 0.90
     assert np.percentile(ours_cut, 10) > np.percentile(theirs_cut, 10) + 0.5
+
+
+# ---- a fuller tail: groups that enter with their results archived ------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(table=conversations(), budget=st.integers(0, 400), shrink=st.floats(0.0, 1.0))
+def test_widened_tail_is_legal_within_budget_and_never_shorter(table: tuple[list[int], list[int], list[int]],
+                                                                budget: int, shrink: float) -> None:
+    tokens, flags, groups = table
+    t = np.array(tokens, np.int64)
+    f = np.array(flags, np.uint32)
+    g = np.array(groups, np.int32)
+    archived = np.where(f & ref.TOOL_RESULT, (t * shrink).astype(np.int64), t)
+    plain = select_tail(t, f, g, budget_tokens=budget)
+    wide = widen_tail(t, f, g, archived, tail=plain, budget_tokens=budget)
+    assert wide.start <= plain.start and wide.num_tokens >= plain.num_tokens
+    kept = set(range(wide.start, len(t)))
+    sizes = sum(int(archived[i]) if i in wide.archived else int(t[i]) for i in range(wide.start, len(t)))
+    assert sizes == wide.num_tokens
+    if wide.start < plain.start:
+        assert wide.num_tokens <= budget and wide.archived  # widened only through an archived group
+        assert not f[wide.start] & (ref.TOOL_RESULT | ref.SYSTEM)
+        assert g[wide.start] == wide.start  # a group's first segment: its results come with it
+        assert all(f[i] & ref.TOOL_RESULT and wide.start <= i < plain.start for i in wide.archived)
+        # No group is split: every segment of [start, end) has its group start inside.
+        assert all(int(g[i]) in kept for i in kept)
+    else:
+        assert wide.archived == ()
+
+
+def test_a_result_bigger_than_the_budget_enters_as_a_marker_instead_of_an_empty_window() -> None:
+    # [user, call, result 5000 tokens]: the plain cut keeps nothing at a 1000-token budget.
+    t = np.array([20, 30, 5000], np.int64)
+    f = np.array([ref.USER | ref.USER_TURN, ref.ASSISTANT | ref.TOOL_CALL, ref.TOOL_RESULT], np.uint32)
+    g = np.array([0, 1, 1], np.int32)
+    plain = select_tail(t, f, g, budget_tokens=1000)
+    assert plain.start == 3 and plain.num_tokens == 0
+    wide = widen_tail(t, f, g, np.array([20, 30, 120], np.int64), tail=plain, budget_tokens=1000)
+    assert (wide.start, wide.num_tokens, wide.archived) == (0, 170, (2,))
+
+
+def test_a_group_the_plain_cut_left_out_on_purpose_is_not_taken_alone() -> None:
+    t = np.array([10, 10, 10], np.int64)
+    f = np.array([ref.USER | ref.USER_TURN, ref.ASSISTANT, ref.USER | ref.USER_TURN], np.uint32)
+    g = np.array([0, 1, 2], np.int32)
+    plain = SegmentTail(2, 10, TailRule.USER_TURN)  # aligned to the user turn, though one more would fit
+    assert widen_tail(t, f, g, t, tail=plain, budget_tokens=100).start == 2
+
+
+def test_the_widened_preview_follows_the_budget() -> None:
+    assert widened_preview_chars(100_000, 1000) == 1000
+    assert widened_preview_chars(2000, 1000) == 500
+    assert widened_preview_chars(100, 1000) == 200
+    with pytest.raises(ValueError, match="differ in length"):
+        widen_tail(np.zeros(2, np.int64), np.zeros(2, np.uint32), np.zeros(2, np.int32), np.zeros(1, np.int64),
+                   tail=SegmentTail(2, 0, TailRule.NONE), budget_tokens=10)

@@ -62,7 +62,7 @@ from ctxfold.summarize import (
     Summarizer,
     build_summary_request,
 )
-from ctxfold.tail import SegmentTail, select_tail_from_ledger, widen_tail
+from ctxfold.tail import SegmentTail, select_tail_from_ledger, widen_tail, widened_preview_chars
 from ctxfold.templates import ChatTemplate
 
 
@@ -921,14 +921,14 @@ class Compactor:
         tokens = self.accounting.tokens()
         flags = self.accounting.flags()
         archived = tokens.copy()
-        head = self.config.minor.archive_preview_chars
+        head = widened_preview_chars(budget_tokens, self.config.minor.archive_preview_chars)
         # Only the results the budget could reach matter: at least a marker's header each.
         seen = 0
         for i in range(start - 1, -1, -1):
             m = self.view[i]
             if m.role is not Role.TOOL or is_marker(m.text):
                 continue
-            marker = make_marker(_SAMPLE_ARCHIVE_ID, m.text, head)
+            marker = make_marker(SAMPLE_ARCHIVE_ID, m.text, head)
             if len(marker) < len(m.text):
                 archived[i] = min(int(tokens[i]), self.accounting.message_tokens(replace(m, content=marker)))
             seen += 1
@@ -951,7 +951,7 @@ class Compactor:
         """Tokens the frame around a summary adds (the pointer to the history dump included), with this
         conversation's counter, plus a message's template frame: counted once."""
         if self._frame_tokens is None:
-            self._frame_tokens = self.counter.count(frame_summary("", _SAMPLE_ARCHIVE_ID)) + _FRAME_TOKENS
+            self._frame_tokens = self.counter.count(frame_summary("", SAMPLE_ARCHIVE_ID)) + _FRAME_TOKENS
         return self._frame_tokens
 
     def _fits(self, result: Message) -> bool:
@@ -1145,9 +1145,9 @@ class _Summary:
 MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)
 # A marker's header alone (the 64-hex id and the recall hint), in tokens, at least.
 _MARKER_MIN_TOKENS = 40
-# An archive id as the summary frame's pointer shows one: hex digits of a sha256, which tokenize worse
-# than text (about two characters a token).
-_SAMPLE_ARCHIVE_ID = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+# An archive id as a marker or the summary frame's pointer shows one, to size them before anything is
+# written: hex digits of a sha256, which tokenize worse than text (about two characters a token).
+SAMPLE_ARCHIVE_ID = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 
 def frame_summary(summary: str, history_id: str | None) -> str:

@@ -213,6 +213,13 @@ class WidenedTail:
     archived: tuple[int, ...]  # segments (tool results) that enter as markers, ascending
 
 
+def widened_preview_chars(budget_tokens: int, preview_chars: int) -> int:
+    """The preview of a result that enters a tail of ``budget_tokens`` as a marker: the configured
+    ``preview_chars``, but at most a sixteenth of the budget's characters (about four a token) and at
+    least 200, so a small budget holds several groups rather than one preview."""
+    return max(200, min(preview_chars, budget_tokens // 4))
+
+
 def widen_tail(
     tokens: Any,
     flags: Any,
