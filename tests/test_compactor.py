@@ -611,3 +611,22 @@ def test_a_failure_inside_an_exchange_leaves_memory_and_log_alike(counter: Token
     c.close()
     resumed = Compactor(header(), counter=counter, session_dir=tmp_path / "session")
     assert [m.text for m in resumed.originals] == [m.text for m in c.originals] == ["first", "one", "second", "two"]
+
+
+# -- hysteresis: a rewrite lands at the low-water mark, not at the trigger line ---------------------------------
+
+@pytest.mark.parametrize("low_water", [0.6, 0.8])
+def test_a_summary_rewrite_lands_under_the_low_water_mark(counter: TokenCounter, low_water: float) -> None:
+    from ctxfold.demo import demo_conversation
+    from ctxfold.replay import replay_conversation
+
+    ctx = 16384
+    cfg = CompactConfig.preset("both", context_tokens=ctx, reply_reserve_tokens=1024)
+    cfg = replace(cfg, summary=replace(cfg.summary, low_water=low_water))
+    report = replay_conversation(demo_conversation(), config=cfg, counter=counter)
+    summaries = [e for _, e in report.events if e.applied and e.kind == "summary"]
+    assert summaries and all(e.tokens_after <= low_water * ctx for e in summaries)
+    gaps = report.requests_between_summaries
+    assert len(gaps) == len(summaries) and min(gaps) >= 3  # not a compaction on every request
+    if low_water == 0.6:
+        assert report.overflows == 0 and report.restore_exact

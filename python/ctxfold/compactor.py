@@ -899,13 +899,18 @@ class Compactor:
             lines.append(int(ctx * cfg.major.token_threshold))
         return min(lines)
 
+    def _low_water_tokens(self, ctx: int) -> int:
+        """The occupancy a summary's rebuilt view aims under: the low-water mark (summary.low_water of
+        the window), and never above the lowest trigger line."""
+        return min(self._trigger_line_tokens(ctx), int(ctx * self.config.summary.low_water))
+
     def _tail_budget(self, summary_text: str, besides_tokens: int) -> tuple[int, int]:
         """(the configured tail budget, the room the rebuilt view leaves for a tail under the
-        trigger line, given the tokens of everything it holds besides summary and tail)."""
+        low-water mark, given the tokens of everything it holds besides summary and tail)."""
         ctx = self.context_tokens
         if ctx is None:
             return self.config.tail.cap_tokens, self.config.tail.cap_tokens
-        room = (self._trigger_line_tokens(ctx) - self.accounting.fixed_tokens - self.counter.count(summary_text)
+        room = (self._low_water_tokens(ctx) - self.accounting.fixed_tokens - self.counter.count(summary_text)
                 - self._summary_frame_tokens() - besides_tokens - self.reply_reserve_tokens())
         room = max(0, room)
         return min(self.config.tail.budget_tokens(ctx), room), room

@@ -241,6 +241,10 @@ class SummaryConfig:
     min_room_tokens: int = _f(256, _POS_INT)  # ds4: below this room the summary request is not sent
     timeout_s: float = _f(120.0, _Check(float, 0.0, lo_open=True))  # whole generation, connect to last token
     chunked: bool = _f(True, _Check(bool))  # rolling chunked summary when the request itself does not fit
+    # The low-water mark: a summary's rebuilt view is at most this share of the window (where what must
+    # stay allows), well below the trigger lines, so a steady conversation compacts every few turns
+    # instead of sitting at the line and compacting on every one. Tail and summary budgets derive from it.
+    low_water: float = _f(0.6, _Check(float, 0.0, 1.0, lo_open=True))
 
     def __post_init__(self) -> None:
         _validate_fields(self, self._SECTION)

@@ -99,6 +99,13 @@ class ReplayReport:
         return sum(e.tokens_before - e.tokens_after for _, e in self.events if e.applied and e.kind == "summary")
 
     @property
+    def requests_between_summaries(self) -> list[int]:
+        """Requests from one applied summary to the next (the first counts from the start): how often
+        a steady conversation compacts."""
+        at = [i for i, e in self.events if e.applied and e.kind == "summary"]
+        return [b - a for a, b in zip([0, *at], at, strict=False)]
+
+    @property
     def guard_steps(self) -> dict[str, int]:
         """How often each step of the window guard ran and was applied."""
         return dict(Counter(e.guard_step for _, e in self.events if e.applied and e.guard_step is not None))
@@ -136,6 +143,7 @@ class ReplayReport:
                                     r.verified_prompt_tokens is not None
                                     and r.verified_prompt_tokens + r.reply_reserve_tokens > self.context_tokens))],
             "guard_steps": self.guard_steps,
+            "requests_between_summaries": self.requests_between_summaries,
             "orphans": self.orphans,
             "restore_exact": self.restore_exact,
             "kv_tokens_reused": self.kv_tokens_reused,
