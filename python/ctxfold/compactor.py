@@ -55,6 +55,8 @@ from ctxfold.ledger import SegmentFlag
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session, ViewEntry, history_dump_text
 from ctxfold.summarize import (
+    FRAME_CLOSE,
+    FRAME_OPEN,
     SUMMARY_TEXT_KEY,
     ChunkedSummarizer,
     ExtractiveSummarizer,
@@ -1006,7 +1008,7 @@ class Compactor:
             guard_step=guard_step,
         )
         if self.session is not None:
-            self.session.log_state(self._state())
+            self.session.log_state({**self._state(), "failure": why})
         self._record(event)
         return event
 
@@ -1104,8 +1106,15 @@ class Compactor:
         entries = [ViewEntry(o, None if o >= 0 and m is self.originals[o] else m)
                    for m, o in zip(self.view, self.view_origins, strict=True)]
         dump = Path(event.history_dump) if event.history_dump else None
+        figures: dict[str, Any] = {"tokens_before": event.tokens_before, "tokens_after": event.tokens_after}
+        # Why the configured summarizer did not write this summary, and which guard step ran: in the
+        # log, where an operator reading a session finds them.
+        if event.summary_failure is not None:
+            figures["summary_failure"] = event.summary_failure
+        if event.guard_step is not None:
+            figures["guard_step"] = event.guard_step
         self.session.log_view(entries, kind=event.kind, reason=event.reason, dump=dump, state=self._state(),
-                              figures={"tokens_before": event.tokens_before, "tokens_after": event.tokens_after})
+                              figures=figures)
 
     def _record(self, event: CompactionEvent) -> None:
         self.events.append(event)
@@ -1160,9 +1169,10 @@ def frame_summary(summary: str, history_id: str | None) -> str:
     pointer = (f'The conversation before this summary is archived: read_archive("{history_id}") gives it '
                "(JSON lines, one message each; the first line names the earlier part, if any).\n"
                if history_id else "")
-    return ("[ctxfold compacted the earlier conversation. Durable task-state summary follows.]\n"
-            f"{summary.rstrip()}\n{pointer}"
-            "[End of summary. The recent conversation continues verbatim below.]")
+    # Frames never nest, whatever a summary holds: lines of an earlier frame inside it are dropped.
+    body = "\n".join(line for line in summary.rstrip().splitlines()
+                     if not line.lstrip().startswith(("[ctxfold compacted ", "[End of summary.")))
+    return f"{FRAME_OPEN}\n{body}\n{pointer}{FRAME_CLOSE}"
 
 
 def _open_call_group(view: Sequence[Message], end: int) -> int:

@@ -32,6 +32,7 @@ import gc
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -705,7 +706,8 @@ class ProxyApp:
             if e.kind == "summary" and "summary" in e.seconds:
                 m.summary_seconds.observe(e.seconds["summary"])
             if e.summary_fallback:
-                m.summary_fallbacks.inc()
+                m.summary_fallbacks.inc(failure_kind(e.summary_failure))
+                log.warning("summary by the extractive fallback: %s", e.summary_failure)
 
     # -- upstream: JSON ------------------------------------------------------------------------------
     async def _forward_json(self, request: web.Request, session: ProxySession, body: dict[str, Any], payload: bytes,
@@ -1016,6 +1018,14 @@ def _hold(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]
             recall_calls.add(index)
         hold = hold or index in recall_calls
     return hold
+
+
+def failure_kind(reason: str | None) -> str:
+    """A summary failure's reason as a metric label: the reason without its details (the part before
+    a parenthesis or a colon), so the label set stays small; the whole reason goes to the log."""
+    if not reason:
+        return "unknown"
+    return re.split(r"[(:]", reason, maxsplit=1)[0].strip()[:60] or "unknown"
 
 
 def _max_reply_tokens(body: dict[str, Any]) -> int | None:

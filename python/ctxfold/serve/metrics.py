@@ -94,7 +94,8 @@ class ProxyMetrics:
         self.compaction_failures = Counter(
             "ctxfold_compaction_failures_total", "Compaction passes that were not applied.", ["kind", "trigger"])
         self.summary_fallbacks = Counter(
-            "ctxfold_summary_fallbacks_total", "Summaries written by the extractive fallback after a failure.")
+            "ctxfold_summary_fallbacks_total", "Summaries written by the extractive fallback after a failure, by "
+            "why the summarizer failed (its reason without the details).", ("reason",))
         self.tokens_saved = Counter("ctxfold_tokens_saved_total", "Tokens removed from requests by compaction.")
         self.recall_calls = Counter("ctxfold_recall_calls_total", "read_archive calls answered by the proxy.")
         self.sessions = Gauge("ctxfold_sessions", "Sessions held in memory.")

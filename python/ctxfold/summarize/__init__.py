@@ -37,6 +37,8 @@ from ctxfold.summarize.postprocess import (
     trim_to_tokens,
 )
 from ctxfold.summarize.request import (
+    FRAME_CLOSE,
+    FRAME_OPEN,
     SUMMARY_CONTRACT,
     SUMMARY_TEXT_KEY,
     SummaryRequest,
@@ -71,6 +73,8 @@ def make_summarizer(
 __all__ = [
     "CONTROL_MARKERS",
     "EOS_MARKERS",
+    "FRAME_CLOSE",
+    "FRAME_OPEN",
     "SUMMARY_CONTRACT",
     "SUMMARY_TEXT_KEY",
     "CallableSummarizer",

@@ -16,6 +16,7 @@ import re
 import zlib
 
 from ctxfold.summarize.base import CutReason, SummaryResult, TokenCounter, count_tokens, failed
+from ctxfold.summarize.request import SUMMARY_CONTRACT
 
 # Markers where the model tries to leave the summary. ｜ is U+FF5C, ▁ is U+2581 (DeepSeek's specials).
 CONTROL_MARKERS: tuple[str, ...] = (
@@ -201,6 +202,9 @@ def clean_summary(text: str) -> str:
 
 
 _WORD_RE = re.compile(r"\w", re.UNICODE)
+# The lines of the summary request a model echoes instead of following (seen from a small model): two
+# of them verbatim in an answer make it an echo, not a summary.
+_CONTRACT_LINES = tuple(line.strip("- ;.") for line in SUMMARY_CONTRACT.splitlines() if len(line.strip()) >= 30)
 
 
 def garbage_reason(text: str) -> str | None:
@@ -213,6 +217,12 @@ def garbage_reason(text: str) -> str | None:
     """
     if not text.strip():
         return "empty summary"
+    if "[ctxfold compacted " in text or "[End of summary." in text:
+        # Carried on, the frame would nest in every later summary.
+        return "summary contains a compaction frame"
+    contract = sum(1 for line in _CONTRACT_LINES if line in text)
+    if contract >= 2:
+        return f"summary echoes the summary request ({contract} of its lines)"
     bare = re.sub(r"<[^<>]{0,80}>", "", text)
     if len(_WORD_RE.findall(bare)) < 8:
         return "summary has no text (markup or punctuation only)"

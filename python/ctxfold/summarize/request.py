@@ -33,6 +33,11 @@ thinking tags or tool-call markup. Output only the summary."""
 MID_TURN_ADDENDUM = """
 The task is in progress: be exact about the step in flight, the last tool result and the next action."""
 
+# The frame around a summary in a rebuilt view (ctxfold.compactor.frame_summary). A summary that holds
+# either line is rejected (postprocess.garbage_reason) and a frame is never put inside a frame.
+FRAME_OPEN = "[ctxfold compacted the earlier conversation. Durable task-state summary follows.]"
+FRAME_CLOSE = "[End of summary. The recent conversation continues verbatim below.]"
+
 INTERNAL_KEY = "ctxfold_internal"  # Message.extra key marking the contract message (never shown to users)
 # Message.extra key of a summary message: the summary's own text, without the frame around it, so a
 # later compaction carries the summary forward instead of quoting frames inside frames.
