@@ -27,7 +27,9 @@ py::array_t<int64_t> RecordsView(const void* data, size_t rows, py::ssize_t cols
   const auto item = static_cast<py::ssize_t>(sizeof(int64_t));
   py::array_t<int64_t> out({static_cast<py::ssize_t>(rows), cols}, {cols * item, item},
                            static_cast<const int64_t*>(data), owner);
-  out.attr("setflags")("write"_a = false);
+  // What ndarray.setflags(write=False) does, without a Python method call per view (pybind11's own
+  // Eigen casters clear the flag the same way).
+  py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
   return out;
 }
 

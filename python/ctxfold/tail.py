@@ -10,6 +10,7 @@ start would keep (``min_fill=0`` is the strict order: a user turn whenever one f
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -163,6 +164,24 @@ _NO_SPANS = np.zeros(0, np.int64)
 _NO_SPANS.flags.writeable = False  # shared by every call without no-entry spans
 
 
+@functools.lru_cache(maxsize=64)
+def _boundary_arrays(
+    boundaries: tuple[Boundary | int, ...],
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint8]]:
+    """The core's form of boundary kinds: int32 marker ids and uint8 cut-after flags, read-only.
+    Cached: an engine asks with its template's same few kinds on every scan, and building the
+    arrays costs more than the Python side of the scan itself."""
+    kinds = [b if isinstance(b, Boundary) else Boundary(int(b)) for b in boundaries]
+    if not kinds:
+        raise ValueError("boundaries: give at least one boundary token id")
+    if not all(-(2**31) <= k.token_id < 2**31 for k in kinds):
+        raise ValueError("boundaries: token ids must fit int32")
+    boundary_ids = np.array([k.token_id for k in kinds], np.int32)
+    cut_after = np.array([k.cut_after for k in kinds], np.uint8)
+    boundary_ids.flags.writeable = cut_after.flags.writeable = False
+    return boundary_ids, cut_after
+
+
 def select_token_tail(
     ids: Any,
     *,
@@ -183,13 +202,7 @@ def select_token_tail(
     O(tokens inside the budget). Raises ValueError on bad input, IndexError on out-of-range positions.
     """
     v = as_view(ids, np.int32, "ids")
-    kinds = [b if isinstance(b, Boundary) else Boundary(int(b)) for b in boundaries]
-    if not kinds:
-        raise ValueError("boundaries: give at least one boundary token id")
-    if not all(-(2**31) <= k.token_id < 2**31 for k in kinds):
-        raise ValueError("boundaries: token ids must fit int32")
-    boundary_ids = np.fromiter((k.token_id for k in kinds), dtype=np.int32, count=len(kinds))
-    cut_after = np.fromiter((k.cut_after for k in kinds), dtype=np.uint8, count=len(kinds))
+    boundary_ids, cut_after = _boundary_arrays(tuple(boundaries))
     spans: npt.NDArray[Any]
     if no_entry is None:
         spans = _NO_SPANS
