@@ -213,3 +213,20 @@ def test_plain_template_counts_texts_only() -> None:
     msgs = [Message(role=Role.USER, content="hello there"), Message(role=Role.ASSISTANT, content="general kenobi")]
     assert acc.reset(Conversation(messages=msgs)) == counter.count("hello there") + counter.count("general kenobi")
     assert acc.fixed_tokens == 0
+
+
+def test_message_tokens_by_index_reads_one_value() -> None:
+    counter = load_counter("o200k_base")
+    acc = RequestAccounting(counter)
+    with pytest.raises(IndexError, match="message_tokens: index 0 out of range for 0 messages"):
+        acc.message_tokens(0)
+    for t in ["hello there", "general kenobi", "you are a bold one"]:
+        assert acc.append(Message(role=Role.USER, content=t)) == acc.tokens()[-1] > 0
+    want = acc.tokens().tolist()
+    assert [acc.message_tokens(i) for i in range(3)] == want
+    assert [acc.message_tokens(i) for i in (-1, -2, -3)] == want[::-1]  # negative indices count from the end
+    assert acc.replace(1, Message(role=Role.USER, content="hi")) == acc.tokens()[1] == acc.message_tokens(1)
+    assert acc.message_tokens(1) != want[1]
+    for bad in (3, -4, 99):
+        with pytest.raises(IndexError, match=f"message_tokens: index {bad} out of range for 3 messages"):
+            acc.message_tokens(bad)

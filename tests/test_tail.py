@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import tail_reference as ref
 from ctxfold import _core
 from ctxfold.tail import (
+    DEFAULT_MIN_FILL,
     NO_TAIL,
     RAW_CUT,
     Boundary,
@@ -332,6 +333,24 @@ def test_token_bad_input_is_a_clear_error() -> None:
         select_token_tail(ids, budget_tokens=5, boundaries=list(range(17)))
     with pytest.raises(ValueError, match="fit int32"):
         select_token_tail(ids, budget_tokens=5, boundaries=[2**40])
+
+
+def test_boundaries_are_read_by_value_each_call() -> None:
+    """The boundary arrays are cached by the kinds' values: a list changed between calls, or the
+    same id given as a Boundary, an int or a numpy int, is read afresh and the same way."""
+    ids = np.array([0, 7, 1, 2, 8, 3, 4, 7, 5, 6], np.int32)
+    kinds: list[Boundary | int] = [7, 8]
+    first = select_token_tail(ids, budget_tokens=6, boundaries=kinds, floor=1)
+    kinds[0] = 8
+    second = select_token_tail(ids, budget_tokens=6, boundaries=kinds, floor=1)
+    assert (first.start, first.rule) == (4, 1)  # no user turn (7) fits: the assistant turn
+    assert (second.start, second.rule) == (4, 0)  # 8 is now the preferred kind
+    for same in ([Boundary(8), 7], [np.int32(8), 7], (8, Boundary(7, cut_after=False))):
+        r = select_token_tail(ids, budget_tokens=6, boundaries=same, floor=1)
+        assert (r.start, r.num_tokens, r.rule) == (4, 6, 0)
+    after = select_token_tail(ids, budget_tokens=6, boundaries=[Boundary(7, cut_after=True)], floor=1)
+    want = ref.token_tail(ids.tolist(), 10, 1, 6, [7], [1], [], DEFAULT_MIN_FILL)
+    assert (after.start, after.num_tokens, after.rule) == want
 
 
 def test_align_down_to_page() -> None:

@@ -25,6 +25,13 @@ void BindLedger(py::module_& m) {
       .def_property_readonly("total_tokens", &Ledger::total_tokens)
       .def_property_readonly("num_user_turns", &Ledger::num_user_turns)
       .def_property_readonly("cache_size", &Ledger::cache_size)
+      // One segment's fields in O(1); IndexError naming the index and the length. For reading a
+      // few values, where the column accessors below would copy a whole column.
+      .def("num_tokens_at", &Ledger::NumTokensAt, "index"_a, "Token count of segment `index`.")
+      .def("flags_at", &Ledger::FlagsAt, "index"_a, "SegmentFlag bits of segment `index`.")
+      .def("user_turn_at", &Ledger::UserTurnAt, "index"_a, "Real user turns up to and including segment `index`.")
+      .def("group_start_at", &Ledger::GroupStartAt, "index"_a, "First segment of the atomic group of `index`.")
+      .def("key_at", &Ledger::KeyAt, "index"_a, "Content key of segment `index`.")
       // Copies, not views: a view into a vector would dangle after the next append.
       .def("tokens", [](const Ledger& self) { return ToArray(self.tokens()); })
       .def("flags", [](const Ledger& self) { return ToArray(self.flags()); })

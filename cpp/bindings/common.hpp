@@ -4,8 +4,10 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <initializer_list>
 #include <span>
 #include <string>
+#include <type_traits>
 
 namespace ctxfold::bind {
 
@@ -40,6 +42,41 @@ template <class T>
 py::array_t<T> ToArray(std::span<const T> v) {
   auto out = NewArray<T>(v.size());
   std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+// One `name=value` of a result's __repr__: ints, bools (as Python spells them), enums (as their
+// number) or text already formatted.
+struct ReprField {
+  template <class T>
+  ReprField(const char* field_name, const T& v) : name(field_name) {
+    if constexpr (std::is_same_v<T, bool>) {
+      value = v ? "True" : "False";
+    } else if constexpr (std::is_enum_v<T>) {
+      value = std::to_string(static_cast<int64_t>(v));
+    } else if constexpr (std::is_integral_v<T>) {
+      value = std::to_string(v);
+    } else {
+      value = std::string(v);
+    }
+  }
+  const char* name;
+  std::string value;
+};
+
+// "Type(a=1, b=2)": a result's __repr__, in the form of the keyword arguments that name its fields.
+inline std::string Repr(const char* type, std::initializer_list<ReprField> fields) {
+  std::string out = type;
+  out += '(';
+  const char* sep = "";
+  for (const auto& f : fields) {
+    out += sep;
+    out += f.name;
+    out += '=';
+    out += f.value;
+    sep = ", ";
+  }
+  out += ')';
   return out;
 }
 

@@ -95,10 +95,35 @@ void Ledger::Clear() noexcept {
   total_tokens_ = 0;
 }
 
+int64_t Ledger::NumTokensAt(int64_t index) const {
+  CheckIndex(index);
+  return tokens_[static_cast<size_t>(index)];
+}
+
+uint32_t Ledger::FlagsAt(int64_t index) const {
+  CheckIndex(index);
+  return flags_[static_cast<size_t>(index)];
+}
+
+int32_t Ledger::UserTurnAt(int64_t index) const {
+  CheckIndex(index);
+  return turns_[static_cast<size_t>(index)];
+}
+
+int32_t Ledger::GroupStartAt(int64_t index) const {
+  CheckIndex(index);
+  return groups_[static_cast<size_t>(index)];
+}
+
+uint64_t Ledger::KeyAt(int64_t index) const {
+  CheckIndex(index);
+  return keys_[static_cast<size_t>(index)];
+}
+
 void Ledger::CheckIndex(int64_t index) const {
   if (index < 0 || index >= size()) {
-    throw std::out_of_range("segment index " + std::to_string(index) + " out of range [0, " +
-                            std::to_string(size()) + ")");
+    throw std::out_of_range("segment index " + std::to_string(index) + " out of range: the ledger holds " +
+                            std::to_string(size()) + (size() == 1 ? " segment" : " segments"));
   }
 }
 

@@ -189,10 +189,13 @@ class RequestAccounting:
         """Tokens of one message: by index, or a message object (one of this conversation's, found
         by identity; otherwise counted as if appended next, without changing anything)."""
         if isinstance(message, int):
-            return int(self.ledger.tokens()[message])
+            n = len(self._messages)
+            if not -n <= message < n:
+                raise IndexError(f"message_tokens: index {message} out of range for {n} messages")
+            return self.ledger.num_tokens_at(message % n)  # one value, not a copy of the column
         for i in range(len(self._messages) - 1, -1, -1):
             if self._messages[i] is message:
-                return int(self.ledger.tokens()[i])
+                return self.ledger.num_tokens_at(i)
         msgs = [*self._messages, message]
         last_user = last_user_index(msgs)
         saved = self._opts
@@ -210,7 +213,7 @@ class RequestAccounting:
     def append(self, message: Message) -> int:
         """Appends one message; returns its tokens. Costs the rendering of it and its predecessor."""
         self.sync([*self._messages, message])
-        return int(self.ledger.tokens()[-1])
+        return self.ledger.num_tokens_at(len(self.ledger) - 1)
 
     def truncate(self, num_messages: int) -> None:
         if not 0 <= num_messages <= len(self._messages):
@@ -224,7 +227,7 @@ class RequestAccounting:
         msgs = list(self._messages)
         msgs[index] = message
         self.sync(msgs)
-        return int(self.ledger.tokens()[index])
+        return self.ledger.num_tokens_at(index)
 
     def sync(self, messages: Sequence[Message]) -> int:
         """Makes the ledger describe ``messages``; returns the request's total tokens.

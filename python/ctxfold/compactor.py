@@ -704,9 +704,9 @@ class Compactor:
         # has not been seen by the model yet, so it is never summarized unseen (ds4 would): it stays
         # verbatim after the tail. BOTTOM never splits a call group: the calls stay with their results.
         bottom = len(self.view) if guard_step == "fold_newest" else self._unseen_start()
-        groups = self.accounting.group_starts()
-        while 0 < bottom < len(self.view) and groups[bottom] < bottom:
-            bottom = int(groups[bottom])
+        ledger = self.accounting.ledger
+        while 0 < bottom < len(self.view) and (group := ledger.group_start_at(bottom)) < bottom:
+            bottom = group
         if (opener := _open_call_group(self.view, bottom)) >= 0:
             bottom = opener  # a call still waiting for its results stays with them
         tokens = self.accounting.tokens()

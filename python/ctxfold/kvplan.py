@@ -83,9 +83,8 @@ def plan_kv_resync(
     """
     c = as_view(cached, np.int32, "cached")
     r = as_view(rebuilt, np.int32, "rebuilt")
-    (lcp, reuse, kept, cached_pages, prefill, shifted, prefill_shift, shifts, ranges) = _core.plan_kv_resync(
-        c, r, page_size_tokens, min_shift_tokens
-    )
+    plan = _core.plan_kv_resync(c, r, page_size_tokens, min_shift_tokens)
+    kept, cached_pages, reuse = plan.pages_kept, plan.cached_pages, plan.reuse_tokens
     kept_blocks = freed_blocks = None
     if block_table is not None:
         table = as_view(block_table, np.int32, "block_table")
@@ -101,17 +100,17 @@ def plan_kv_resync(
             raise ValueError(f"block_table[{bad}] = {int(table[bad])}: physical block ids must be >= 0")
         kept_blocks, freed_blocks = table[:kept], table[kept:]
     return KvPlan(
-        common_prefix_tokens=lcp,
+        common_prefix_tokens=plan.common_prefix_tokens,
         reuse_tokens=reuse,
-        page_size_tokens=page_size_tokens,
+        page_size_tokens=plan.page_size_tokens,
         pages_kept=kept,
         cached_pages=cached_pages,
-        prefill_tokens=prefill,
+        prefill_tokens=plan.prefill_tokens,
         prefill_ranges=((reuse, len(r)),) if reuse < len(r) else (),
-        shifts=tuple(ShiftSpan(int(o), int(n), int(k)) for o, n, k in shifts.tolist()),
-        shifted_tokens=shifted,
-        prefill_tokens_with_shift=prefill_shift,
-        prefill_ranges_with_shift=tuple((int(b), int(e)) for b, e in ranges.tolist()),
+        shifts=tuple(ShiftSpan(o, n, k) for o, n, k in plan.shifts.tolist()),
+        shifted_tokens=plan.shifted_tokens,
+        prefill_tokens_with_shift=plan.prefill_tokens_with_shift,
+        prefill_ranges_with_shift=tuple((b, e) for b, e in plan.prefill_ranges_with_shift.tolist()),
         kept_blocks=kept_blocks,
         freed_blocks=freed_blocks,
     )

@@ -10,6 +10,7 @@ start would keep (``min_fill=0`` is the strict order: a user turn whenever one f
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,11 @@ class TailRule(enum.IntEnum):
     USER_TURN = 1  # the start of a real user turn
     ASSISTANT_TURN = 2  # the start of an assistant turn (text, tool calls or thinking)
     GROUP_START = 3  # any other segment that starts an atomic group
+
+
+# The core's rule number -> TailRule by indexing: calling TailRule(n) goes through the enum
+# machinery and costs about as much as the scan of a small table.
+_TAIL_RULES: tuple[TailRule, ...] = tuple(TailRule)  # values are 0..3, in order (tests check)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +84,7 @@ def select_tail(
     Raises ValueError on bad arrays or arguments, IndexError when bottom is out of [0, n].
     """
     t = as_view(tokens, np.int64, "tokens")
-    start, num, rule = _core.select_segment_tail(
+    r = _core.select_segment_tail(
         t,
         as_view(flags, np.uint32, "flags"),
         as_view(group_starts, np.int32, "group_starts"),
@@ -86,17 +92,15 @@ def select_tail(
         budget_tokens,
         min_fill,
     )
-    return SegmentTail(start, num, TailRule(rule))
+    return SegmentTail(r.start, r.num_tokens, _TAIL_RULES[r.rule])
 
 
 def select_tail_from_ledger(
     ledger: _core.Ledger, *, budget_tokens: int, bottom: int | None = None, min_fill: float = DEFAULT_MIN_FILL
 ) -> SegmentTail:
     """As :func:`select_tail`, over a Ledger's own arrays (nothing copied)."""
-    start, num, rule = _core.select_segment_tail_ledger(
-        ledger, _bottom(bottom, len(ledger)), budget_tokens, min_fill
-    )
-    return SegmentTail(start, num, TailRule(rule))
+    r = _core.select_segment_tail_ledger(ledger, _bottom(bottom, len(ledger)), budget_tokens, min_fill)
+    return SegmentTail(r.start, r.num_tokens, _TAIL_RULES[r.rule])
 
 
 def select_cut(
@@ -116,7 +120,7 @@ def select_cut(
     legal cut would keep; it then frees more. O(bottom).
     """
     t = as_view(tokens, np.int64, "tokens")
-    found, cut, freed, rule = _core.select_segment_cut(
+    r = _core.select_segment_cut(
         t,
         as_view(flags, np.uint32, "flags"),
         as_view(group_starts, np.int32, "group_starts"),
@@ -124,7 +128,7 @@ def select_cut(
         min_free_tokens,
         min_fill,
     )
-    return SegmentCut(found, cut, freed, TailRule(rule))
+    return SegmentCut(r.found, r.cut, r.freed_tokens, _TAIL_RULES[r.rule])
 
 
 # ---- token level -------------------------------------------------------------------------------
@@ -156,6 +160,28 @@ class TokenTail:
         return self.rule >= 0
 
 
+_NO_SPANS = np.zeros(0, np.int64)
+_NO_SPANS.flags.writeable = False  # shared by every call without no-entry spans
+
+
+@functools.lru_cache(maxsize=64)
+def _boundary_arrays(
+    boundaries: tuple[Boundary | int, ...],
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint8]]:
+    """The core's form of boundary kinds: int32 marker ids and uint8 cut-after flags, read-only.
+    Cached: an engine asks with its template's same few kinds on every scan, and building the
+    arrays costs more than the Python side of the scan itself."""
+    kinds = [b if isinstance(b, Boundary) else Boundary(int(b)) for b in boundaries]
+    if not kinds:
+        raise ValueError("boundaries: give at least one boundary token id")
+    if not all(-(2**31) <= k.token_id < 2**31 for k in kinds):
+        raise ValueError("boundaries: token ids must fit int32")
+    boundary_ids = np.array([k.token_id for k in kinds], np.int32)
+    cut_after = np.array([k.cut_after for k in kinds], np.uint8)
+    boundary_ids.flags.writeable = cut_after.flags.writeable = False
+    return boundary_ids, cut_after
+
+
 def select_token_tail(
     ids: Any,
     *,
@@ -176,24 +202,18 @@ def select_token_tail(
     O(tokens inside the budget). Raises ValueError on bad input, IndexError on out-of-range positions.
     """
     v = as_view(ids, np.int32, "ids")
-    kinds = [b if isinstance(b, Boundary) else Boundary(int(b)) for b in boundaries]
-    if not kinds:
-        raise ValueError("boundaries: give at least one boundary token id")
-    if not all(-(2**31) <= k.token_id < 2**31 for k in kinds):
-        raise ValueError("boundaries: token ids must fit int32")
-    boundary_ids = np.fromiter((k.token_id for k in kinds), dtype=np.int32, count=len(kinds))
-    cut_after = np.fromiter((k.cut_after for k in kinds), dtype=np.uint8, count=len(kinds))
+    boundary_ids, cut_after = _boundary_arrays(tuple(boundaries))
     spans: npt.NDArray[Any]
     if no_entry is None:
-        spans = np.zeros(0, np.int64)
+        spans = _NO_SPANS
     else:
         spans = as_view(no_entry, np.int64, "no_entry")
         if spans.ndim == 2 and spans.shape[1] == 2 and spans.flags.c_contiguous:
             spans = spans.reshape(-1)  # a view: the flat layout the core reads
-    start, num, rule = _core.select_token_tail(
+    r = _core.select_token_tail(
         v, _bottom(bottom, len(v)), floor, budget_tokens, boundary_ids, cut_after, spans, min_fill
     )
-    return TokenTail(start, num, rule)
+    return TokenTail(r.start, r.num_tokens, r.rule)
 
 
 def align_down_to_page(pos: int, page_size_tokens: int) -> int:

@@ -57,6 +57,14 @@ class Ledger {
   int64_t num_user_turns() const noexcept { return turns_.empty() ? 0 : turns_.back(); }
   int64_t cache_size() const noexcept { return static_cast<int64_t>(cache_.size()); }
 
+  // One segment's fields, without handing out a whole column. O(1). Throw std::out_of_range
+  // naming the index and the size unless 0 <= index < size().
+  int64_t NumTokensAt(int64_t index) const;
+  uint32_t FlagsAt(int64_t index) const;
+  int32_t UserTurnAt(int64_t index) const;
+  int32_t GroupStartAt(int64_t index) const;
+  uint64_t KeyAt(int64_t index) const;
+
   std::span<const int64_t> tokens() const noexcept { return tokens_; }
   std::span<const uint32_t> flags() const noexcept { return flags_; }
   // Number of real user turns up to and including each segment.
