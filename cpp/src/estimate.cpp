@@ -116,12 +116,18 @@ inline size_t ScanOne(const uint8_t* p, size_t i, size_t n, ScanState& st) noexc
   return len;
 }
 
+#if defined(__GNUC__)
+#define CTXFOLD_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define CTXFOLD_ALWAYS_INLINE
+#endif
+
 #if defined(__SSE2__)
 // 64 ASCII bytes at once: one bit mask per class, then popcounts. Counting byte by byte into
 // cnt[cls] chains every byte of a run through one memory counter (store-to-load forwarding,
 // several cycles a byte); masks keep everything in registers. Returns false, touching nothing,
 // when the block holds a non-ASCII byte (the caller then goes byte by byte).
-inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st) noexcept {
+CTXFOLD_ALWAYS_INLINE inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st) noexcept {
   uint64_t letter = 0, digit = 0, space = 0, newline = 0, high = 0, tab = 0, lowbit = 0, control = 0;
   for (int k = 0; k < 4; ++k) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
@@ -152,29 +158,42 @@ inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st) noexcept {
   const uint64_t upper = letter & ~lowbit;
   st.upper_letters += std::popcount(upper);
   {
-    // Letters whose previous kLongRun bytes are letters; the bytes before the block are the
-    // current run's length, as set bits at the top of a virtual previous mask.
-    const uint64_t before = st.letter_run_len == 0 ? 0 : ~uint64_t{0} << (64 - st.letter_run_len);
-    uint64_t m = letter;
-    for (int k = 1; k <= kLongRun; ++k) m &= (letter << k) | (before >> (64 - k));
-    st.long_run_letters += std::popcount(m);
+    // Letters whose previous kLongRun bytes are letters: r_n = "a run of >= n letters ends here",
+    // built by doubling (r_{a+b} = r_a & (r_b << a)) in 5 steps instead of 12 shifts. The bytes
+    // before the block enter through the current run's length r: the virtual previous mask of
+    // r_n has its top r - n + 1 bits set.
+    const int64_t r = st.letter_run_len;
+    const auto prev_bits = [r](int n) -> uint64_t {
+      return r >= n ? ~uint64_t{0} << (63 - (r - n)) : 0;
+    };
+    const auto shl = [](uint64_t x, uint64_t prev, int k) -> uint64_t { return (x << k) | (prev >> (64 - k)); };
+    const uint64_t r1 = letter;
+    const uint64_t r2 = r1 & shl(r1, prev_bits(1), 1);
+    const uint64_t r4 = r2 & shl(r2, prev_bits(2), 2);
+    const uint64_t r8 = r4 & shl(r4, prev_bits(4), 4);
+    const uint64_t r12 = r8 & shl(r4, prev_bits(4), 8);
+    const uint64_t r13 = r12 & shl(r1, prev_bits(1), 12);
+    static_assert(kLongRun == 12, "the doubling steps above are written for runs of 12");
+    st.long_run_letters += std::popcount(r13);
     st.letter_run_len = ~letter == 0 ? kLongRun : std::min<int64_t>(std::countl_one(letter), kLongRun);
   }
   st.case_switches += std::popcount(upper & ((lower << 1) | (st.prev_lower ? 1u : 0u)));
   st.prev_lower = (lower >> 63) != 0;
   control &= ~(space | newline);
   const uint64_t punct = ~(letter | digit | space | newline | control);
-  const uint64_t masks[6] = {letter, digit, punct, space, newline, control};
+  const uint64_t masks[5] = {letter, digit, punct, space, newline};
   st.glued_letter_runs += std::popcount(letter & ((punct << 1) | (st.prev == kClsPunct ? 1u : 0u)));
-  const uint8_t classes[6] = {kClsLetter, kClsDigit, kClsPunct, kClsSpace, kClsNewline, kClsMulti2};
+  const uint8_t classes[5] = {kClsLetter, kClsDigit, kClsPunct, kClsSpace, kClsNewline};
   uint8_t last = kClsNone;
-  for (int c = 0; c < 6; ++c) {
+  for (int c = 0; c < 5; ++c) {
     const uint64_t m = masks[c];
     const uint64_t before = (m << 1) | (st.prev == classes[c] ? 1u : 0u);  // bit i: byte i-1 in class
     st.cnt[classes[c]] += std::popcount(m);
     st.runs[classes[c]] += std::popcount(m & ~before);
     if (m >> 63) last = classes[c];
   }
+  st.cnt[kClsMulti2] += std::popcount(control);  // its runs are no feature: counted, not tracked
+  if (control >> 63) last = kClsMulti2;
   // A run of two or more spaces is counted at its second space: space, after a space, after a non-space.
   const uint64_t prev1 = (space << 1) | (st.prev == kClsSpace ? 1u : 0u);
   const uint64_t prev2 = (space << 2) | (st.space_run_len >= 2 ? 3u : (st.space_run_len == 1 ? 2u : 0u));
@@ -186,12 +205,7 @@ inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st) noexcept {
 }
 #endif
 
-}  // namespace
-
-void AccumulateFeatures(std::string_view text, Features& out) noexcept {
-  const auto* p = reinterpret_cast<const uint8_t*>(text.data());
-  const size_t n = text.size();
-  ScanState st;
+CTXFOLD_ALWAYS_INLINE inline void Scan(const uint8_t* p, size_t n, ScanState& st) noexcept {
   size_t i = 0;
 #if defined(__SSE2__)
   while (i + 64 <= n) {
@@ -205,6 +219,37 @@ void AccumulateFeatures(std::string_view text, Features& out) noexcept {
   }
 #endif
   while (i < n) i += ScanOne(p, i, n, st);
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+// The block path does a dozen popcounts per 64 bytes. The baseline x86-64 target has no popcnt
+// instruction (it is emulated in about 12 operations), so the scan is compiled a second time for
+// CPUs that have it, and chosen once at run time: this halves the time per block.
+__attribute__((target("popcnt"))) void ScanPopcnt(const uint8_t* p, size_t n, ScanState& st) noexcept {
+  Scan(p, n, st);
+}
+bool HasPopcnt() noexcept {
+  // Decided on first use (thread-safe static), not at load time, when the CPU data may not be set.
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("popcnt"));
+  return has;
+}
+#endif
+
+}  // namespace
+
+void AccumulateFeatures(std::string_view text, Features& out) noexcept {
+  const auto* p = reinterpret_cast<const uint8_t*>(text.data());
+  const size_t n = text.size();
+  ScanState st;
+#if defined(__GNUC__) && defined(__x86_64__)
+  if (HasPopcnt()) {
+    ScanPopcnt(p, n, st);
+  } else {
+    Scan(p, n, st);
+  }
+#else
+  Scan(p, n, st);
+#endif
   out[kLetters] += st.cnt[kClsLetter];
   out[kLetterRuns] += st.runs[kClsLetter];
   out[kDigits] += st.cnt[kClsDigit];
