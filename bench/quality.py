@@ -9,7 +9,9 @@ Sections (each reports "not available" with the reason when a part is missing fr
    trim_messages with and without start_on="human", the plain "oldest user turn that fits" rule and
    the naive "drop the oldest messages"; the same on a 2,000-message transcript built from them.
 2. Estimator error against the exact tokenizer, per message and per conversation (median and p95
-   absolute relative error), for each built-in calibration beside chars/4.
+   absolute relative error), and its under- and over-count per class of text (the traces and
+   generated adversarial text), for each built-in calibration beside chars/4; the default count on
+   every DeepSeek request beside the exact count and DeepSeek's recorded usage.
 3. Tokens prefilled again per compaction: ``ctxfold replay`` of every trace at 8k/16k/32k.
 """
 
@@ -302,93 +304,126 @@ def section_tail(traces_dir: Path) -> Section:
 # ---- 2. estimator error -----------------------------------------------------------------------------
 
 
-def _abs_rel(est: npt.NDArray[np.int64], exact: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
-    keep = exact > 0
-    out: npt.NDArray[np.float64] = np.abs(est[keep] - exact[keep]) / exact[keep]
-    return out
-
-
 def section_estimator(traces_dir: Path) -> Section:
     title = "Estimator error against the exact tokenizer"
     try:
-        from ctxfold import counting
+        from ctxfold import calibration, counting
     except ImportError:
         return {"title": title, "status": "ctxfold.counting is not in this build"}
     names = counting.builtin_calibrations()
     if not names:
         return {"title": title, "status": "this build ships no built-in calibration"}
-    convs = real_conversations(traces_dir)
-    texts: list[str] = []
-    conv_of: list[int] = []
-    for k, c in enumerate(convs):
-        for m in ([Message(Role.SYSTEM, c.system, id="s")] if c.system else []) + list(c.messages):
-            texts.append(synth.message_text(m))
-            conv_of.append(k)
-    owner = np.array(conv_of, np.int64)
-    rows: list[list[Any]] = []
+    groups = calibration.read_corpus([traces_dir])
+    _, held_out = calibration.split(groups, 0.2)
+    adversarial = calibration.adversarial_groups(seed=1)  # the fit saw seed 0 only
+    measured = [*held_out, *adversarial]
+    error_rows: list[list[Any]] = []
+    bound_rows: list[list[Any]] = []
     notes: list[str] = []
     for name in names:
         cal = counting.builtin_calibration(name)
         try:
             exact_counter = counting.load_counter(cal.tokenizer)
         except Exception as exc:  # noqa: BLE001  a tokenizer package missing here: say so, keep the others
-            rows.append([name, "not available", f"exact tokenizer {cal.tokenizer!r}: {exc}", "", "", ""])
+            error_rows.append([name, "not available", f"exact tokenizer {cal.tokenizer!r}: {exc}", "", "", ""])
             continue
-        exact = np.asarray(exact_counter.count_batch(texts), np.int64)
-        per_conv_exact = np.bincount(owner, weights=exact, minlength=len(convs))
-        for label, est in (
-            ("ctxfold estimator", np.asarray(counting.EstimateCounter(cal).count_batch(texts), np.int64)),
-            ("chars/4", np.array([len(t) // 4 for t in texts], np.int64)),
-        ):
-            per_msg = _abs_rel(est, exact)
-            per_conv = _abs_rel(
-                np.bincount(owner, weights=est, minlength=len(convs)).astype(np.int64),
-                per_conv_exact.astype(np.int64),
-            )
-            rows.append(
-                [
-                    name,
-                    label,
-                    fmt_pct(pct(per_msg, 50)),
-                    fmt_pct(pct(per_msg, 95)),
-                    fmt_pct(pct(per_conv, 50)),
-                    fmt_pct(pct(per_conv, 95)),
-                ]
-            )
-        if cal.corpus:
-            held = cal.error
-            line = f"{name}: fitted on {cal.num_texts:,} texts of {cal.corpus}"
-            if {"message_median", "message_p95", "conversation_median", "conversation_p95"} <= held.keys():
-                line += (
-                    f"; the table covers every message, fitting texts included. Held out at calibration "
-                    f"({int(held.get('num_conversations', 0))} conversations): per message median "
-                    f"{fmt_pct(held['message_median'])}, p95 {fmt_pct(held['message_p95'])}; per conversation "
-                    f"median {fmt_pct(held['conversation_median'])}, p95 {fmt_pct(held['conversation_p95'])}"
-                )
-            notes.append(line)
+        exact = calibration.exact_counts(exact_counter, measured)
+        real = [i for i, g in enumerate(measured) if g.kind == "traces"]
+        for label, counter in (("ctxfold estimator", counting.EstimateCounter(cal)),
+                               ("chars/4", counting.CharsPerTokenCounter())):
+            e = calibration.measure(counter, [measured[i] for i in real], [exact[i] for i in real])
+            error_rows.append([name, label, fmt_pct(e.message_median), fmt_pct(e.message_p95),
+                               fmt_pct(e.conversation_median), fmt_pct(e.conversation_p95)])
+            for kind, f in calibration.measure_bounds(counter, measured, exact).items():
+                bound_rows.append([
+                    name, kind, label, fmt_pct(f["error_median"]),
+                    f"{fmt_pct(f['under_p50'])} / {fmt_pct(f['under_p99'])} / {fmt_pct(f['under_p99.9'])}",
+                    f"{f['under_tokens_p50']:.0f} / {f['under_tokens_p99']:.0f} / {f['under_tokens_p99.9']:.0f}",
+                    f"{fmt_pct(f['request_over_median'])} / {fmt_pct(f['request_over_p99'])}",
+                    f"{100 * f['request_under_of_allowance_p99.9']:.0f}%",
+                ])
+        notes.append(f"{name}: framing added by default: {cal.template or 'none'}; {cal.method}")
+    default_row = _default_count_on_deepseek(traces_dir)
+    tables = [
+        {"title": "Error on the held-out conversations (absolute relative error, |estimate - exact| / exact)",
+         "headers": ["calibration", "method", "per message median", "p95", "per conversation median", "p95"],
+         "rows": error_rows},
+        {"title": "Under- and over-count per class of text",
+         "headers": ["calibration", "text", "method", "error median", "under p50 / p99 / p99.9",
+                     "under in tokens p50 / p99 / p99.9", "over per request median / p99",
+                     "request under-count p99.9, share of allowance"],
+         "rows": bound_rows},
+    ]
+    if default_row:
+        tables.append({
+            "title": "The default count (estimate:deepseek-v4, no template given) on every DeepSeek request",
+            "headers": ["requests", "under the exact count", "worst under-count, share of allowance",
+                        "over median", "over p99", "recorded prompt_tokens above the default count"],
+            "rows": [default_row],
+        })
     return {
         "title": title,
         "status": "ok",
         "intro": (
-            f"{len(texts):,} messages in {len(convs)} conversations of the traces folder; absolute "
-            "relative error |estimate - exact| / exact (messages with at least one token). Target per "
-            "conversation: median <= 3%, p95 <= 10%."
+            f"The estimator is the default counter, fitted as an upper bound (`python/ctxfold/calibration.py`): "
+            f"its under-count must stay within {calibration.ALLOWANCE_FRACTION:.0%} of the window at the "
+            f"{calibration.BOUND_PERCENTILE:g}th percentile, for every window from "
+            f"{calibration.MIN_WINDOW_TOKENS:,} to {calibration.MAX_WINDOW_TOKENS:,} tokens that holds the "
+            "request (the allowance of a request of T tokens: 1% of max(T, 4,096)). Measured on the "
+            f"{len(held_out)} conversations held out of the fit ({sum(len(g.texts) for g in held_out):,} "
+            f"messages) and on {len(adversarial):,} generated adversarial texts of a seed the fit never saw "
+            "(1 to 12,000 characters each). Under-count: (exact - estimate) / exact per text (negative: an "
+            "over-count); over per request: (estimate - exact) / exact of every request (running sums of a "
+            "conversation's messages); the share of the allowance at p99.9: <= 100% meets the bound. The "
+            "estimate never exceeds the text's UTF-8 byte count."
         ),
-        "tables": [
-            {
-                "headers": [
-                    "calibration",
-                    "method",
-                    "per message median",
-                    "p95",
-                    "per conversation median",
-                    "p95",
-                ],
-                "rows": rows,
-            }
+        "tables": tables,
+        "notes": [
+            *notes,
+            ("Known gaps: ASCII gibberish repeated in short units (`gqgqgq...`, `:0eepu:0eepu...`) and runs "
+             "of one C1 control character cost up to a token per byte, more than their classes' coefficients; "
+             "random letters (a class beyond the issue's list) can miss the allowance (see its rows); short "
+             "lines of prose repeated (`The quick brown fox jumps over the lazy dog.` + newline, 50 times) are "
+             "17% under on mistral-v7 (2-3% on the others). A negative share of the allowance is an over-count: "
+             "every request is over the exact count by that many allowances."),
         ],
-        "notes": notes,
     }
+
+
+def _default_count_on_deepseek(traces_dir: Path) -> list[Any] | None:
+    """Every request of the DeepSeek runs: the default count against the exact one (DeepSeek V4
+    tokenizer, deepseek-v3.2 template) and against DeepSeek's recorded prompt_tokens."""
+    from ctxfold import counting
+    from ctxfold.accounting import RequestAccounting
+    from ctxfold.calibration import allowance_tokens
+    from ctxfold.templates import DEEPSEEK_V32, RenderOptions
+
+    sys.path.insert(0, str(BENCH_DIR.parent / "tests"))
+    from deepseek_traces import deepseek_runs  # the runs with the `bash` tool their agent offered
+
+    runs = deepseek_runs(traces_dir)
+    if not runs:
+        return None
+    est_counter, exact_counter = counting.load_counter("estimate:deepseek-v4"), counting.load_counter("deepseek-v4")
+    under = worst = above = 0
+    overs: list[float] = []
+    shares: list[float] = []
+    for _, conv, thinking in runs:
+        est = RequestAccounting(est_counter)
+        exact = RequestAccounting(exact_counter, DEEPSEEK_V32, options=RenderOptions(thinking=thinking))
+        for i, m in enumerate(conv.messages):
+            if m.role is not Role.ASSISTANT or m.usage is None or m.usage.prompt_tokens is None:
+                continue
+            view = Conversation(messages=conv.messages[:i], system=conv.system, tools=conv.tools)
+            counted, truth = est.reset(view), exact.reset(view)
+            under += counted < truth
+            above += m.usage.prompt_tokens > counted
+            overs.append((counted - truth) / truth)
+            shares.append((truth - counted) / float(allowance_tokens(truth)))
+    worst = max(shares)
+    n = len(overs)
+    return [n, f"{under} of {n}", f"{100 * worst:.0f}%", fmt_pct(pct(overs, 50)), fmt_pct(pct(overs, 99)),
+            f"{above} of {n}"]
 
 
 # ---- 3. tokens prefilled again per compaction ------------------------------------------------------

@@ -221,14 +221,14 @@ def test_a_100_mb_text_is_counted(trace_texts: list[str]) -> None:
     t0 = time.perf_counter()
     est = load_counter("estimate:deepseek-v4").count(text)
     est_s = time.perf_counter() - t0
-    assert est_s < 10 and abs(est - 0.27 * len(text)) < 0.1 * len(text)
+    assert est_s < 10 and 0.2 * len(text) < est < 0.45 * len(text)
     assert load_counter("chars4").count(text) == 25_000_000
     # An exact tokenizer: counted in pieces, in bounded memory; correct (the piecewise rule is
     # checked above) and finishing in tens of seconds, not hanging.
     t0 = time.perf_counter()
     exact = load_counter("o200k_base").count(text)
     exact_s = time.perf_counter() - t0
-    assert abs(exact - est) < 0.05 * exact
+    assert exact <= est <= 1.3 * exact  # an upper bound, and not a wasteful one
     print(f"\n100 MB text: estimate {est} tokens in {est_s:.2f} s, o200k_base {exact} tokens in {exact_s:.1f} s")
 
 
@@ -237,4 +237,6 @@ def test_builtin_calibration_metadata() -> None:
         cal = builtin_calibration(name)
         assert cal.tokenizer == name
         assert cal.num_texts > 1000 and "held-out" in cal.method
-        assert cal.error["conversation_median"] < cal.error["chars4_conversation_median"]
+        # An upper bound where chars/4 is not: every held-out request within the allowance.
+        assert cal.bounds["estimate"]["traces"]["request_under_of_allowance_p99.9"] <= 1.0
+        assert cal.bounds["chars4"]["traces"]["request_under_of_allowance_p99.9"] > 1.0

@@ -13,17 +13,18 @@ from hypothesis import strategies as st
 
 from ctxfold import _core
 from ctxfold.calibration import (
+    ADVERSARIAL_CLASSES,
     TextGroup,
+    adversarial_groups,
     exact_counts,
     fit_coefficients,
-    measure,
+    measure_bounds,
     read_corpus,
     split,
 )
 from ctxfold.cli import main
 from ctxfold.counting import (
     Calibration,
-    CharsPerTokenCounter,
     EstimateCounter,
     builtin_calibration,
     builtin_calibrations,
@@ -32,32 +33,43 @@ from ctxfold.counting import (
 
 
 def reference_features(data: bytes) -> list[int]:
-    """Plain-Python AccumulateFeatures: classes per character, runs, runs of 2+ spaces."""
-    letter, digit, punct, space, newline, multi, cjk = range(7)
-    cnt = [0] * 7
-    runs = [0] * 7
-    multi_space = 0
+    """Plain-Python AccumulateFeatures: classes per character, runs, runs of 2+ spaces, tabs, case."""
+    letter, digit, punct, space, newline, multi2, multi3, multi4, cjk = range(9)
+    cnt = [0] * 9
+    runs = [0] * 9
+    multi_space = tabs = upper = switches = glued = long_letters = 0
+    letter_run = 0
     prev = -1
+    prev_lower = False
     space_run = 0
     i = 0
     while i < len(data):
         b = data[i]
         size = 1
+        lower = False
         if b < 0x80:
             c = chr(b)
             cls = (letter if c.isalpha() else digit if c.isdigit() else space if c in " \t"
-                   else newline if c in "\n\r" else punct)
+                   else newline if c in "\n\r" else multi2 if b < 0x20 or b == 0x7F else punct)
+            tabs += c == "\t"
+            lower = cls == letter and c.islower()
+            upper += cls == letter and not lower
+            switches += cls == letter and not lower and prev_lower
         else:
             size = 4 if 0xF0 <= b <= 0xF4 else 3 if 0xE0 <= b <= 0xEF else 2 if 0xC2 <= b <= 0xDF else 1
             ok = size > 1 and i + size <= len(data) and all(0x80 <= x < 0xC0 for x in data[i + 1 : i + size])
             if ok:
                 cp = ord(data[i : i + size].decode("utf-8", errors="surrogatepass"))
                 is_cjk = (0x2E80 <= cp <= 0x9FFF or 0xAC00 <= cp <= 0xD7AF or 0xF900 <= cp <= 0xFAFF
-                          or 0xFF00 <= cp <= 0xFFEF or 0x20000 <= cp <= 0x3FFFF)
-                cls = cjk if is_cjk else multi
+                          or 0xFF00 <= cp <= 0xFFEF)
+                cls = cjk if is_cjk else {2: multi2, 3: multi3, 4: multi4}[size]
             else:
-                size, cls = 1, multi
+                size, cls = 1, multi2
+        prev_lower = lower
+        long_letters += cls == letter and letter_run >= 12
+        letter_run = letter_run + 1 if cls == letter else 0
         cnt[cls] += 1
+        glued += cls == letter and prev == punct
         if cls == space:
             space_run += 1
             multi_space += space_run == 2
@@ -66,11 +78,11 @@ def reference_features(data: bytes) -> list[int]:
         runs[cls] += cls != prev
         prev = cls
         i += size
-    return [cnt[letter], runs[letter], cnt[digit], runs[digit], cnt[punct], runs[punct], cnt[space],
-            multi_space, cnt[newline], cnt[multi], cnt[cjk], 1]
+    return [cnt[letter], runs[letter], upper, switches, glued, long_letters, cnt[digit], runs[digit], cnt[punct], runs[punct],
+            cnt[space], multi_space, tabs, cnt[newline], cnt[multi2], cnt[multi3], cnt[multi4], cnt[cjk], 1]
 
 
-_PIECES = [b"a", b"Zq", b"7", b"42", b" ", b"  ", b"\t", b"\n", b"\r\n", b"!", b"{}", b"\xc3\xa9", b"\xe4\xb8\xad",
+_PIECES = [b"a", b"Zq", b"aB", b"/x", b"\x00", b"\x7f", b"\x1b[", b"7", b"42", b" ", b"  ", b"\t", b"\n", b"\r\n", b"!", b"{}", b"\xc3\xa9", b"\xe4\xb8\xad",
            b"\xf0\x9f\x98\x80", b"\xff", b"\xe4", b"\x80", b"\xed\xa0\x80"]
 
 
@@ -110,31 +122,40 @@ def held_out(traces_dir: Path) -> list[TextGroup]:
     return test
 
 
-def test_builtin_calibrations_meet_the_error_targets(held_out: list[TextGroup]) -> None:
-    """Per conversation: median <= 3%, p95 <= 10%, on conversations the fit never saw, and far
-    better than chars/4 on the same texts. Also: the error written in each calibration file is what
-    it measures now."""
+def test_builtin_calibrations_are_upper_bounds(held_out: list[TextGroup]) -> None:
+    """On conversations the fit never saw and on adversarial text of a seed it never saw: the
+    99.9th percentile under-count of every request is within 1% of the smallest window (4k..200k)
+    that holds it, the over-count on real requests stays under 25% at the median, and what each
+    calibration file says about itself is what it measures now."""
+    adversarial = adversarial_groups(seed=1)
     rows = []
     for name in sorted(builtin_calibrations()):
         cal = builtin_calibration(name)
-        exact = exact_counts(load_counter(name), held_out)
-        est = measure(EstimateCounter(cal), held_out, exact)
-        base = measure(CharsPerTokenCounter(), held_out, exact)
-        rows.append((name, est, base))
-        assert est.conversation_median <= 0.03, name
-        assert est.conversation_p95 <= 0.10, name
-        assert est.conversation_median < base.conversation_median / 5, name
-        assert est.message_median < base.message_median, name
-        assert cal.error["conversation_median"] == pytest.approx(est.conversation_median, abs=1e-12)
-        assert cal.error["conversation_p95"] == pytest.approx(est.conversation_p95, abs=1e-12)
-    n_conv, n_msg = rows[0][1].num_conversations, rows[0][1].num_messages
-    print(f"\nestimator error on {n_conv} held-out conversations / {n_msg} messages "
-          "(absolute relative error; median / p95)")
-    print(f"{'calibration':<14}{'per conversation':>22}{'chars/4':>20}{'per message':>22}{'chars/4':>20}")
-    for name, e, b in rows:
-        print(f"{name:<14}{e.conversation_median:>12.2%} / {e.conversation_p95:<7.2%}"
-              f"{b.conversation_median:>10.2%} / {b.conversation_p95:<7.2%}"
-              f"{e.message_median:>12.2%} / {e.message_p95:<7.2%}{b.message_median:>10.2%} / {b.message_p95:<7.2%}")
+        groups = [*held_out, *adversarial]
+        exact = exact_counts(load_counter(name), groups)
+        bounds = measure_bounds(EstimateCounter(cal), groups, exact)
+        assert set(bounds) == {"traces", *ADVERSARIAL_CLASSES}, name
+        for kind, f in bounds.items():
+            # Random letters (a class beyond the issue's list) are the known gap: a repeated short
+            # syllable costs up to a token a letter, and the worst held-out text misses by 2x.
+            limit = 3.0 if kind == "random_letters" else 1.0
+            assert f["request_under_of_allowance_p99.9"] <= limit, (name, kind, f)
+        assert bounds["traces"]["request_over_median"] <= 0.25, name
+        for kind, f in cal.bounds["estimate"].items():  # the file's own figures, measured on the same texts
+            assert f["request_under_of_allowance_p99.9"] == pytest.approx(
+                bounds[kind]["request_under_of_allowance_p99.9"], abs=1e-9), (name, kind)
+        assert cal.template  # every shipped calibration names the framing the default accounting adds
+        rows.append((name, bounds))
+    print("\nworst request under-count as a share of the allowance (p99.9), and the median over-count")
+    for name, bounds in rows:
+        print(name, {k: f"{f['request_under_of_allowance_p99.9']:.0%} / {f['request_over_median']:.1%}"
+                     for k, f in bounds.items()})
+
+
+def test_estimate_never_exceeds_the_byte_count() -> None:
+    counter = load_counter("estimate:deepseek-v4")
+    for text in ["x", "ab", "\u00e9", "1", "\U0001F600", " " * 3]:
+        assert 1 <= counter.count(text) <= len(text.encode()), text
 
 
 def test_calibrate_cli_writes_a_calibration_that_loads_and_counts(
@@ -145,16 +166,24 @@ def test_calibrate_cli_writes_a_calibration_that_loads_and_counts(
                  str(traces_dir / "swe_agent"), "-o", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "wrote" in printed and "chars/4" in printed
+    assert "wrote" in printed and "chars/4" in printed and "under-count" in printed
+    for kind in ("traces", *ADVERSARIAL_CLASSES):
+        assert kind in printed
     data = json.loads(out.read_text())
     assert data["format"] == "ctxfold-calibration/1" and data["tokenizer"] == "o200k_base"
+    assert data["template"] == "chatml"
+    for counter_name in ("estimate", "chars4"):
+        for kind in ("traces", *ADVERSARIAL_CLASSES):
+            figures = data["bounds"][counter_name][kind]
+            assert {"under_p50", "under_p99", "under_p99.9", "under_tokens_p99.9", "over_median",
+                    "over_p99", "request_under_of_allowance_p99.9"} <= figures.keys()
     cal = Calibration.load(out)
     assert cal.error["num_conversations"] >= 30  # 20% of the 204 conversations held out
     counter = load_counter(str(out))
     assert isinstance(counter, EstimateCounter) and not counter.exact
     text = "The quick brown fox jumps over the lazy dog.\n" * 50
     exact = load_counter("o200k_base").count(text)
-    assert abs(counter.count(text) - exact) <= 0.1 * exact
+    assert abs(counter.count(text) - exact) <= 0.15 * exact  # fitted on two folders only
 
 
 @pytest.mark.parametrize(
@@ -164,6 +193,7 @@ def test_calibrate_cli_writes_a_calibration_that_loads_and_counts(
         (["--tokenizer", "o200k_base", "--corpus", "/nonexistent/corpus"], 3, "corpus path not found"),
         (["--tokenizer", "estimate:deepseek-v4", "--corpus", "."], 2, "must be an exact tokenizer"),
         (["--tokenizer", "o200k_base", "--corpus", ".", "--held-out", "1.5"], 2, "--held-out must be in [0, 1)"),
+        (["--tokenizer", "o200k_base", "--corpus", ".", "--template", "nope"], 2, "unknown chat template 'nope'"),
     ],
 )
 def test_calibrate_cli_errors(args: list[str], code: int, words: str, tmp_path: Path,

@@ -55,9 +55,10 @@ std::string_view Utf8View(const py::handle& text) {
 
 void BindEstimate(py::module_& m) {
   m.attr("NUM_FEATURES") = static_cast<int>(kNumFeatures);
-  m.attr("FEATURE_NAMES") = py::make_tuple("letters", "letter_runs", "digits", "digit_runs", "punct", "punct_runs",
-                                           "spaces", "multi_space_runs", "newlines", "other_chars", "cjk_chars",
-                                           "texts");
+  m.attr("FEATURE_NAMES") = py::make_tuple("letters", "letter_runs", "upper_letters", "case_switches", "glued_letter_runs",
+                                           "long_run_letters", "digits", "digit_runs", "punct",
+                                           "punct_runs", "spaces", "multi_space_runs", "tabs", "newlines", "other2_chars",
+                                           "other3_chars", "other4_chars", "cjk_chars", "texts");
 
   m.def(
       "estimate_tokens",

@@ -16,9 +16,10 @@ CTXFOLD_TEST(features_count_each_class) {
   CHECK(f[kDigitRuns] == 1);
   CHECK(f[kSpaces] == 3);
   CHECK(f[kMultiSpaceRuns] == 1);
+  CHECK(f[kTabs] == 0);
   CHECK(f[kNewlines] == 1);
   CHECK(f[kCjkChars] == 1);
-  CHECK(f[kOtherChars] == 1);
+  CHECK(f[kOther2Chars] == 1);
   CHECK(f[kPunct] == 2);
   CHECK(f[kPunctRuns] == 1);
   CHECK(f[kTexts] == 1);
@@ -49,6 +50,7 @@ CTXFOLD_TEST(features_block_path_matches_byte_path) {
     Features f{};
     AccumulateFeatures(std::string(64, ' ') + std::string(64, ' ') + "x", f);  // one run over two blocks
     CHECK(f[kSpaces] == 128);
+    CHECK(f[kTabs] == 0);
     CHECK(f[kMultiSpaceRuns] == 1);
     CHECK(f[kLetterRuns] == 1);
   }
@@ -67,7 +69,7 @@ CTXFOLD_TEST(features_block_path_matches_byte_path) {
   {
     Features f{};
     AccumulateFeatures(std::string(62, 'a') + "\xC3\xA9" + std::string(10, 'b'), f);  // é straddles a block end
-    CHECK(f[kOtherChars] == 1);
+    CHECK(f[kOther2Chars] == 1);
     CHECK(f[kLetters] == 72);
     CHECK(f[kLetterRuns] == 2);
   }
@@ -77,7 +79,36 @@ CTXFOLD_TEST(estimate_empty_is_zero) {
   Coefficients c{};
   c[kTexts] = 3.0;
   CHECK(EstimateTokens("", c) == 0);
-  CHECK(EstimateTokens("x", c) == 3);
+  CHECK(EstimateTokens("x", c) == 1);  // never more than one token per byte
+  CHECK(EstimateTokens("xyz", c) == 3);
+}
+
+CTXFOLD_TEST(features_case_switches_and_char_lengths) {
+  Features f{};
+  // "camelCaseX", "\xF0\x9F\x98\x80" (an emoji, 4 bytes), "\xE2\x94\x80" (box drawing, 3 bytes)
+  AccumulateFeatures("camelCaseX \xF0\x9F\x98\x80\xE2\x94\x80 aB", f);
+  CHECK(f[kCaseSwitches] == 3);  // lC, eX, aB
+  CHECK(f[kUpperLetters] == 3);
+  CHECK(f[kGluedLetterRuns] == 0);
+  Features p{};
+  AccumulateFeatures("/home/user/x.py " + std::string(60, 'a') + "/b", p);  // the last one in the block path
+  CHECK(p[kGluedLetterRuns] == 5);
+  CHECK(p[kLongRunLetters] == 48);
+  Features q{};
+  AccumulateFeatures(std::string(60, 'a') + "1" + std::string(10, 'b') + "\xC3\xA9" + std::string(9, 'c'), q);
+  CHECK(q[kLongRunLetters] == 48);
+
+  CHECK(f[kOther4Chars] == 1);
+  CHECK(f[kOther3Chars] == 1);
+  CHECK(f[kOther2Chars] == 0);
+  Features g{};
+  AccumulateFeatures(std::string(63, 'a') + "B" + std::string(63, 'B') + "aZ", g);  // switches at byte 63 and 128
+  CHECK(g[kCaseSwitches] == 2);
+  CHECK(g[kUpperLetters] == 65);
+  Features h{};
+  AccumulateFeatures(std::string(70, '\t') + " \t", h);
+  CHECK(h[kTabs] == 71);
+  CHECK(h[kSpaces] == 72);
 }
 
 CTXFOLD_TEST(ledger_totals_and_truncate) {

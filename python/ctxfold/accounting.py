@@ -39,13 +39,14 @@ from ctxfold.templates import (
     Renderer,
     RenderOptions,
     Segment,
+    get_template,
     last_user_index,
 )
 
 _KEY_MASK = (1 << 64) - 1
 
 # Text only, no framing: what "count the message texts" means. The default when no template is
-# given, so counts stay meaningful for any counter (an estimator, chars/4).
+# given and the counter names no framing of its own (an exact tokenizer, chars/4).
 PLAIN = ChatTemplate(
     name="plain",
     specials={},
@@ -54,6 +55,17 @@ PLAIN = ChatTemplate(
     keep_reasoning=Reasoning.AFTER_LAST_USER,
     description="message texts only: content, reasoning, tool-call names and arguments; no framing",
 )
+
+
+def default_template(counter: TokenCounter) -> ChatTemplate:
+    """The template an accounting renders with when it is given none.
+
+    An estimator's calibration names the chat template of the model it stands for (``template``):
+    its framing (role markers, tool-call markup, the tools block) is part of every request, and a
+    count without it is under the truth on every request. Any other counter: :data:`PLAIN`.
+    """
+    name = getattr(counter, "template", "")
+    return get_template(name) if isinstance(name, str) and name else PLAIN
 
 
 # How far back a result's call is looked for. Calls and results sit a few messages apart; the bound
@@ -119,7 +131,7 @@ class RequestAccounting:
         options: RenderOptions | None = None,
     ) -> None:
         self.counter = counter
-        self.template = template if template is not None else PLAIN
+        self.template = template if template is not None else default_template(counter)
         self.options = options if options is not None else RenderOptions()
         self._opts = self.options.resolved(())  # with thinking decided for the current messages
         self.renderer = Renderer(self.template)
@@ -332,9 +344,11 @@ class RequestAccounting:
 
         None for a template without control tokens (plain texts): there every message is counted on
         its own, as "count the texts" means; joining would make the whole conversation one run and
-        every append cost a walk back to its start.
+        every append cost a walk back to its start. None for an estimator too: it counts byte
+        classes, so a seam changes nothing it could see, and each run is counted as the text it was
+        calibrated on.
         """
-        if not self.template.specials:
+        if not self.template.specials or not self.counter.exact:
             return None
         runs: list[str] = []
         j = i - 1
@@ -394,11 +408,11 @@ class RequestAccounting:
         return out
 
 
-def count_request(counter: TokenCounter, template: ChatTemplate, conversation: Conversation,
+def count_request(counter: TokenCounter, template: ChatTemplate | None, conversation: Conversation,
                   options: RenderOptions | None = None) -> int:
     """Tokens of the whole request ``conversation`` makes under ``template`` (a one-off count)."""
     acc = RequestAccounting(counter, template, options=options)
     return acc.reset(conversation)
 
 
-__all__ = ["PLAIN", "RequestAccounting", "SegmentFlag", "count_request", "segment_key"]
+__all__ = ["PLAIN", "RequestAccounting", "SegmentFlag", "count_request", "default_template", "segment_key"]

@@ -1,10 +1,26 @@
 """Fitting and measuring the byte-class estimator against an exact counter.
 
-The estimator predicts ``tokens = features @ coefficients`` (features from ``_core.feature_rows``).
-What a caller budgets with is a conversation, so the figure that matters is the error on the sum of
-a conversation's messages; single messages are noisier and are reported beside it.
+The estimator predicts ``tokens = features @ coefficients`` (features from ``_core.feature_rows``),
+capped at the text's UTF-8 byte count. It is the default counter, and a count under the truth lets
+a request overflow the window, so it is fitted as an upper bound: its under-count must stay within
+1% of the window (:data:`ALLOWANCE_FRACTION`) at the 99.9th percentile, for every window from
+:data:`MIN_WINDOW_TOKENS` to :data:`MAX_WINDOW_TOKENS` that holds the request, on real traces and
+on generated adversarial text (:func:`adversarial_text`). A count above the truth wastes window,
+so the over-count is measured and reported too.
 
-The fit is weighted least squares with a small ridge term:
+The fit has three steps:
+
+1. weighted least squares with a small ridge term (below), the best estimate in the mean;
+2. asymmetric reweighting (an expectile fit, :func:`fit_upper_coefficients`): residuals where the
+   estimate is under the truth weigh more (:data:`UNDER_WEIGHT_ADVERSARIAL` on adversarial text,
+   :data:`UNDER_WEIGHT_TRACES` on real text), which moves every coefficient toward the top of its
+   class's range (a random 4-byte character costs up to 4 tokens, a common emoji 1); coefficients
+   are kept >= 0;
+3. a safety margin: every coefficient times the smallest factor that brings the under-count of the
+   fitting texts, and of every request of the fitting conversations, within half the allowance at
+   the 99.9th percentile (the other half is for texts the fit never saw).
+
+Step 1's weighting:
 
 - weights 1/(tokens + 8) make the loss close to squared *relative* error, the figure reported,
   without letting one-token texts dominate;
@@ -17,8 +33,11 @@ The fit is weighted least squares with a small ridge term:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import math
+import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +60,7 @@ class TextGroup:
 
     key: str  # stable identity, for the train/held-out split
     texts: tuple[str, ...]  # one per message (content, reasoning, tool calls), plus the system prompt
+    kind: str = "traces"  # the class of text: "traces" or one of ADVERSARIAL_CLASSES
 
 
 def message_text(m: Message) -> str:
@@ -149,15 +169,7 @@ def fit_coefficients(
         raise ValueError(f"features must be [n, {_core.NUM_FEATURES}] and tokens [n]; got {x.shape} and {y.shape}")
     if x.shape[0] == 0:
         raise ValueError("no texts to fit on: the corpus is empty")
-    w = 1.0 / (y + 8.0)
-    sw = np.sqrt(w)[:, None]
-    xw = x * sw
-    scale = np.sqrt((xw**2).mean(axis=0))
-    scale[scale == 0] = 1.0  # a feature absent from the corpus keeps a zero coefficient
-    xs = xw / scale
-    gram = xs.T @ xs + ridge * x.shape[0] * np.eye(x.shape[1])
-    coef_scaled = np.linalg.solve(gram, xs.T @ (y * sw[:, 0]))
-    return np.asarray(coef_scaled / scale, dtype=np.float64)
+    return _weighted_ridge(x, y, 1.0 / (y + 8.0), ridge)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,16 +234,327 @@ def exact_counts(counter: TokenCounter, groups: Sequence[TextGroup]) -> list[npt
     return out
 
 
+# --- adversarial text ------------------------------------------------------------------------------
+
+# Classes of text where a byte-class model is furthest from the truth, generated from a seed so that
+# a fit and a test see the same texts on every machine.
+ADVERSARIAL_CLASSES = (
+    "random_unicode", "emoji", "cjk", "base64", "hex", "digit_runs", "minified_json", "whitespace_runs",
+    "random_letters",
+)
+
+_EMOJI_RANGES = ((0x1F300, 0x1F5FF), (0x1F600, 0x1F64F), (0x1F680, 0x1F6FF), (0x1F900, 0x1F9FF),
+                 (0x1FA70, 0x1FAFF), (0x2600, 0x26FF), (0x2700, 0x27BF))
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3040, 0x309F), (0x30A0, 0x30FF), (0xAC00, 0xD7A3), (0x3000, 0x303F),
+               (0xFF01, 0xFF5E))
+
+
+# Code points by UTF-8 length. Drawn uniformly over all scalar values, 94% of random characters
+# would be 4 bytes long; drawing the length first covers 2- and 3-byte characters as well.
+_SCALAR_RANGES = ((0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, 0x10FFFF))
+
+
+def _random_scalar(rng: random.Random, ranges: Sequence[tuple[int, int]] = _SCALAR_RANGES) -> str:
+    """A random Unicode scalar value of a random UTF-8 length (2 to 4 bytes; no surrogates)."""
+    while True:
+        lo, hi = ranges[rng.randrange(len(ranges))]
+        cp = rng.randint(lo, hi)
+        if not 0xD800 <= cp <= 0xDFFF:
+            return chr(cp)
+
+
+def _from_ranges(rng: random.Random, ranges: Sequence[tuple[int, int]]) -> str:
+    lo, hi = ranges[rng.randrange(len(ranges))]
+    return chr(rng.randint(lo, hi))
+
+
+def _emoji(rng: random.Random) -> str:
+    e = _from_ranges(rng, _EMOJI_RANGES)
+    r = rng.random()
+    if r < 0.15:
+        e += chr(rng.randint(0x1F3FB, 0x1F3FF))  # a skin tone
+    elif r < 0.3:
+        e += "\u200d" + _from_ranges(rng, _EMOJI_RANGES)  # a ZWJ sequence
+    elif r < 0.4:
+        e += "\ufe0f"  # emoji presentation
+    return e + (" " if rng.random() < 0.2 else "")
+
+
+def _json_value(rng: random.Random, depth: int) -> Any:
+    r = rng.random()
+    if depth < 3 and r < 0.25:
+        return {_word(rng): _json_value(rng, depth + 1) for _ in range(rng.randint(1, 6))}
+    if depth < 3 and r < 0.4:
+        return [_json_value(rng, depth + 1) for _ in range(rng.randint(1, 6))]
+    if r < 0.6:
+        return rng.randint(-10**12, 10**12)
+    if r < 0.7:
+        return round(rng.uniform(-1e6, 1e6), rng.randint(0, 8))
+    if r < 0.75:
+        return rng.choice([True, False, None])
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-/.:")
+                   for _ in range(rng.randint(0, 24)))
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz_") for _ in range(rng.randint(1, 12)))
+
+
+def adversarial_text(kind: str, num_chars: int, rng: random.Random) -> str:
+    """About ``num_chars`` characters of one adversarial class (see :data:`ADVERSARIAL_CLASSES`)."""
+    if num_chars < 1:
+        raise ValueError(f"num_chars must be >= 1, got {num_chars}")
+    parts: list[str] = []
+    size = 0
+    # Texts of one UTF-8 length as well as mixed ones: a mix lets an under-count on one length
+    # hide behind an over-count on another.
+    lengths = [_SCALAR_RANGES, *((r,) for r in _SCALAR_RANGES)][rng.randrange(4)]
+    while size < num_chars:
+        if kind == "random_unicode":
+            piece = _random_scalar(rng, lengths)
+        elif kind == "emoji":
+            piece = _emoji(rng)
+        elif kind == "cjk":
+            piece = _from_ranges(rng, _CJK_RANGES)
+        elif kind == "base64":
+            piece = base64.b64encode(rng.randbytes(rng.randint(3, 600))).decode() + rng.choice(["\n", " ", ""])
+        elif kind == "hex":
+            piece = rng.randbytes(rng.randint(1, 64)).hex() + rng.choice(["", " ", "\n", ":"])
+        elif kind == "digit_runs":
+            piece = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 400))) + rng.choice(" ,\n.")
+        elif kind == "minified_json":
+            piece = json.dumps(_json_value(rng, 0), separators=(",", ":"))
+        elif kind == "random_letters":
+            # Letters without a word in them (base32 ids, hashes, a repeated syllable): far more
+            # tokens per letter than words of the same length.
+            alphabet = rng.choice(["abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                                   "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"])
+            unit = "".join(rng.choice(alphabet) for _ in range(rng.choice([rng.randint(1, 4), rng.randint(1, 40)])))
+            piece = unit * rng.randint(1, 60) + rng.choice(["", " ", "\n", "_", "."])
+        elif kind == "whitespace_runs":
+            mixed = rng.random() < 0.5  # spaces with tabs and newlines, or one long run of spaces
+            n = rng.choice([rng.randint(1, 300), rng.randint(300, 8000)])
+            piece = "".join(rng.choice(" \t\n") if mixed and rng.random() < 0.3 else " " for _ in range(n))
+            piece += _word(rng)
+        else:
+            raise ValueError(f"unknown class of text {kind!r}; classes: {', '.join(ADVERSARIAL_CLASSES)}")
+        parts.append(piece)
+        size += len(piece)
+    return "".join(parts)[:num_chars]
+
+
+def adversarial_groups(seed: int = 0, texts_per_class: int = 48, max_chars: int = 12_000) -> list[TextGroup]:
+    """``texts_per_class`` texts of each adversarial class, one group each, lengths log-uniform
+    from 1 to ``max_chars`` characters; the same for the same seed."""
+    rng = random.Random(seed)
+    groups: list[TextGroup] = []
+    for kind in ADVERSARIAL_CLASSES:
+        for i in range(texts_per_class):
+            n = max(1, int(math.exp(rng.uniform(0.0, math.log(max_chars)))))
+            groups.append(TextGroup(f"adversarial/{kind}/{seed}/{i}", (adversarial_text(kind, n, rng),), kind))
+    return groups
+
+
+# --- the upper-bound fit ---------------------------------------------------------------------------
+
+# The chat template whose framing the default accounting adds to each tokenizer's estimate: the one
+# its model is served with (DeepSeek's API renders deepseek-v3.2; ChatML stands in for OpenAI's
+# framing, a few tokens per message).
+DEFAULT_TEMPLATES = {"deepseek-v4": "deepseek-v3.2", "qwen3": "chatml", "mistral-v7": "mistral-v7",
+                     "mistral": "mistral-v7", "o200k_base": "chatml", "cl100k_base": "chatml"}
+
+ALLOWANCE_FRACTION = 0.01  # the under-count allowed, as a fraction of the window
+MIN_WINDOW_TOKENS = 4_096  # the smallest window the allowance is checked for
+MAX_WINDOW_TOKENS = 200_000  # the largest
+# How much more an under-count weighs than an over-count in the expectile fit: on adversarial text,
+# where the bound is hardest to meet, and on the real traces, where an over-count wastes window.
+UNDER_WEIGHT_ADVERSARIAL = 30.0
+UNDER_WEIGHT_TRACES = 3.0
+BOUND_PERCENTILE = 99.9  # the percentile at which the under-count must be within the allowance
+
+
+def allowance_tokens(exact_tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """The under-count a request of ``exact_tokens`` may have: 1% of the smallest window (at least
+    :data:`MIN_WINDOW_TOKENS`) that holds it, the strictest of the windows it fits."""
+    e = np.asarray(exact_tokens, dtype=np.float64)
+    return np.asarray(ALLOWANCE_FRACTION * np.maximum(e, MIN_WINDOW_TOKENS), dtype=np.float64)
+
+
+def predict(features: npt.NDArray[np.int64], coefficients: npt.ArrayLike,
+            nbytes: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """What ``_core.estimate_batch`` returns, from feature rows: rounded, clamped to [0, nbytes]."""
+    raw = np.rint(features.astype(np.float64) @ np.asarray(coefficients, dtype=np.float64))
+    out = np.clip(raw, 0, nbytes).astype(np.int64)
+    out[nbytes == 0] = 0
+    return out
+
+
+def _weighted_ridge(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], w: npt.NDArray[np.float64],
+                    ridge: float) -> npt.NDArray[np.float64]:
+    sw = np.sqrt(w)[:, None]
+    xw = x * sw
+    scale = np.sqrt((xw**2).mean(axis=0))
+    scale[scale == 0] = 1.0  # a feature absent from the corpus keeps a zero coefficient
+    xs = xw / scale
+    gram = xs.T @ xs + ridge * x.shape[0] * np.eye(x.shape[1])
+    coef_scaled = np.linalg.solve(gram, xs.T @ (y * sw[:, 0]))
+    return np.asarray(coef_scaled / scale, dtype=np.float64)
+
+
+def fit_upper_coefficients(
+    features: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], under_weights: npt.NDArray[np.float64], *,
+    ridge: float = 1e-3, iterations: int = 40,
+) -> npt.NDArray[np.float64]:
+    """Step 2 of the fit (see the module docstring): an expectile fit in which text i's under-count
+    weighs ``under_weights[i]`` times its over-count, every coefficient >= 0 (a negative one would
+    let more of some text lower the count, which adversarial text exploits).
+
+    features int64[n, NUM_FEATURES], tokens int64[n], under_weights float64[n] -> float64[NUM_FEATURES].
+    The base weights are 1/sqrt(tokens + 8): between relative error (1/tokens) and absolute error, as
+    a request's count is a sum in which long texts weigh most.
+    """
+    x = features.astype(np.float64)
+    y = tokens.astype(np.float64)
+    base = 1.0 / np.sqrt(y + 8.0)
+    active = np.ones(x.shape[1], dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(x.shape[1]):  # active set: a coefficient that goes negative is fixed at 0, the rest refitted
+        coef = np.zeros(x.shape[1])
+        coef[active] = _weighted_ridge(x[:, active], y, base, ridge)
+        for _ in range(iterations):
+            under = y > x @ coef
+            new = np.zeros_like(coef)
+            new[active] = _weighted_ridge(x[:, active], y, base * np.where(under, under_weights, 1.0), ridge)
+            done = np.allclose(new, coef, rtol=1e-6, atol=1e-9)
+            coef = new
+            if done:
+                break
+        negative = active & (coef < 0)
+        if not negative.any():
+            break
+        active &= ~negative
+    return np.maximum(coef, 0.0)
+
+
+def _request_sums(values: npt.NDArray[np.int64], group_sizes: Sequence[int]) -> npt.NDArray[np.int64]:
+    """Running sums within each group: the request each message ends (int64[len(values)])."""
+    out = np.empty_like(values)
+    pos = 0
+    for n in group_sizes:
+        out[pos : pos + n] = np.cumsum(values[pos : pos + n])
+        pos += n
+    return out
+
+
+def _worst_fraction(under: npt.NDArray[np.int64], exact: npt.NDArray[np.int64]) -> float:
+    """The BOUND_PERCENTILE of under-count / allowance (<= 1 meets the bound)."""
+    if under.size == 0:
+        return 0.0
+    return float(np.percentile(under / allowance_tokens(exact), BOUND_PERCENTILE))
+
+
+def safety_margin(features: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64],
+                  coefficients: npt.NDArray[np.float64], group_sizes: Sequence[int], *,
+                  target: float = 0.5) -> float:
+    """Step 3: the smallest factor >= 1 (to 0.1%) that brings the BOUND_PERCENTILE under-count of
+    every text and every request (running sums of ``group_sizes``) within ``target`` of the allowance."""
+
+    def worst(factor: float) -> float:
+        est = predict(features, coefficients * factor, nbytes)
+        return max(_worst_fraction(tokens - est, tokens),
+                   _worst_fraction(_request_sums(tokens, group_sizes) - _request_sums(est, group_sizes),
+                                   _request_sums(tokens, group_sizes)))
+
+    lo, hi = 1.0, 1.0
+    while worst(hi) > target and hi < 8.0:
+        hi *= 1.25
+    if hi == lo:
+        return 1.0
+    while hi - lo > 1e-3:
+        mid = (lo + hi) / 2
+        if worst(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+# --- measuring ---------------------------------------------------------------------------------------
+
+
+def _pct(values: npt.NDArray[np.float64], q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else 0.0
+
+
+def bound_stats(est: npt.NDArray[np.int64], exact: npt.NDArray[np.int64],
+                group_sizes: Sequence[int]) -> dict[str, float]:
+    """Under- and over-count figures of ``est`` against ``exact`` (texts in groups of ``group_sizes``).
+
+    Per text: the absolute relative error (median, p95); the under-count (exact - estimate) / exact
+    and in tokens at p50, p99, p99.9 (a negative under-count is an over-count); the over-count
+    (estimate - exact) / exact, median and p99. Per request (running sums within a group): the
+    relative under-count at p99.9, the relative over-count (median, p99), the under-count as a
+    fraction of the allowance (p99.9, max), and the share of requests within the allowance.
+    """
+    e = exact.astype(np.float64)
+    d = e - est.astype(np.float64)
+    keep = exact > 0
+    rel_under = d[keep] / e[keep]
+    req_exact = _request_sums(exact, group_sizes)
+    req_under = req_exact - _request_sums(est, group_sizes)
+    req_frac = req_under / allowance_tokens(req_exact) if req_under.size else np.zeros(0)
+    return {
+        "num_texts": float(exact.size),
+        "num_requests": float(req_under.size),
+        "error_median": _pct(np.abs(rel_under), 50),
+        "error_p95": _pct(np.abs(rel_under), 95),
+        "under_p50": _pct(rel_under, 50),
+        "under_p99": _pct(rel_under, 99),
+        "under_p99.9": _pct(rel_under, 99.9),
+        "under_tokens_p50": _pct(d, 50),
+        "under_tokens_p99": _pct(d, 99),
+        "under_tokens_p99.9": _pct(d, 99.9),
+        "over_median": _pct(-rel_under, 50),
+        "over_p99": _pct(-rel_under, 99),
+        "request_under_p99.9": _pct(req_under / np.maximum(req_exact, 1), 99.9),
+        "request_over_median": _pct(-req_under / np.maximum(req_exact, 1), 50),
+        "request_over_p99": _pct(-req_under / np.maximum(req_exact, 1), 99),
+        "request_under_of_allowance_p99.9": _pct(req_frac, 99.9),
+        "request_under_of_allowance_max": float(req_frac.max()) if req_frac.size else 0.0,
+        "requests_within_allowance": float((req_frac <= 1.0).mean()) if req_frac.size else 1.0,
+    }
+
+
+def measure_bounds(counter: TokenCounter, groups: Sequence[TextGroup],
+                   exact: Sequence[npt.NDArray[np.int64]]) -> dict[str, dict[str, float]]:
+    """:func:`bound_stats` of ``counter`` per class of text (``TextGroup.kind``)."""
+    by_kind: dict[str, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_kind.setdefault(g.kind, []).append(i)
+    out: dict[str, dict[str, float]] = {}
+    for kind, idx in by_kind.items():
+        texts = [t for i in idx for t in groups[i].texts]
+        est = np.asarray(counter.count_batch(texts), dtype=np.int64)
+        ex = np.concatenate([exact[i] for i in idx])
+        out[kind] = bound_stats(est, ex, [len(groups[i].texts) for i in idx])
+    return out
+
+
 def calibrate(
     counter: TokenCounter,
     groups: Sequence[TextGroup],
     *,
     tokenizer: str | None = None,
+    template: str = "",
     corpus: str = "",
     held_out_fraction: float = 0.2,
     ridge: float = 1e-3,
+    adversarial_seed: int | None = 0,
 ) -> Calibration:
-    """Fits the estimator to ``counter`` on the training groups and measures it on the held-out ones.
+    """Fits the estimator to ``counter`` as an upper bound (see the module docstring) on the training
+    groups plus, unless ``adversarial_seed`` is None, generated adversarial text, and measures it on
+    the held-out groups and on adversarial text from another seed. ``template`` names the chat
+    template whose framing the default accounting adds with this calibration.
 
     With fewer than 5 groups nothing can be held out honestly: the error is then measured on the
     training texts and the metadata says so.
@@ -244,20 +567,45 @@ def calibrate(
     evaluated_on = "held-out conversations"
     if len(groups) < 5 or not test or not train:
         train, test, evaluated_on = list(groups), list(groups), "the fitting texts (corpus too small to hold out)"
+    if adversarial_seed is not None:
+        # More texts to fit on than to measure on: the rare worst cases of a class must be seen.
+        train = [*train, *adversarial_groups(adversarial_seed, texts_per_class=128)]
+        test = [*test, *adversarial_groups(adversarial_seed + 1)]
     train_texts = [t for g in train for t in g.texts]
     if not train_texts:
         raise ValueError("the corpus has no text to fit on")
-    coef = fit_coefficients(_core.feature_rows(train_texts), counter.count_batch(train_texts), ridge=ridge)
+    features = _core.feature_rows(train_texts)
+    tokens = np.asarray(counter.count_batch(train_texts), dtype=np.int64)
+    nbytes = np.fromiter((len(t.encode("utf-8")) for t in train_texts), dtype=np.int64, count=len(train_texts))
+    kinds = [g.kind for g in train for _ in g.texts]
+    under_weights = np.array([UNDER_WEIGHT_TRACES if k == "traces" else UNDER_WEIGHT_ADVERSARIAL for k in kinds])
+    coef = fit_upper_coefficients(features, tokens, under_weights, ridge=ridge)
+    margin = safety_margin(features, tokens, nbytes, coef, [len(g.texts) for g in train])
+    coef = coef * margin
     provisional = Calibration(tokenizer=tokenizer or counter.name, coefficients=tuple(float(c) for c in coef))
     exact = exact_counts(counter, test)
-    stats = measure(EstimateCounter(provisional), test, exact)
-    base = measure(CharsPerTokenCounter(), test, exact)
+    real = [i for i, g in enumerate(test) if g.kind == "traces"]
+    real_groups = [test[i] for i in real]
+    real_exact = [exact[i] for i in real]
+    error: dict[str, float] = {}
+    if real_groups:
+        error = {**measure(EstimateCounter(provisional), real_groups, real_exact).as_dict(),
+                 **measure(CharsPerTokenCounter(), real_groups, real_exact).as_dict("chars4_")}
     return Calibration(
         tokenizer=tokenizer or counter.name,
         coefficients=provisional.coefficients,
-        corpus=corpus,
+        template=template,
+        corpus=corpus + ("" if adversarial_seed is None else
+                         f"; adversarial text, seed {adversarial_seed}: {len(ADVERSARIAL_CLASSES)} classes"),
         num_texts=len(train_texts),
-        method=f"weighted ridge least squares (weights 1/(tokens+8), ridge {ridge:g}); error measured on "
-        f"{evaluated_on}, split by a hash of the conversation id, {held_out_fraction:.0%} held out",
-        error={**stats.as_dict(), **base.as_dict("chars4_")},
+        method=f"upper bound: an expectile fit by weighted ridge least squares (weights 1/sqrt(tokens+8), "
+        f"ridge {ridge:g}; under-counts weigh {UNDER_WEIGHT_TRACES:g}x on traces, "
+        f"{UNDER_WEIGHT_ADVERSARIAL:g}x on adversarial text; coefficients >= 0), then every coefficient times {margin:.3f} "
+        f"(the margin that brings the fitting texts' p{BOUND_PERCENTILE:g} under-count within half of "
+        f"{ALLOWANCE_FRACTION:.0%} of a {MIN_WINDOW_TOKENS:,}..{MAX_WINDOW_TOKENS:,}-token window); measured on "
+        f"{evaluated_on}, split by a hash of the conversation id, {held_out_fraction:.0%} held out"
+        + ("" if adversarial_seed is None else f", and on adversarial text of seed {adversarial_seed + 1}"),
+        error=error,
+        bounds={"estimate": measure_bounds(EstimateCounter(provisional), test, exact),
+                "chars4": measure_bounds(CharsPerTokenCounter(), test, exact)},
     )

@@ -387,6 +387,13 @@ class Calibration:
     num_texts: int = 0  # texts in the fitting set
     method: str = ""  # how the fit was made (least squares variant, weights)
     error: dict[str, float] = field(default_factory=dict)  # measured on held-out texts: medians, p95s
+    # The chat template (a preset name) whose framing the default accounting adds to this estimator's
+    # counts when no template is given: without it the count of a request is its message texts alone,
+    # under the truth on every request. "" for none.
+    template: str = ""
+    # Under- and over-count figures per counter ("estimate", "chars4") and class of text ("traces",
+    # the adversarial classes): see ctxfold.calibration.bound_stats.
+    bounds: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         names = tuple(_core.FEATURE_NAMES)
@@ -411,6 +418,8 @@ class Calibration:
             "num_texts": self.num_texts,
             "method": self.method,
             "error": self.error,
+            "template": self.template,
+            "bounds": self.bounds,
         }
 
     @classmethod
@@ -426,6 +435,10 @@ class Calibration:
                 num_texts=int(data.get("num_texts", 0)),
                 method=str(data.get("method", "")),
                 error={str(k): float(v) for k, v in dict(data.get("error", {})).items()},
+                template=str(data.get("template", "")),
+                bounds={str(c): {str(k): {str(n): float(v) for n, v in dict(figs).items()}
+                                 for k, figs in dict(kinds).items()}
+                        for c, kinds in dict(data.get("bounds", {})).items()},
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TokenizerError(f"{source}: malformed calibration ({exc!r}); re-run `ctxfold calibrate`") from None
@@ -465,7 +478,9 @@ def builtin_calibration(name: str) -> Calibration:
 
 
 class EstimateCounter:
-    """The C++ byte-class estimator under one calibration. Not exact: see ``calibration.error``."""
+    """The C++ byte-class estimator under one calibration. Not exact: see ``calibration.error`` and
+    ``calibration.bounds``. ``template`` names the chat template whose framing a
+    :class:`~ctxfold.accounting.RequestAccounting` adds when it is given none ("" for none)."""
 
     exact = False
 
@@ -473,6 +488,7 @@ class EstimateCounter:
         self.calibration = calibration
         self.coefficients = np.ascontiguousarray(calibration.coefficients, dtype=np.float64)
         self.name = name or f"estimate:{calibration.tokenizer}"
+        self.template = calibration.template
 
     def count(self, text: Text) -> int:
         if isinstance(text, str):

@@ -1,5 +1,7 @@
 // Byte-class token estimator: counts a handful of byte classes in one pass and combines them with
-// per-tokenizer coefficients fitted by least squares against an exact tokenizer.
+// per-tokenizer coefficients fitted against an exact tokenizer as an upper bound (see
+// python/ctxfold/calibration.py). An estimate never exceeds the text's UTF-8 byte count: a
+// byte-level tokenizer never needs more than one token per byte.
 //
 // Thread safety: all functions are pure; call them from any thread.
 #pragma once
@@ -15,15 +17,22 @@ namespace ctxfold {
 enum Feature : int {
   kLetters = 0,         // ASCII letters
   kLetterRuns,          // maximal runs of ASCII letters (roughly: words)
+  kUpperLetters,        // upper-case ASCII letters (ALL_CAPS words split into more tokens)
+  kCaseSwitches,        // upper-case letters right after a lower-case one (camelCase, base64)
+  kGluedLetterRuns,     // letter runs right after punctuation (paths, identifiers): split more often
+  kLongRunLetters,      // letters after the 12th of a run: words are rarely longer, gibberish is
   kDigits,              // ASCII digits
   kDigitRuns,           // maximal runs of digits (numbers)
-  kPunct,               // ASCII punctuation, symbols and control bytes other than \t \n \r
+  kPunct,               // ASCII punctuation and symbols
   kPunctRuns,           // maximal runs of punctuation
   kSpaces,              // spaces and tabs
   kMultiSpaceRuns,      // runs of two or more spaces/tabs (indentation, alignment)
+  kTabs,                // tabs (also counted as spaces): a tab is rarely merged into the next word
   kNewlines,            // \n and \r
-  kOtherChars,          // multi-byte UTF-8 characters outside CJK (accents, emoji, box drawing)
-  kCjkChars,            // CJK ideographs, kana, hangul, fullwidth forms
+  kOther2Chars,         // 2-byte UTF-8 characters (accents, Greek, Cyrillic), invalid bytes, ASCII controls
+  kOther3Chars,         // 3-byte UTF-8 characters outside CJK (symbols, box drawing, other scripts)
+  kOther4Chars,         // 4-byte UTF-8 characters (emoji, historic scripts, rare CJK ideographs)
+  kCjkChars,            // CJK ideographs of the basic plane, kana, hangul, fullwidth forms
   kTexts,               // 1 per text: the intercept
   kNumFeatures,
 };
@@ -36,7 +45,7 @@ using Coefficients = std::array<double, kNumFeatures>;
 // would fall back to byte tokens.
 void AccumulateFeatures(std::string_view text, Features& out) noexcept;
 
-// Estimated token count of one text: max(0, round(sum_i coef[i] * feature[i])).
+// Estimated token count of one text: round(sum_i coef[i] * feature[i]) clamped to [0, text.size()].
 int64_t EstimateTokens(std::string_view text, const Coefficients& coef) noexcept;
 
 // Texts packed back to back in `data`, text i spanning [offsets[i], offsets[i+1]).
