@@ -77,13 +77,14 @@ def test_strict_summarizer_in_compact(closed_port: int, tmp_path: Path, traces_d
     url = f"http://127.0.0.1:{closed_port}/v1"
     lax = ctxfold("compact", str(trace), "-o", str(tmp_path / "a.json"), "--summarizer", url, "--model", "m")
     assert lax.returncode == EXIT_OK, lax.stderr
-    assert f"summary by extractive (fallback: {REFUSED}), tail" in lax.stderr
+    # The reason as the summarizer (or its chunks, when the request leaves no room) gave it.
+    assert "summary by extractive (fallback: " in lax.stderr and "All connection attempts failed" in lax.stderr
     strict = ctxfold("compact", str(trace), "-o", str(tmp_path / "b.json"), "--summarizer", url, "--model", "m",
                      "--strict-summarizer", "--quiet")
     assert strict.returncode == EXIT_PROBLEM
     (line,) = strict.stderr.splitlines()
-    assert line.endswith(f": the summarizer failed ({REFUSED}); the extractive summary stood in "
-                         "(--strict-summarizer)")
+    assert re.search(r": the summarizer failed \(.*All connection attempts failed.*\); the extractive summary stood "
+                     r"in \(--strict-summarizer\)$", line), line
 
 
 # -- impossible settings: one line, exit 2, before any work ------------------------------------------------

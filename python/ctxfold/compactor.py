@@ -216,6 +216,7 @@ class Compactor:
         self._archive_watermark = 0  # view index before which the turn-start pass has judged every output
         self._archive_params = ArchiveParams.from_config(self.config.minor)
         self._frame_tokens: int | None = None  # see _summary_frame_tokens
+        self._tools_bound: tuple[Any, int] | None = None  # (the tools it is for, the bound): _moving_tools_bound_tokens
         self._answer_tokens: list[int] = []  # tokens of each answer so far, sorted (the reserve's percentile)
         self._max_reply_tokens: int | None = None  # the current request's own max_tokens, where it gave one
 
@@ -305,7 +306,21 @@ class Compactor:
         fire (:meth:`quiet`); whether one that may fire does is decided by counting."""
         with self._lock:
             total = self._accounting.total_tokens + self._pending_bound_tokens
-        return total + sum(map(_tokens_bound, extra)) + _RERENDER_FRAME_TOKENS + self.reply_reserve_tokens()
+        return (total + sum(map(_tokens_bound, extra)) + _RERENDER_FRAME_TOKENS + self._moving_tools_bound_tokens()
+                + self.reply_reserve_tokens())
+
+    def _moving_tools_bound_tokens(self) -> int:
+        """A bound of the tools block where the template renders it with the newest user message
+        (Mistral v7): a new user message can bring it into a view that held none. Its bytes, and a
+        token per control token; 0 for templates that keep tools in the fixed prefix."""
+        renderer = self._accounting.renderer
+        if not renderer.template.tools_with_last_user or not self.header.tools:
+            return 0
+        if self._tools_bound is None or self._tools_bound[0] is not self.header.tools:
+            parts = renderer.tools_block(self.header.tools)
+            n = sum(_utf8_len(p) if isinstance(p, str) else 1 for p in parts)
+            self._tools_bound = (self.header.tools, n)
+        return self._tools_bound[1]
 
     def quiet(self, extra: Sequence[Message] = ()) -> bool:
         """Whether no token trigger (a summary, the mid-turn archive) can fire once ``extra`` is appended,
