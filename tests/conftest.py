@@ -13,11 +13,15 @@ one place that decides: tests take it rather than reading the path themselves.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import synthetic_traces as synthetic
+from ctxfold.serve import ProxyApp
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
+from proxy_helpers import start_proxy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
@@ -56,3 +60,21 @@ def synthetic_traces_dir(_synthetic: tuple[Path, dict[Path, synthetic.Expected]]
 def synthetic_traces(_synthetic: tuple[Path, dict[Path, synthetic.Expected]]) -> dict[Path, synthetic.Expected]:
     """The generated trace files (tests/synthetic_traces.py), each with what its importer must read."""
     return _synthetic[1]
+
+
+# -- the proxy's tests: the scripted upstream and a proxy in front of it, on loopback ------------------------
+
+@pytest.fixture()
+def upstream() -> Iterator[tuple[ScriptedUpstream, str]]:
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as srv:
+        yield up, srv.url
+
+
+@pytest.fixture()
+def proxy(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> Iterator[tuple[ProxyApp, str]]:
+    p, srv = start_proxy(upstream[1], tmp_path / "data")
+    try:
+        yield p, srv.url
+    finally:
+        srv.close()

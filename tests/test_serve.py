@@ -18,45 +18,10 @@ from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.sse import AnswerAssembler, SseReader
-from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
+from ctxfold.serve.testing import ScriptedUpstream
 from ctxfold.session import Session
+from proxy_helpers import chat, post, start_proxy
 from subprocess_env import ctxfold_env
-
-
-@pytest.fixture()
-def upstream() -> Iterator[tuple[ScriptedUpstream, str]]:
-    up = ScriptedUpstream()
-    with BackgroundServer(up.app()) as srv:
-        yield up, srv.url
-
-
-def start_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp, BackgroundServer]:
-    compact = kw.pop("compact", CompactConfig(context_tokens=None))
-    cfg = ProxyConfig(upstream=upstream_url, data_dir=data_dir, compact=compact, summarizer="extractive",
-                      fsync="never", **kw)
-    proxy = ProxyApp(cfg)
-    return proxy, BackgroundServer(proxy.app()).__enter__()
-
-
-@pytest.fixture()
-def proxy(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> Iterator[tuple[ProxyApp, str]]:
-    p, srv = start_proxy(upstream[1], tmp_path / "data")
-    try:
-        yield p, srv.url
-    finally:
-        srv.close()
-
-
-def chat(*turns: tuple[str, str], system: str = "You are terse.", **extra: Any) -> dict[str, Any]:
-    msgs = [{"role": "system", "content": system}] + [{"role": r, "content": c} for r, c in turns]
-    return {"model": "m", "messages": msgs, **extra}
-
-
-def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None,
-         timeout: float = 30.0) -> httpx.Response:
-    data = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(f"{url}/v1/chat/completions", content=data, timeout=timeout,
-                      headers={"Content-Type": "application/json", **(headers or {})})
 
 
 def settle(app: ProxyApp, timeout_s: float = 10.0) -> None:

@@ -29,7 +29,6 @@ import pytest
 
 import ctxfold.serve
 from ctxfold.archive.store import LocalBackend
-from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.serve import ProxyApp, ProxyConfig
@@ -37,43 +36,20 @@ from ctxfold.serve.app import serve
 from ctxfold.serve.sessions import fingerprint_wire, session_key
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
+from proxy_helpers import chat, post, start_proxy
 from subprocess_env import ctxfold_env
 
 SERVE_DIR = Path(ctxfold.serve.__file__).resolve().parent
 
 
-@pytest.fixture()
-def upstream() -> Iterator[tuple[ScriptedUpstream, str]]:
-    up = ScriptedUpstream()
-    with BackgroundServer(up.app()) as srv:
-        yield up, srv.url
 
 
-def start_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp, BackgroundServer]:
-    cfg = ProxyConfig(upstream=upstream_url, data_dir=data_dir, compact=CompactConfig(context_tokens=None),
-                      summarizer="extractive", fsync="never", **kw)
-    proxy = ProxyApp(cfg)
-    return proxy, BackgroundServer(proxy.app()).__enter__()
 
 
-@pytest.fixture()
-def proxy(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> Iterator[tuple[ProxyApp, str]]:
-    p, srv = start_proxy(upstream[1], tmp_path / "data")
-    try:
-        yield p, srv.url
-    finally:
-        srv.close()
 
 
-def chat(*turns: tuple[str, str], **extra: Any) -> dict[str, Any]:
-    msgs = [{"role": "system", "content": "You are terse."}] + [{"role": r, "content": c} for r, c in turns]
-    return {"model": "m", "messages": msgs, **extra}
 
 
-def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
-    data = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(f"{url}/v1/chat/completions", content=data, timeout=30,
-                      headers={"Content-Type": "application/json", **(headers or {})})
 
 
 # -- 1. faithful relay -------------------------------------------------------------------------------

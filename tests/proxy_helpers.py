@@ -1,0 +1,36 @@
+"""What the proxy's tests share: a proxy on loopback in front of the scripted upstream, and a client.
+
+The fixtures built on these (``upstream``, ``proxy``) live in conftest.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ctxfold.config import CompactConfig
+from ctxfold.serve import ProxyApp, ProxyConfig
+from ctxfold.serve.testing import BackgroundServer
+
+
+def start_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp, BackgroundServer]:
+    """A proxy with the extractive summarizer and no fsync (the window unknown unless ``compact=``)."""
+    compact = kw.pop("compact", CompactConfig(context_tokens=None))
+    cfg = ProxyConfig(upstream=upstream_url, data_dir=data_dir, compact=compact, summarizer="extractive",
+                      fsync="never", **kw)
+    proxy = ProxyApp(cfg)
+    return proxy, BackgroundServer(proxy.app()).__enter__()
+
+
+def chat(*turns: tuple[str, str], system: str = "You are terse.", **extra: Any) -> dict[str, Any]:
+    msgs = [{"role": "system", "content": system}] + [{"role": r, "content": c} for r, c in turns]
+    return {"model": "m", "messages": msgs, **extra}
+
+
+def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None,
+         timeout: float = 30.0) -> httpx.Response:
+    data = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(f"{url}/v1/chat/completions", content=data, timeout=timeout,
+                      headers={"Content-Type": "application/json", **(headers or {})})
