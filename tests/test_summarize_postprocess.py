@@ -348,3 +348,31 @@ def test_rendered_request_is_always_protocol_valid(msgs: list[Message], bottom: 
         if m["role"] == "assistant":
             waiting = [c["id"] for c in m.get("tool_calls", [])]
     assert waiting == [] and out[-1]["role"] == "user"
+
+
+# -- summaries that would poison later ones -------------------------------------------------------------------
+
+def test_an_answer_that_echoes_the_request_or_holds_a_frame_is_rejected() -> None:
+    from ctxfold.compactor import frame_summary
+    from ctxfold.summarize.postprocess import garbage_reason
+    from ctxfold.summarize.request import FRAME_OPEN, SUMMARY_CONTRACT
+
+    echo = "Sure.\n" + "\n".join(SUMMARY_CONTRACT.splitlines()[3:6]) + "\nThe user wants the parser fixed."
+    assert (garbage_reason(echo) or "").startswith("summary echoes the summary request")
+    framed = frame_summary("## Goals\n- fix the parser in src/parse.py so tokens are kept", "ab" * 32)
+    assert garbage_reason(framed) == "summary contains a compaction frame"
+    good = "## Goals\n- fix the parser in src/parse.py so tokens are kept\n## Next steps\n- run the test suite"
+    assert garbage_reason(good) is None
+    # Whatever a summary holds, a frame never goes inside a frame.
+    assert frame_summary(framed, None).count(FRAME_OPEN) == 1
+
+
+def test_a_failure_reason_becomes_a_short_metric_label() -> None:
+    from ctxfold.serve.app import failure_kind
+
+    assert failure_kind("HTTP 401 (unauthorized: missing key)") == "HTTP 401"
+    assert failure_kind("summary is a repetition loop (compresses to 3% of its size)") == "summary is a repetition loop"
+    assert failure_kind("openai:m: HTTP transport error: ConnectError") == "HTTP transport error"
+    assert failure_kind("5 consecutive failures this turn: openai:m is not called again") == (
+        "5 consecutive failures this turn")
+    assert failure_kind(None) == "unknown" and failure_kind("") == "unknown"

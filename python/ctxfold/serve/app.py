@@ -32,7 +32,6 @@ import gc
 import json
 import logging
 import math
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -1021,11 +1020,13 @@ def _hold(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]
 
 
 def failure_kind(reason: str | None) -> str:
-    """A summary failure's reason as a metric label: the reason without its details (the part before
-    a parenthesis or a colon), so the label set stays small; the whole reason goes to the log."""
-    if not reason:
-        return "unknown"
-    return re.split(r"[(:]", reason, maxsplit=1)[0].strip()[:60] or "unknown"
+    """A summary failure's reason as a metric label: the reason without its details, so the label set
+    stays small (the whole reason goes to the log). The first clause that is words, not a name such as
+    the summarizer's ``openai:model``, up to a parenthesis."""
+    for clause in (reason or "").split(": "):
+        if " " in clause.strip():
+            return clause.split("(", 1)[0].strip()[:60] or "unknown"
+    return "unknown"
 
 
 def _max_reply_tokens(body: dict[str, Any]) -> int | None:
