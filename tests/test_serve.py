@@ -18,7 +18,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.sse import AnswerAssembler, SseReader
-from ctxfold.serve.testing import ScriptedUpstream
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
 from proxy_helpers import chat, post, start_proxy
 from subprocess_env import ctxfold_env
@@ -584,3 +584,34 @@ def test_a_pasted_file_larger_than_the_window_goes_upstream_as_a_marker(
         assert sent.startswith("[ctxfold archived id=") and len(sent) < 2000
     finally:
         srv.close()
+
+
+def _tools(n: int) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {
+        "name": f"tool_{k}", "description": f"Tool number {k}: looks things up in the catalogue " * 3,
+        "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "what to look up"},
+                                                        "limit": {"type": "integer"}}, "required": ["query"]}}}
+        for k in range(n)]
+
+
+def test_tools_added_after_the_first_request_are_counted(tmp_path: Path) -> None:
+    """80 tools arrive with the conversation's ninth request, when its history is already long: every
+    request that goes out still fits, counted with the tools it offers."""
+    from ctxfold.serve.testing import deepseek_counter
+
+    up = ScriptedUpstream(context_tokens=16_000, count_tokens=deepseek_counter())
+    with BackgroundServer(up.app()) as upstream_srv:
+        _, srv = start_proxy(upstream_srv.url, tmp_path / "data",
+                             compact=CompactConfig(context_tokens=16_000, reply_reserve_tokens=1024))
+        try:
+            turns: list[tuple[str, str]] = []
+            for k in range(24):
+                turns.append(("user", f"question {k}: " + "please read this section of the manual. " * 120))
+                body = chat(*turns, tools=_tools(80) if k >= 8 else [], max_tokens=256)
+                r = post(srv.url, body)
+                assert r.status_code == 200, r.text
+                turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
+        finally:
+            srv.close()
+    assert up.rejected_over_context == 0
+    assert max(up.prompt_tokens_seen) <= 16_000 - 256

@@ -52,7 +52,7 @@ from ctxfold.counting import TokenCounter, load_counter
 from ctxfold.errors import ArchiveError, NoFitError
 from ctxfold.kvplan import plan_kv_resync
 from ctxfold.ledger import SegmentFlag
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.session import Session, ViewEntry, history_dump_text
 from ctxfold.summarize import (
     FRAME_CLOSE,
@@ -273,6 +273,19 @@ class Compactor:
         """System + tools + view + queued messages + reply reserve, in tokens. O(len(queued))."""
         extra = sum(self.accounting.message_tokens(m) for m in queued)
         return self.accounting.total_tokens + extra + self.reply_reserve_tokens()
+
+    def update_tools(self, tools: Sequence[ToolSpec]) -> None:
+        """The tool definitions the next requests offer, where they differ from what the conversation
+        started with (a client that adds tools as it goes): counted from now on, in every occupancy,
+        trigger and guard decision. Recounts the request when they change; nothing when they do not."""
+        tools = tuple(tools)
+        with self._lock:
+            if tools == self.header.tools:
+                return
+            self.header = replace(self.header, tools=tools)
+            self._tools_bound = None
+            self._accounting.reset(self.header, self.view)
+            self._pending_bound_tokens = 0  # the reset counted the whole view
 
     def expect_reply(self, max_tokens: int | None) -> None:
         """The next requests' own limit on the answer (their ``max_tokens``), None where they give none:

@@ -317,6 +317,10 @@ def parse_tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
     return conv.tools
 
 
+# The recall tool as the proxy offers it, once the conversation has archived outputs.
+_RECALL_TOOL = parse_tools({"tools": [read_archive_tool_openai()]})
+
+
 def relayed_headers(pairs: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
     """The end-to-end headers of ``pairs`` (name, value), in order, repeated ones included: without
     hop-by-hop ones, those a ``Connection`` header names, and ``drop`` (lower-case names)."""
@@ -559,21 +563,29 @@ class ProxyApp:
         session = await self.sessions.find(key, parsed.system, parsed.messages)
         known = session.num_known if session is not None else 0
         new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
+        tools = parsed.body.get("tools") or []
+        has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
+                             for t in tools)
+        if session is None or tools != session.tools_wire:
+            # The tools this request offers, and the recall tool the proxy may add to them, are part of
+            # what goes upstream: counted with every request that changes them (one comparison when not).
+            specs = parse_tools(parsed.body) + (() if has_own_recall else _RECALL_TOOL)
         if session is None:
             # Built with the history at once, but the tool results that end the request go in through
             # append_tool_result, so the hard trigger sees them arrive as it would in a running session.
             k = len(new)
             while k > 0 and new[k - 1].role is Role.TOOL:
                 k -= 1
-            conv = Conversation(messages=new[:k], system=parsed.system, tools=parse_tools(parsed.body))
+            conv = Conversation(messages=new[:k], system=parsed.system, tools=specs)
             session = await self.sessions.create(key, conv)
             session.note_wire(parsed.messages)
+            session.tools_wire = tools
             new = new[k:]
         c = session.compactor
         c.expect_reply(_max_reply_tokens(parsed.body))  # before the quiet checks: the reserve is part of them
-        tools = parsed.body.get("tools") or []
-        has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
-                             for t in tools)
+        if tools != session.tools_wire:
+            c.update_tools(specs)
+            session.tools_wire = tools
         # Appended after the answer when nothing can change what this request sends (see _deferrable);
         # else before forwarding, on the loop when that is cheap, in a worker thread when not.
         inline = self._inline(c, new)

@@ -115,6 +115,7 @@ class ProxySession:
     calibration: float = 1.0  # upstream prompt tokens / ctxfold's estimate, smoothed (see ProxyApp)
     inject_recall: bool = False  # sticky: once the tool was offered, keep offering it (stable prompt prefix)
     recall_scanned: bool = False  # the view was searched for archive markers once since loading
+    tools_wire: Any = None  # the last request's "tools" as it sent them: counted again only when they change
 
     @property
     def num_known(self) -> int:
