@@ -526,7 +526,7 @@ class Compactor:
             if step == "archive_all":
                 event = self._archive_pass(stage="all", trigger="guard", reason=reason, guard_step=step)
             elif step == "oversized_message":
-                event, shown = self._archive_oversized_messages(ctx, turn_start, shown, reason)
+                event, shown = self._archive_oversized_messages(ctx, shown, reason)
             elif step == "fold_newest" and turn_start:
                 continue  # at a turn start what lies after the summary is the new request alone
             else:
@@ -579,7 +579,7 @@ class Compactor:
             preview = min(preview, self.context_tokens // 4)
         return preview * 3 // 5, preview * 2 // 5
 
-    def _archive_oversized_messages(self, ctx: int, turn_start: bool, queued: list[Message],
+    def _archive_oversized_messages(self, ctx: int, queued: list[Message],
                                     reason: str) -> tuple[CompactionEvent | None, list[Message]]:
         """The guard's "oversized_message" step: the largest tool results and user messages of the view
         and of ``queued`` (the newest request too: a huge pasted file, another agent's summary), largest
