@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -53,6 +54,31 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be 0 or a positive whole number")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free port)."""
+    from ctxfold.serve import PORT_RANGE
+
+    low, high = PORT_RANGE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number ({low} to {high})") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is outside the port range {low} to {high}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
     return value
 
 

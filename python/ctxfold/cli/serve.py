@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -32,7 +31,14 @@ or the port cannot be used, 4 tokenizer or package (the serve extra) unavailable
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ctxfold.cli._common import FORMATTER, non_negative_int, positive_int, wrap
+    from ctxfold.cli._common import (
+        FORMATTER,
+        non_negative_int,
+        port_number,
+        positive_int,
+        positive_seconds,
+        wrap,
+    )
     from ctxfold.serve import (
         DEFAULT_CLIENT_TIMEOUT_S,
         DEFAULT_MAX_BODY_BYTES,
@@ -107,31 +113,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="asyncio event loop: uvloop (faster; in the serve extra), asyncio, or auto: uvloop when "
                    "it is installed (default)")
     return p
-
-
-def port_number(text: str) -> int:
-    """A TCP port, 0 to 65535 (0: any free port)."""
-    from ctxfold.serve import PORT_RANGE
-
-    low, high = PORT_RANGE
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number ({low} to {high})") from None
-    if not low <= value <= high:
-        raise argparse.ArgumentTypeError(f"{value} is outside the port range {low} to {high}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
-    return value
 
 
 def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
