@@ -289,6 +289,24 @@ def test_a_compactor_writes_the_same_records_to_redis_as_to_its_session_dir(
     with pytest.raises(NoSuchSession):
         restore_from_store(redis_server.url, "nobody/0000")
 
+    # ctxfold restore --store: the same conversation as from the session directory, in the same shape.
+    from ctxfold.cli import main
+
+    assert main(["restore", str(tmp_path / "local"), "-o", str(tmp_path / "from-dir.json")]) == 0
+    assert main(["restore", "--store", redis_server.url, SID, "-o", str(tmp_path / "from-redis.json")]) == 0
+    from_dir = json.loads((tmp_path / "from-dir.json").read_text())
+    from_redis = json.loads((tmp_path / "from-redis.json").read_text())
+    assert from_redis["messages"][:-1] == from_dir["messages"] and len(from_dir["messages"]) > 10
+
+
+def test_restore_from_a_store_without_the_session_is_one_line(redis_server: RedisServer, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from ctxfold.cli import main
+
+    assert main(["restore", "--store", redis_server.url, "nobody/0000", "-o", str(tmp_path / "x.json")]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no session 'nobody/0000'" in err and "Traceback" not in err
+
 
 def test_the_local_store_reads_and_writes_todays_session_files(counter: TokenCounter, tmp_path: Path) -> None:
     conv = Conversation([], id="t", system=SYSTEM, tools=TOOLS)

@@ -179,6 +179,7 @@ class RedisStore:
         self._append = self.client.register_script(_APPEND)
         self._checkpoint = self.client.register_script(_CHECKPOINT)
         self._checked = False
+        self._listed: set[str] = set()  # session ids this client added to the index (once is enough)
         self.durability_warning: str | None = None  # the warning logged at the first connection, if any
 
     # -- keys -------------------------------------------------------------------------------------
@@ -269,20 +270,29 @@ class RedisStore:
     async def append(self, lease: Lease, batch: Batch) -> None:
         sid = lease.session_id
         batch_seqs_contiguous(batch.events)
-        for name, data in batch.blobs:
-            await self.put_blob(sid, name, data)
+        if self.blobs_url is not None:
+            for name, data in batch.blobs:
+                await self.put_blob(sid, name, data)
+        blobs = [] if self.blobs_url is not None else [(check_blob_name(n), d) for n, d in batch.blobs]
+        if blobs or sid not in self._listed:
+            # Blobs before the events that name them, so a separate round trip: a script in the same
+            # pipeline would run even where an HSET failed (out of memory), naming a dump not stored.
+            async def first() -> None:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.sadd(self._index, sid)  # listing only: harmless when the append then fails
+                    for name, data in blobs:
+                        pipe.hset(self._key(sid, "blobs"), name, data)
+                    await pipe.execute()
+
+            await self._call("writing blobs", first)
+            self._listed.add(sid)
         if not batch.events:
             return
         args: list[Any] = [lease.token]
         for e in batch.events:
             args += [event_seq(e), encode_event(e)]
         keys = [self._key(sid, "fence"), self._key(sid, "next"), self._key(sid, "ev")]
-
-        async def run() -> None:
-            await self.client.sadd(self._index, sid)  # listing only: harmless when the append then fails
-            await self._append(keys=keys, args=args)
-
-        await self._call("appending events", run)
+        await self._call("appending events", lambda: self._append(keys=keys, args=args))
 
     async def checkpoint(self, lease: Lease) -> int:
         stored = await self.read(lease.session_id)
