@@ -101,6 +101,12 @@ def test_events_read_back_in_order_and_a_replayed_batch_writes_nothing_twice(sto
             await store.append(lease, Batch(events=events_for(["late"], 50, 49)))
         assert (await store.read(SID)).next_seq == 42
         assert await store.exists(SID) and await store.sessions() == [SID]
+        for other in ("0123456789abcdef0123456789abcdef/0001", "0123456789abcdef0123456789abcdeg/0000", "z/0"):
+            lease2 = await store.acquire(other, owner="a")
+            assert lease2 is not None
+            await store.append(lease2, Batch(events=(header_event(),)))
+        assert await store.sessions(SID.split("/")[0] + "/") == [SID, "0123456789abcdef0123456789abcdef/0001"]
+        assert len(await store.sessions()) == 4 and await store.sessions("z") == ["z/0"]
         assert not await store.exists("other/0000") and (await store.read("other/0000")).events == []
 
     with_store(store_url, body)

@@ -9,7 +9,8 @@ may touch them all)::
     <prefix>:{<session id>}:fence   the last fencing token granted (INCR)
     <prefix>:{<session id>}:lease   "<owner>|<token>", SET NX PX <ttl>
     <prefix>:{<session id>}:blobs   a Hash: blob name -> bytes (unless blobs=<fsspec URL>)
-    <prefix>:sessions               a Set of the session ids (for listing and restore)
+    <prefix>:sessions               a sorted Set of the session ids, all scored 0: listed by prefix (a
+                                    conversation key's sessions) with ZRANGE BYLEX, in O(log n + found)
 
 Every write of a lease holder runs as one Lua script that first compares the holder's token with the
 session's fence and refuses the write when a later token was granted: a holder that stalled past its
@@ -238,7 +239,9 @@ class RedisStore:
         return bool(n)
 
     async def sessions(self, prefix: str = "") -> list[str]:
-        members = await self._call("listing sessions", lambda: self.client.smembers(self._index))
+        # Session ids are ASCII (check_session_id), so "\x7f" sorts after every id that starts with prefix.
+        members = await self._call("listing sessions", lambda: self.client.zrangebylex(
+            self._index, f"[{prefix}", f"({prefix}\x7f" if prefix else "+"))
         ids = (m.decode() if isinstance(m, bytes) else str(m) for m in members)
         return sorted(i for i in ids if i.startswith(prefix))
 
@@ -279,7 +282,7 @@ class RedisStore:
             # pipeline would run even where an HSET failed (out of memory), naming a dump not stored.
             async def first() -> None:
                 async with self.client.pipeline(transaction=False) as pipe:
-                    pipe.sadd(self._index, sid)  # listing only: harmless when the append then fails
+                    pipe.zadd(self._index, {sid: 0})  # listing only: harmless when the append then fails
                     for name, data in blobs:
                         pipe.hset(self._key(sid, "blobs"), name, data)
                     await pipe.execute()
