@@ -504,3 +504,66 @@ def test_store_urls() -> None:
         open_store("redis://127.0.0.1:1/0?durability=sometimes")
     with pytest.raises(ValueError, match="expected a directory"):
         open_store("s3://bucket/x")
+
+
+STALLED_WRITER = """
+import asyncio, sys, time
+from pathlib import Path
+from ctxfold.store import Batch, LeaseLost
+from ctxfold.store.redis_store import RedisStore
+
+async def main() -> None:
+    store = RedisStore(sys.argv[1])
+    lease = await store.acquire(sys.argv[2], owner="stalled", ttl_ms=200)
+    await store.append(lease, Batch(events=({"seq": 0, "type": "header", "version": 1, "conversation": {}},)))
+    print("holding", lease.token, flush=True)
+    while not Path(sys.argv[3]).exists():  # the compaction it is in the middle of
+        time.sleep(0.01)
+    try:
+        await store.append(lease, Batch(events=({"seq": 1, "type": "state", "state": {"stale": True}},)))
+        print("written", flush=True)
+    except LeaseLost:
+        print("refused", flush=True)
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_replica_stopped_with_sigstop_is_refused_when_it_resumes(redis_server: RedisServer, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from subprocess_env import ctxfold_env
+
+    flag = tmp_path / "go"
+    with subprocess.Popen([sys.executable, "-c", STALLED_WRITER, redis_server.url, SID, str(flag)],
+                          stdout=subprocess.PIPE, text=True, env=ctxfold_env()) as proc:
+        assert proc.stdout is not None
+        old_token = int(proc.stdout.readline().split()[1])
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            async def take_over() -> int:
+                store = RedisStore(redis_server.url)
+                try:
+                    deadline = asyncio.get_running_loop().time() + 10
+                    while (lease := await store.acquire(SID, owner="new", ttl_ms=10_000)) is None:
+                        assert asyncio.get_running_loop().time() < deadline, "the stopped holder's lease never expired"
+                        await asyncio.sleep(0.05)
+                    await store.append(lease, Batch(events=(append_event(1, 0, "the new holder's"),)))
+                    return lease.token
+                finally:
+                    await store.close()
+
+            assert run(take_over()) > old_token
+            flag.touch()
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+    assert out.strip() == "refused" and proc.returncode == 0
+
+    async def check(store: Store) -> list[str]:
+        return [e["type"] for e in (await store.read(SID)).events]
+
+    assert with_store(redis_server.url, check) == ["header", "append"]
