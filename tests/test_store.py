@@ -392,6 +392,30 @@ def test_writes_spool_while_redis_is_down_and_replay_in_order(redis_server: Redi
     run(body())
 
 
+def test_taking_the_lease_again_replays_the_spool_under_the_old_token_first(redis_server: RedisServer,
+                                                                          tmp_path: Path) -> None:
+    """A replica whose lease ran out while Redis was down takes it again: its spooled writes go first,
+    under their old token, which the new grant would otherwise fence out."""
+    async def body() -> None:
+        store = SpoolingStore(RedisStore(redis_server.url), tmp_path / "spool")
+        lease = await store.acquire(SID, owner="a", ttl_ms=100)
+        assert lease is not None
+        await store.append(lease, Batch(events=(header_event(),)))
+        redis_server.stop()
+        with pytest.raises(Spooled):
+            await store.append(lease, Batch(events=events_for(["while down"])))
+        redis_server.start()
+        await asyncio.sleep(0.15)
+        again = await store.acquire(SID, owner="a", ttl_ms=100)
+        assert again is not None and again.token > lease.token and store.num_pending == 0
+        await store.append(again, Batch(events=events_for(["after"], 2, 1)))
+        assert [e.get("message", {}).get("content") for e in (await store.read(SID)).events] == [
+            None, "while down", "after"]
+        await store.close()
+
+    run(body())
+
+
 def test_a_full_spool_keeps_nothing_more_and_says_so(redis_server: RedisServer, tmp_path: Path) -> None:
     async def body() -> None:
         store = SpoolingStore(RedisStore(redis_server.url), tmp_path / "spool", max_bytes=600)

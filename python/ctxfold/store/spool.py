@@ -209,6 +209,10 @@ class SpoolingStore:
         return await self.inner.get_blob(session_id, name)
 
     async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS) -> Lease | None:
+        """The lease; what the spool holds of the session is replayed first, under the tokens it was
+        written with, which a new grant would fence out (this replica's own writes among them)."""
+        if self._pending_for(session_id):
+            await self.replay(force=True)
         return await self.inner.acquire(session_id, owner=owner, ttl_ms=ttl_ms)
 
     async def renew(self, lease: Lease) -> bool:
