@@ -258,8 +258,11 @@ def test_a_compactor_writes_the_same_records_to_redis_as_to_its_session_dir(
         stored = await store.read(SID)
         records = [e for _, e in Session(tmp_path / "local").iter_events()]
         assert stored.events == records
-        for name in sorted(os.listdir(tmp_path / "local" / "history")):
-            assert await store.get_blob(SID, f"history/{name}") == (tmp_path / "local" / "history" / name).read_bytes()
+        for folder in ("history", "archive"):  # dumps, and the archive the compactor wrote through the buffer
+            names = sorted(os.listdir(tmp_path / "local" / folder))
+            assert names
+            for name in names:
+                assert await store.get_blob(SID, f"{folder}/{name}") == (tmp_path / "local" / folder / name).read_bytes()
 
         # Resume from the store: a new compactor over the stored records.
         resumed = make_compactor(counter, Conversation([]), session_log=BufferedLog(SID, stored))
