@@ -78,3 +78,92 @@ def proxy(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> Iterator[tu
         yield p, srv.url
     finally:
         srv.close()
+
+
+# -- a real redis-server on loopback, for the session store's tests ---------------------------------------
+# Debian's redis-server (CI installs it: .ci/run). Each test gets a server of its own in its own
+# directory, so a test may stop, kill and restart it. Without the binary the tests skip, unless
+# CTXFOLD_REQUIRE_REDIS=1 (CI), where a missing server fails them.
+
+import shutil  # this section's own imports, kept with it (merges stay local)
+import socket
+import subprocess
+import time
+
+REQUIRE_REDIS = os.environ.get("CTXFOLD_REQUIRE_REDIS", "") not in ("", "0")
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1: AOF on, fsynced on every write, no RDB snapshots."""
+
+    def __init__(self, binary: str, folder: Path) -> None:
+        self.binary = binary
+        self.dir = folder
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.extra: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, *extra: str) -> None:
+        """Start it (again: the same port and directory, so it reads its append-only file back)."""
+        if extra:
+            self.extra = extra
+        if not self.port:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - the process writes it until stopped
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+             "--appendfsync", "always", "--dir", str(self.dir), *self.extra],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                                   f"{(self.dir / 'server.log').read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(64).startswith(b"+PONG"):  # not -LOADING: the AOF is read back
+                        return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer within 20 s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no last write; what it acknowledged must be in its append-only file."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=20)
+        self.proc = None
+
+
+@pytest.fixture()
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server for the test; skips without the binary (fails with CTXFOLD_REQUIRE_REDIS=1)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not on PATH (Debian: apt-get install redis-server)"
+        if REQUIRE_REDIS:
+            pytest.fail(f"{message} (CTXFOLD_REQUIRE_REDIS is set, so this is a failure)", pytrace=False)
+        pytest.skip(message)
+    folder = tmp_path / "redis"
+    folder.mkdir()
+    server = RedisServer(binary, folder)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

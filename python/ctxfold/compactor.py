@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -67,6 +67,8 @@ from ctxfold.summarize import (
 from ctxfold.tail import SegmentTail, select_tail_from_ledger, widen_tail, widened_preview_chars
 from ctxfold.templates import ChatTemplate
 
+if TYPE_CHECKING:
+    from ctxfold.store.buffer import BufferedLog
 
 class Observer(Protocol):
     """Hooks for user interfaces. Every method is optional to implement (see NullObserver)."""
@@ -176,6 +178,7 @@ class Compactor:
         template: ChatTemplate | None = None,
         summarizer: Summarizer | None = None,
         session_dir: str | Path | None = None,
+        session_log: BufferedLog | None = None,
         store: ArchiveStore | None = None,
         durable: bool = True,
         fsync_appends: bool = True,
@@ -220,13 +223,18 @@ class Compactor:
         self._answer_tokens: list[int] = []  # tokens of each answer so far, sorted (the reserve's percentile)
         self._max_reply_tokens: int | None = None  # the current request's own max_tokens, where it gave one
 
-        self.session: Session | None = None
+        # The event log: a session directory, or a buffer a session store commits (ctxfold.store.buffer).
+        self.session: Session | BufferedLog | None = session_log
         if session_dir is not None:
+            if session_log is not None:
+                raise ValueError("give session_dir or session_log, not both")
             self.session = Session(session_dir, durable=durable, fsync_appends=fsync_appends)
         # The archive: given (shared by several sessions, or on object storage), else the session's
-        # own directory, else memory.
+        # own directory (or the store's, through the buffer), else memory.
         if store is None:
-            store = ArchiveStore(self.session.archive_dir if self.session is not None else MemoryBackend())
+            store = ArchiveStore(self.session.archive_dir if isinstance(self.session, Session)
+                                 else self.session.archive_backend() if self.session is not None
+                                 else MemoryBackend())
         self.store = store
 
         if self.session is not None and self.session.exists():

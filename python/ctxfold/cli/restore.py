@@ -33,6 +33,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="where to write ('-' for stdout)")
     p.add_argument("--to", choices=EXPORT_FORMATS, default="openai", dest="output_format",
                    help="output shape (default: openai)")
+    p.add_argument("--store", metavar="URL", help="read the session from this session store (redis://..., "
+                   "valkey://...): SESSION_DIR is then the session's id in it")
     return p
 
 
@@ -40,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
     from ctxfold.formats import dumps
     from ctxfold.session import Session
 
+    if args.store is not None:
+        from ctxfold.store import restore_from_store
+
+        write_output(args.output, dumps(restore_from_store(args.store, args.session_dir), args.output_format,
+                                        indent=1) + "\n")
+        return EXIT_OK
     root = Path(args.session_dir)
     if not root.is_dir():
         raise CommandError(f"{root}: no such directory; expected a session directory kept with --session-dir",

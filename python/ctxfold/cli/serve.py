@@ -109,6 +109,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-loaded-conversations", type=positive_int, default=DEFAULT_MAX_LOADED_CONVERSATIONS, metavar="N",
                    help="conversations kept in memory with their event logs open; the least recently used beyond "
                    f"are closed and read back from --data-dir when they return (default {DEFAULT_MAX_LOADED_CONVERSATIONS})")
+    p.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                   help="worker processes accepting on one listening socket (default 1); more than one needs "
+                   "a shared session store, since each worker's sessions must be every worker's")
     p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="asyncio event loop: uvloop (faster; in the serve extra), asyncio, or auto: uvloop when "
                    "it is installed (default)")
@@ -130,6 +133,18 @@ def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
         raise CommandError("--summarizer config: reads the summarizer section of --config FILE; add --config, "
                            "or choose --summarizer upstream or extractive", EXIT_USAGE)
     check_settings(args, compact)
+    check_workers(args.workers, getattr(args, "store", None))
+
+
+def check_workers(workers: int, store: str | None) -> None:
+    """Several workers serve any request of any conversation, so they must share the sessions: a local
+    data directory is one process's (its locks and loaded sessions live in that process's memory)."""
+    from ctxfold.cli import EXIT_USAGE, CommandError
+    from ctxfold.store import is_shared_url
+
+    if workers > 1 and (store is None or not is_shared_url(store)):
+        raise CommandError(f"--workers {workers}: several worker processes need a shared session store "
+                           "(Redis or Valkey); a --data-dir serves one process, so run --workers 1", EXIT_USAGE)
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -171,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
 
     loop_factory = event_loop_factory(args.event_loop)
     try:
+        if args.workers > 1:
+            return serve_workers(config, args.host, args.port, args.workers, ready=ready, loop_factory=loop_factory)
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(serve(config, args.host, args.port, ready=ready, stop_on_signals=True))
     except KeyboardInterrupt:
@@ -184,6 +201,68 @@ def run(args: argparse.Namespace) -> int:
                                "choose another port, or --port 0 for any free one", EXIT_INPUT) from exc
         raise
     return 0
+
+
+def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Callable[[str], None] | None = None,
+                  loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
+    """Run ``workers`` processes of the proxy, all accepting on one listening socket that this process
+    binds before it forks them (so ``--port 0`` gives them all one port, and no connection is refused
+    while they start: the kernel queues it until one accepts). Each worker has its own event loop and
+    its own proxy; the kernel hands each new connection to one of them. SIGTERM or SIGINT here stops them
+    all (exit 0); a worker that exits on its own stops the others, and the exit code says so (1), so that
+    a supervisor restarts the whole pool rather than leaving it short. POSIX only (fork)."""
+    import signal
+    import socket
+    import traceback
+
+    from ctxfold.serve.app import serve
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=1024)
+    bound = sock.getsockname()[1]
+    pids: list[int] = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # the worker: serve until told to stop, and never return into the parent's code
+            code = 0
+            try:
+                with asyncio.Runner(loop_factory=loop_factory) as runner:
+                    runner.run(serve(config, host, port, stop_on_signals=True, sock=sock))
+            except KeyboardInterrupt:
+                pass
+            except BaseException:  # noqa: BLE001 - the worker's last word, then its exit code
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    sock.close()  # the workers hold it; the parent only waits
+    stopping = False
+
+    def stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    if ready is not None:
+        ready(f"http://{host}:{bound} ({workers} workers)")
+    code = 0
+    while pids:
+        pid, status = os.wait()
+        pids.remove(pid)
+        if not stopping:
+            print(f"ctxfold serve: worker {pid} exited ({os.waitstatus_to_exitcode(status)}); stopping the others",
+                  file=sys.stderr, flush=True)
+            code = 1
+            stop(signal.SIGTERM, None)
+    return code
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -32,6 +32,7 @@ import gc
 import json
 import logging
 import math
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -1124,31 +1125,39 @@ class _Gate(asyncio.Protocol):
 
 
 class BoundedSite(web.TCPSite):
-    """aiohttp's TCP site with at most ``max_connections`` client connections open at once."""
+    """aiohttp's TCP site with at most ``max_connections`` client connections open at once. With
+    ``sock``, it accepts on that listening socket (bound by a parent, shared by several workers)."""
 
-    __slots__ = ("factory", "max_connections", "open_connections", "refused")
+    __slots__ = ("factory", "max_connections", "open_connections", "refused", "sock")
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int,
+                 sock: socket.socket | None = None) -> None:
         super().__init__(runner, host, port, reuse_address=True)
         self.max_connections = max_connections
         self.open_connections = 0
         self.refused = 0  # connections answered 503 since the start
         self.factory: Callable[[], asyncio.Protocol] | None = None
+        self.sock = sock
 
     async def start(self) -> None:
         await super(web.TCPSite, self).start()  # BaseSite's: TCPSite's would build a server of its own
         self.factory = self._runner.server
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Gate(self), self._host, self._port,
-                                                backlog=self._backlog, reuse_address=True)
+        if self.sock is not None:
+            self._server = await loop.create_server(lambda: _Gate(self), sock=self.sock, backlog=self._backlog)
+        else:
+            self._server = await loop.create_server(lambda: _Gate(self), self._host, self._port,
+                                                    backlog=self._backlog, reuse_address=True)
         sockets = getattr(self._server, "sockets", None) or []
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
 
 
 async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,
-                stop_on_signals: bool = False) -> None:
+                stop_on_signals: bool = False, sock: socket.socket | None = None) -> None:
     """Run the proxy until cancelled (or SIGTERM/SIGINT with ``stop_on_signals``, from the main thread).
-    ``ready`` gets the URL once the port accepts connections. Stopping closes the session logs."""
+    ``ready`` gets the URL once the port accepts connections. Stopping closes the session logs. With
+    ``sock`` (a bound socket), accept on it instead of binding ``host``:``port`` (``ctxfold serve
+    --workers``: several processes accept on one socket)."""
     stop = asyncio.Event()
     if stop_on_signals:
         import signal
@@ -1160,7 +1169,7 @@ async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[s
     runner = make_runner(proxy)
     await runner.setup()
     try:
-        site = BoundedSite(runner, host, port, max_connections=config.max_connections)
+        site = BoundedSite(runner, host, port, max_connections=config.max_connections, sock=sock)
         await site.start()
         bound = site.port
         # What startup built (modules, tokenizer tables, the app) lives as long as the process: frozen,

@@ -1,0 +1,174 @@
+"""What a session needs from durable storage, whatever keeps it.
+
+A store holds, per session (an id such as ``<key digest>/0003``):
+
+- its **events**, one record per event, in ``seq`` order (:mod:`ctxfold.store.events`): appended, read
+  back in order for resume and restore;
+- a **checkpoint**: the fold of the events so far (header, originals, last view, state), after which the
+  events it covers are trimmed;
+- **blobs**: history dumps and archived tool outputs, by a relative name (``history/<file>.jsonl``,
+  ``archive/<sha256>.txt``). Blob names carry their content's digest, so a blob written twice, or by a
+  writer that lost its lease, is the same bytes or a name nothing refers to: blobs need no fencing, and
+  a batch writes its blobs before the events that name them (write-ahead, as the local log does);
+- a **lease** per session: held by one writer at a time for ``ttl_ms``, renewed while it works, and
+  carrying a **fencing token** that grows with every grant. Every event write names the token it holds
+  and the store refuses it (:class:`LeaseLost`) once a later token was granted, so a writer that stalled
+  past its lease (a long pause, SIGSTOP) cannot write after another took over.
+
+Every method is a coroutine: the proxy calls them on its event loop. The compactor is synchronous and
+may run in a worker thread; it writes to a :class:`ctxfold.store.buffer.BufferedLog`, whose batch the
+proxy commits with one :meth:`Store.append` before it answers (see that module for why).
+
+Errors: :class:`StoreUnavailable` when the store cannot be reached or fails part way (the caller passes
+the request through uncompacted, with a warning header); :class:`LeaseLost` when a write is refused by its
+fencing token (the caller drops its in-memory session and loads it again); ``FormatError`` for a record
+that cannot be read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ctxfold.errors import CtxfoldError
+from ctxfold.store.events import Event
+
+# A session id: path-like segments of safe characters. The local store makes directories of them and
+# Redis puts them inside key names, so nothing else may appear (no "..", no separators of other kinds).
+_SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}"
+SESSION_ID_PATTERN = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT}){{0,3}}")
+# Blob names: a history dump or an archived output, each named by (a prefix of) its content digest.
+BLOB_NAME_PATTERN = re.compile(r"(?:history/[0-9]{6}-[0-9a-f]{16}\.jsonl|archive/[0-9a-f]{64}\.txt)")
+
+DEFAULT_LEASE_MS = 30_000
+
+
+class StoreError(CtxfoldError):
+    """A session store could not do what was asked."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached, or failed part way through a request: nothing after the failure is
+    known to be written. The proxy passes the request through uncompacted and says so in a header."""
+
+
+class SpoolFull(StoreUnavailable):
+    """The store is unavailable and the local spool that keeps unwritten batches is at its bound."""
+
+
+class NoSuchSession(StoreError):
+    """The store holds no session by that id."""
+
+
+class LeaseLost(StoreError):
+    """A write was refused: another writer was granted the session's lease after this one (a later
+    fencing token), or the lease is held by another writer. The session must be loaded again."""
+
+
+def check_session_id(session_id: str) -> str:
+    if not isinstance(session_id, str) or SESSION_ID_PATTERN.fullmatch(session_id) is None or ".." in session_id:
+        raise ValueError(f"session id {session_id!r}: expected up to 4 '/'-separated names of letters, digits, "
+                         "'.', '_' and '-'")
+    return session_id
+
+
+def check_blob_name(name: str) -> str:
+    if not isinstance(name, str) or BLOB_NAME_PATTERN.fullmatch(name) is None:
+        raise ValueError(f"blob name {name!r}: expected history/NNNNNN-<16 hex>.jsonl or archive/<sha256>.txt")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The right to write one session, until ``ttl_ms`` after the last grant or renewal."""
+
+    session_id: str
+    token: int  # the fencing token: greater than every token granted before for this session
+    owner: str  # who holds it (host:pid:random), for messages and for release
+    ttl_ms: int  # how long a grant or renewal lasts
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """What one request wrote to a session: blobs first, then events (contiguous ``seq``), all or none."""
+
+    blobs: tuple[tuple[str, bytes], ...] = ()  # (blob name, bytes)
+    events: tuple[Event, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.blobs or self.events)
+
+
+@dataclass(slots=True)
+class StoredSession:
+    """A session as read back: the checkpoint's records followed by the events after it, in ``seq``
+    order (exactly what :func:`ctxfold.store.events.load_events` takes)."""
+
+    session_id: str
+    events: list[Event] = field(default_factory=list)
+    checkpoint_seq: int = -1  # the last seq the checkpoint covers; -1: none yet
+
+    @property
+    def next_seq(self) -> int:
+        return int(self.events[-1]["seq"]) + 1 if self.events else 0
+
+
+class Store(Protocol):
+    """A session store. See the module docstring for the contract."""
+
+    url: str  # printable location (no password)
+    shared: bool  # several processes may use it at once (the local directory: one process only)
+
+    async def exists(self, session_id: str) -> bool: ...
+
+    async def sessions(self, prefix: str = "") -> list[str]:
+        """The ids of the stored sessions that start with ``prefix``, sorted."""
+        ...
+
+    async def read(self, session_id: str) -> StoredSession:
+        """The checkpoint and every event after it, in order, read at one instant. An unknown session
+        reads as no events."""
+        ...
+
+    async def append(self, lease: Lease, batch: Batch) -> None:
+        """Write ``batch``'s blobs, then its events, in order, one record per event. Events whose seq is
+        already stored are skipped (a batch replayed from the spool after a lost reply writes nothing
+        twice); a seq past the next one expected is refused (ValueError: a gap). LeaseLost when a later
+        token was granted."""
+        ...
+
+    async def checkpoint(self, lease: Lease) -> int:
+        """Fold the stored events into the checkpoint and trim the events it covers; returns the last
+        seq it covers (-1 when there is nothing)."""
+        ...
+
+    async def put_blob(self, session_id: str, name: str, data: bytes) -> None: ...
+
+    async def get_blob(self, session_id: str, name: str) -> bytes:
+        """FileNotFoundError when absent."""
+        ...
+
+    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS) -> Lease | None:
+        """The session's lease with a new fencing token, or None while another holder's lease runs."""
+        ...
+
+    async def renew(self, lease: Lease) -> bool:
+        """Extend the lease by its ttl; False when it expired and someone else holds it (or nobody does
+        and it must be acquired again)."""
+        ...
+
+    async def release(self, lease: Lease) -> None:
+        """Give the lease up now, if still held by ``lease`` (the next acquirer gets a later token)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def batch_seqs_contiguous(events: Sequence[Event]) -> None:
+    """ValueError unless the events' seqs are contiguous and increasing."""
+    for a, b in itertools.pairwise(events):
+        if int(b["seq"]) != int(a["seq"]) + 1:
+            raise ValueError(f"batch events are not contiguous: seq {a['seq']} then {b['seq']}")
