@@ -123,6 +123,9 @@ class ScriptedUpstream:
         self.rejected_over_context = 0
         self.in_flight = 0  # completions being answered now
         self.max_in_flight = 0
+        # Completions whose client (the proxy) closed the connection before the answer ended: the
+        # scripted engine notices while it waits (delay_s, stall_s) and stops, as a real one would.
+        self.abandoned = 0
 
     # -- answers -------------------------------------------------------------------------------------
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -173,8 +176,8 @@ class ScriptedUpstream:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        if self.delay_s and not await self._wait(request, self.delay_s):
+            return web.Response(status=499)
         if self.fail_status is not None and self.fail_count > 0:
             self.fail_count -= 1
             return web.json_response({"error": {"message": "scripted failure", "type": "server_error"}},
@@ -205,6 +208,17 @@ class ScriptedUpstream:
             self.sent.append(raw)
             return web.Response(body=raw, content_type="application/json", headers=self.answer_headers)
         return await self._stream(request, body, answer, cid, created, finish, usage)
+
+    async def _wait(self, request: web.Request, seconds: float) -> bool:
+        """Sleep ``seconds``; False (and counted in :attr:`abandoned`) as soon as the client has closed
+        the connection."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.02))
+            if request.transport is None or request.transport.is_closing():
+                self.abandoned += 1
+                return False
+        return True
 
     async def _stream(self, request: web.Request, body: dict[str, Any], answer: dict[str, Any], cid: str,
                       created: int, finish: str, usage: dict[str, Any]) -> web.StreamResponse:
@@ -248,7 +262,8 @@ class ScriptedUpstream:
                     return resp
                 if self.stall_after_chunks is not None and n == self.stall_after_chunks:
                     self.stall_after_chunks = None
-                    await asyncio.sleep(self.stall_s)
+                    if not await self._wait(request, self.stall_s):
+                        return resp
                 await resp.write(data)
             await resp.write_eof()
         except ConnectionError:
@@ -262,9 +277,11 @@ class BackgroundServer:
     ``with BackgroundServer(app) as srv: srv.url`` -- the port is chosen by the OS.
     """
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1") -> None:
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", **runner_options: Any) -> None:
         self.app = app
         self.host = host
+        # The AppRunner's options (the proxy's own: ctxfold.serve.app.runner_options).
+        self.runner_options = {"access_log": None, "handle_signals": False, **runner_options}
         self.url = ""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="ctxfold-test-server", daemon=True)
@@ -284,7 +301,7 @@ class BackgroundServer:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(self.app, **self.runner_options)
         await runner.setup()
         site = web.TCPSite(runner, self.host, 0)
         await site.start()
