@@ -3,22 +3,27 @@ for summaries, an upstream that refuses a prompt as too long."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from ctxfold.serve import ProxyApp
-from ctxfold.serve.testing import ScriptedUpstream
+from ctxfold.config import CompactConfig
+from ctxfold.serve import ProxyApp, ProxyConfig
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
-from proxy_helpers import chat, post
+from proxy_helpers import chat, post, serve_in_background, start_proxy
 
 
-def _wait_for(check: object, timeout_s: float = 5.0) -> float:
+def _wait_for(check: Callable[[], bool], timeout_s: float = 5.0) -> float:
     """Seconds until ``check()`` is true (fails after ``timeout_s``)."""
     t0 = time.monotonic()
-    while not check():  # type: ignore[operator]
+    while not check():
         assert time.monotonic() - t0 < timeout_s, "condition not reached in time"
         time.sleep(0.01)
     return time.monotonic() - t0
@@ -53,3 +58,117 @@ def test_a_client_that_leaves_cancels_the_upstream_call_and_frees_its_conversati
     assert len(sessions) == 1
     texts = [m.text for m in Session(sessions[0]).restore().messages]
     assert texts[:3] == ["a slow question", "never mind", "next"]
+
+
+# -- summaries through the proxy's own client --------------------------------------------------------
+
+def _summarizing_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp, BackgroundServer]:
+    """A proxy whose summaries are written by the upstream, in a window small enough for one to fire."""
+    cfg = ProxyConfig(upstream=upstream_url, data_dir=data_dir, compact=CompactConfig(context_tokens=4096),
+                      summarizer="upstream", fsync="never", **kw)
+    proxy = ProxyApp(cfg)
+    return proxy, serve_in_background(proxy).__enter__()
+
+
+def _talk_until_a_summary(url: str, up: ScriptedUpstream, headers: dict[str, str]) -> None:
+    turns: list[tuple[str, str]] = []
+    for k in range(40):
+        turns.append(("user", f"question {k}: " + "tell me more about the build " * 40))
+        r = post(url, chat(*turns), headers=headers)
+        assert r.status_code == 200, r.text
+        turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
+        if up.summary_authorizations:
+            return
+    raise AssertionError("no summary was asked for")
+
+
+@pytest.mark.parametrize("configured_key", [None, "sk-summaries"])
+def test_summaries_go_with_the_clients_key_or_the_configured_one(upstream: tuple[ScriptedUpstream, str],
+                                                                tmp_path: Path, configured_key: str | None) -> None:
+    up, url = upstream
+    up.api_keys = {"sk-client", "sk-summaries"}
+    proxy, srv = _summarizing_proxy(url, tmp_path / "data", summary_api_key=configured_key)
+    try:
+        _talk_until_a_summary(srv.url, up, {"Authorization": "Bearer sk-client"})
+        _wait_for(lambda: proxy.sessions.num_locked == 0)
+        assert up.summary_authorizations[0] == f"Bearer {configured_key or 'sk-client'}"
+        assert proxy.metrics.summary_fallbacks.values_total() == 0
+        assert proxy.metrics.compactions.values_total() >= 1
+    finally:
+        srv.close()
+
+
+def test_a_failed_summary_is_logged_and_counted_by_its_reason(upstream: tuple[ScriptedUpstream, str],
+                                                               tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    up, url = upstream
+    up.api_keys = {"sk-client"}
+    proxy, srv = _summarizing_proxy(url, tmp_path / "data", summary_api_key="sk-revoked")
+    try:
+        with caplog.at_level(logging.WARNING, logger="ctxfold.serve"):
+            _talk_until_a_summary(srv.url, up, {"Authorization": "Bearer sk-client"})
+            _wait_for(lambda: proxy.sessions.num_locked == 0)
+        assert proxy.metrics.summary_fallbacks.get("HTTP 401") >= 1
+        assert any("extractive fallback" in r.message and "401" in r.message and "Incorrect API key" in r.message
+                   for r in caplog.records)
+        assert "sk-revoked" not in caplog.text
+    finally:
+        srv.close()
+
+
+# -- an upstream that refuses a prompt as too long -----------------------------------------------------
+
+@pytest.mark.parametrize(("style", "stream"), [("openai", False), ("vllm", True), ("llama.cpp", False)])
+def test_a_prompt_the_upstream_finds_too_long_is_compacted_further_and_sent_once_more(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path, style: str, stream: bool) -> None:
+    up, url = upstream
+    # The upstream's window is a third of what the proxy was told: its requests will be refused.
+    up.context_tokens, up.too_long_style = 3000, style
+    proxy, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=9000))
+    try:
+        turns: list[tuple[str, str]] = []
+        for k in range(14):
+            turns.append(("user", f"question {k}: " + "tell me more about the build " * 40))
+            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=chat(*turns, stream=stream),
+                              timeout=30) as r:
+                raw = b"".join(r.iter_raw())
+            assert r.status_code == 200, raw  # the client sees one answer, never the refusal
+            events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+            if stream:
+                answer = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events
+                                 if json.loads(e[6:])["choices"])
+            else:
+                answer = json.loads(raw)["choices"][0]["message"]["content"]
+            assert answer.startswith(f"echo: question {k}:")
+            turns.append(("assistant", answer))
+        assert up.rejected_over_context >= 1
+        assert proxy.metrics.upstream_errors.get("context_length_exceeded") == up.rejected_over_context
+        # Once refused, the conversation aims lower: each refusal is followed by an accepted retry.
+        assert up.rejected_over_context <= 2
+    finally:
+        srv.close()
+
+
+def test_another_400_reaches_the_client_as_it_came_and_is_not_retried(upstream: tuple[ScriptedUpstream, str],
+                                                                      proxy: tuple[ProxyApp, str]) -> None:
+    up, _ = upstream
+    up.fail_status, up.fail_count = 400, 1
+    r = post(proxy[1], chat(("user", "hi")))
+    assert r.status_code == 400 and r.json()["error"]["message"] == "scripted failure"
+    assert len(up.received) == 1
+
+
+def test_the_summary_key_comes_from_the_environment_and_never_shows(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path) -> None:
+    from ctxfold.cli import build_parser, main
+    from ctxfold.cli.serve import build_config
+
+    argv = ["serve", "--upstream", "http://127.0.0.1:9/v1", "--data-dir", str(tmp_path / "d"),
+            "--summary-api-key-env", "CTXFOLD_TEST_SUMMARY_KEY"]
+    monkeypatch.delenv("CTXFOLD_TEST_SUMMARY_KEY", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CTXFOLD_TEST_SUMMARY_KEY" in err and "not set" in err
+    monkeypatch.setenv("CTXFOLD_TEST_SUMMARY_KEY", "sk-secret-summaries")
+    config = build_config(build_parser().parse_args(argv))
+    assert config.summary_api_key == "sk-secret-summaries" and "sk-secret" not in repr(config)

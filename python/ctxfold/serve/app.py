@@ -65,6 +65,7 @@ from ctxfold.serve.sessions import (
     fingerprint_wire,
     session_key,
 )
+from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
 
 # Re-exported: the names the proxy's users and tests have imported from here.
@@ -113,6 +114,7 @@ class ProxyApp:
                                      max_loaded_keys=config.max_loaded_conversations,
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None)
         self._upstream: UpstreamClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: upstream summaries are asked on it
         self.compaction = CompactionStep(config, self.metrics)
         self.forwarder = Forwarder(config, self.metrics, self._client)
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
@@ -125,12 +127,12 @@ class ProxyApp:
 
             summarizer = make_summarizer(self.config.compact)
         elif self.config.summarizer == "upstream":
-            from ctxfold.summarize import OpenAICompatibleSummarizer
+            from ctxfold.serve.summaries import UpstreamSummarizer
 
             model = self.config.summary_model or self._models.get(path.parent.name) or "default"
-            summarizer = OpenAICompatibleSummarizer(self.config.base_url, model,
-                                                    connect_timeout_s=self.config.connect_timeout_s,
-                                                    timeout_s=self.config.compact.summary.timeout_s)
+            summarizer = UpstreamSummarizer(self.config.base_url, model, loop=lambda: self._loop, client=self._client,
+                                            api_key=self.config.summary_api_key,
+                                            timeout_s=self.config.compact.summary.timeout_s)
         # One archive per key, shared by the sessions a key forks into: they share their early history,
         # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
         # With archive_url, replicas share it through object storage; event logs stay on local disk.
@@ -163,6 +165,7 @@ class ProxyApp:
         return self._upstream
 
     async def _startup(self, app: web.Application) -> None:
+        self._loop = asyncio.get_running_loop()
         self._upstream = UpstreamClient(self.config.completions_url, connect_timeout_s=self.config.connect_timeout_s,
                                         read_timeout_s=self.config.read_timeout_s)
 
@@ -227,6 +230,7 @@ class ProxyApp:
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
                                  code="invalid_session", param=SESSION_HEADER)
             self.metrics.requests.inc(str(parsed.stream).lower())
+            CLIENT_AUTHORIZATION.set(request.headers.get("Authorization"))  # for summaries this request triggers
             key = session_key(header_key, parsed.system,
                               fingerprint_wire(parsed.messages[0]) if parsed.messages else None)
             model = parsed.body.get("model")

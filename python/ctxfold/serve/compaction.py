@@ -44,6 +44,7 @@ class Outgoing:
     payload: bytes  # its bytes
     recall: bool  # the proxy offers read_archive and answers its calls
     own_recall: bool  # the client offers a read_archive tool of its own: the proxy never adds one
+    first_new: int = 0  # the original index of the first message this request brought
 
 
 def failure_kind(reason: str | None) -> str:
@@ -100,6 +101,7 @@ class CompactionStep:
             session.tools_wire = tools
             new = new[k:]
         c = session.compactor
+        first_new = known  # 0 for a new conversation: all of it is new
         c.expect_reply(_max_reply_tokens(parsed.body))  # before the quiet check: the reserve is part of it
         if tools != session.tools_wire:
             c.update_tools(specs)
@@ -116,25 +118,37 @@ class CompactionStep:
             session.recall_scanned = True
             if tools or _has_archive_marker(scan) or any(e.archived for e in events):
                 session.inject_recall = True
-        return self._outgoing(parsed, session, recall=session.inject_recall and not has_own_recall,
-                              own_recall=has_own_recall)
+        out = self._outgoing(parsed, session, recall=session.inject_recall and not has_own_recall,
+                             own_recall=has_own_recall)
+        out.first_new = first_new
+        return out
 
     async def lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
                     limit_tokens: int | None) -> Outgoing | None:
         """The upstream refused ``out`` as too long: compact to a lower window (:mod:`ctxfold.serve.window`)
         and build the request again; None when there is no window to aim at."""
         session = out.session
-        if not lower_after_refusal(session, self.config.compact, prompt_tokens, limit_tokens):
+        events = await asyncio.to_thread(self._lower, session, out.first_new, prompt_tokens, limit_tokens)
+        if events is None:
             return None
-        c = session.compactor
-        first = len(c.events)
-        await asyncio.to_thread(c.before_request)  # the guard makes it fit the lower window (may summarize)
-        events = list(c.events[first:])
         self.count_events(events)
         if any(e.archived for e in events) and not out.own_recall:
             session.inject_recall = True
-        return self._outgoing(parsed, session, recall=session.inject_recall and not out.own_recall,
-                              own_recall=out.own_recall)
+        lowered = self._outgoing(parsed, session, recall=session.inject_recall and not out.own_recall,
+                                 own_recall=out.own_recall)
+        lowered.first_new = out.first_new
+        return lowered
+
+    def _lower(self, session: ProxySession, first_new: int, prompt_tokens: int | None, limit_tokens: int | None
+               ) -> list[CompactionEvent] | None:
+        c = session.compactor
+        sent_tokens = c.occupancy_tokens() - c.reply_reserve_tokens()  # the view as it went out
+        if not lower_after_refusal(session, self.config.compact, prompt_tokens, limit_tokens, sent_tokens):
+            return None
+        first = len(c.events)
+        c.mark_unseen(first_new)  # the model never read the request: the passes judge it as new again
+        c.before_request()  # the window guard makes it fit the lower window (it may summarize)
+        return list(c.events[first:])
 
     def _outgoing(self, parsed: ParsedRequest, session: ProxySession, *, recall: bool, own_recall: bool) -> Outgoing:
         c = session.compactor

@@ -32,6 +32,9 @@ class ProxyConfig:
     # "extractive": no model. Every one falls back to the extractive summary when it fails.
     summarizer: str = "upstream"
     summary_model: str | None = None  # model for summaries; None: the model of the conversation's request
+    # The key summaries are sent with (summarizer "upstream"); None: the Authorization header of the client
+    # request that triggered the compaction. Never shown (repr, health, logs).
+    summary_api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     connect_timeout_s: float = 10.0  # to open a connection upstream
     read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
@@ -66,8 +69,8 @@ class ProxyConfig:
         if self.summarizer not in ("upstream", "config", "extractive"):
             raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
         if not self.upstream.startswith(("http://", "https://")):
-            raise ConfigError(f"upstream: {redact_url(self.upstream)!r} is not an http(s) URL; "
-                              "e.g. http://127.0.0.1:8000/v1")
+            raise ConfigError(f"upstream: {redact_url(self.upstream)!r} is not an http(s) URL; expected the base "
+                              "URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
         try:
             port = urlsplit(self.upstream).port
         except ValueError:

@@ -66,8 +66,9 @@ _NUMBERS = re.compile(r"\d[\d,]*")
 
 def prompt_too_long(raw: bytes) -> PromptTooLong | None:
     """The refusal in a 400 body when it says the prompt is too long (OpenAI's ``context_length_exceeded``
-    code, or the message of vLLM, llama.cpp and others), with the largest two numbers it names as the
-    prompt's tokens and the window (the engines all name both); None for any other 400."""
+    code, or the message of vLLM, llama.cpp and others), with the prompt's tokens and the window when
+    it gives them (llama.cpp's ``n_prompt_tokens`` and ``n_ctx``, else the largest two numbers of the
+    message: OpenAI and vLLM name both); None for any other 400."""
     try:
         data = json.loads(raw)
     except ValueError:
@@ -82,9 +83,11 @@ def prompt_too_long(raw: bytes) -> PromptTooLong | None:
         message = ""
     if err.get("code") != "context_length_exceeded" and not _TOO_LONG.search(message):
         return None
-    numbers = sorted({int(n.replace(",", "")) for n in _NUMBERS.findall(message) if len(n) <= 12})
-    prompt = numbers[-1] if numbers else None
-    limit = numbers[-2] if len(numbers) >= 2 else None
+    prompt, limit = err.get("n_prompt_tokens"), err.get("n_ctx")  # llama.cpp says them apart from its message
+    if not (isinstance(prompt, int) and isinstance(limit, int)):
+        numbers = sorted({int(n.replace(",", "")) for n in _NUMBERS.findall(message) if len(n) <= 12})
+        prompt = numbers[-1] if numbers else None
+        limit = numbers[-2] if len(numbers) >= 2 else None
     return PromptTooLong(message[:300], prompt, limit)
 
 

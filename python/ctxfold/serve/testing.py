@@ -121,11 +121,16 @@ class ScriptedUpstream:
         self.answer_headers: list[tuple[str, str]] = []
         self.other_requests: list[dict[str, Any]] = []  # requests to any other path, in order
         self.rejected_over_context = 0
+        self.too_long_style = "openai"  # how a prompt over context_tokens is refused: openai, vllm, llama.cpp
         self.in_flight = 0  # completions being answered now
         self.max_in_flight = 0
         # Completions whose client (the proxy) closed the connection before the answer ended: the
         # scripted engine notices while it waits (delay_s, stall_s) and stops, as a real one would.
         self.abandoned = 0
+        # Keys a completion must come with (``Authorization: Bearer KEY``), else 401 as OpenAI answers;
+        # empty: none needed. What each summary request came with is kept in summary_authorizations.
+        self.api_keys: set[str] = set()
+        self.summary_authorizations: list[str | None] = []
 
     # -- answers -------------------------------------------------------------------------------------
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +181,11 @@ class ScriptedUpstream:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        if is_summary_request(body):
+            self.summary_authorizations.append(request.headers.get("Authorization"))
+        if self.api_keys and request.headers.get("Authorization", "").removeprefix("Bearer ") not in self.api_keys:
+            return web.json_response({"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                                "code": "invalid_api_key"}}, status=401)
         if self.delay_s and not await self._wait(request, self.delay_s):
             return web.Response(status=499)
         if self.fail_status is not None and self.fail_count > 0:
@@ -189,10 +199,7 @@ class ScriptedUpstream:
         self.prompt_tokens_seen.append(prompt_tokens)
         if self.context_tokens is not None and prompt_tokens > self.context_tokens:
             self.rejected_over_context += 1
-            return web.json_response({"error": {
-                "message": f"This model's maximum context length is {self.context_tokens} tokens. However, "
-                           f"your messages resulted in {prompt_tokens} tokens.",
-                "type": "invalid_request_error", "code": "context_length_exceeded"}}, status=400)
+            return web.json_response(self._too_long(prompt_tokens, self.context_tokens), status=400)
         answer = self.answer_for(body)
         completion_tokens = max(1, len(json.dumps(answer)) // 4)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -208,6 +215,21 @@ class ScriptedUpstream:
             self.sent.append(raw)
             return web.Response(body=raw, content_type="application/json", headers=self.answer_headers)
         return await self._stream(request, body, answer, cid, created, finish, usage)
+
+    def _too_long(self, prompt_tokens: int, context_tokens: int) -> dict[str, Any]:
+        """The refusal of a prompt over the window, as :attr:`too_long_style` says engines word it."""
+        if self.too_long_style == "llama.cpp":
+            return {"error": {"code": 400, "type": "exceed_context_size_error",
+                              "message": "the request exceeds the available context size, try increasing it",
+                              "n_prompt_tokens": prompt_tokens, "n_ctx": context_tokens}}
+        if self.too_long_style == "vllm":
+            return {"object": "error", "type": "BadRequestError", "code": 400, "param": None,
+                    "message": f"This model's maximum context length is {context_tokens} tokens. However, you "
+                               f"requested {prompt_tokens} tokens in the messages, Please reduce the length of the "
+                               "messages."}
+        return {"error": {"message": f"This model's maximum context length is {context_tokens} tokens. However, "
+                                     f"your messages resulted in {prompt_tokens} tokens.",
+                          "type": "invalid_request_error", "code": "context_length_exceeded"}}
 
     async def _wait(self, request: web.Request, seconds: float) -> bool:
         """Sleep ``seconds``; False (and counted in :attr:`abandoned`) as soon as the client has closed

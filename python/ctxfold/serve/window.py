@@ -38,20 +38,24 @@ def calibrate(session: ProxySession, base: CompactConfig, reported: int, estimat
 
 
 def lower_after_refusal(session: ProxySession, base: CompactConfig, prompt_tokens: int | None,
-                        limit_tokens: int | None) -> bool:
-    """The upstream refused the request as ``prompt_tokens`` over its window of ``limit_tokens``
-    (either may be unknown): raise the session's factor by that overshoot (or by REFUSAL_SHRINK), at
-    once, not smoothed, so the next compaction aims that much lower. The window is the configured
-    one, else the engine's. False when neither is known: nothing to aim at."""
-    window = base.context_tokens or limit_tokens
-    if window is None:
+                        limit_tokens: int | None, sent_tokens: int) -> bool:
+    """The upstream refused a request that ctxfold counted at ``sent_tokens`` (its prompt, without the
+    reply reserve) as ``prompt_tokens`` over its window of ``limit_tokens`` (either may be unknown).
+    Aim lower at once, not smoothed: the factor becomes at least the engine's count over ctxfold's
+    (or grows by REFUSAL_SHRINK when the engine named no figures), and the window is the smaller of
+    the configured one and the engine's. False when neither window is known: nothing to aim at."""
+    windows = [w for w in (base.context_tokens, limit_tokens) if w is not None and w > 0]
+    if not windows:
         return False
-    if prompt_tokens is not None and limit_tokens is not None and prompt_tokens > limit_tokens > 0:
-        overshoot = prompt_tokens / limit_tokens
+    window = min(windows)
+    if prompt_tokens is not None and prompt_tokens > 0 and sent_tokens > 0:
+        factor = max(session.calibration, prompt_tokens / sent_tokens)
     else:
-        overshoot = REFUSAL_SHRINK
-    session.calibration = min(session.calibration * overshoot, CALIBRATION_RANGE[1] * REFUSAL_SHRINK)
-    if base.context_tokens is None:  # the engine's window, from now on, for this conversation
+        factor = session.calibration * REFUSAL_SHRINK
+    if window == base.context_tokens and factor <= session.calibration:
+        factor = session.calibration * REFUSAL_SHRINK  # the same aim again would be refused again
+    session.calibration = factor
+    if base.context_tokens != window:  # the engine's window, from now on, for this conversation
         base = replace(base, context_tokens=window)
     _apply(session, base, window)
     return True
