@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,3 +173,48 @@ def test_the_summary_key_comes_from_the_environment_and_never_shows(monkeypatch:
     monkeypatch.setenv("CTXFOLD_TEST_SUMMARY_KEY", "sk-secret-summaries")
     config = build_config(build_parser().parse_args(argv))
     assert config.summary_api_key == "sk-secret-summaries" and "sk-secret" not in repr(config)
+
+
+# -- relay and slow clients ----------------------------------------------------------------------------
+
+RATE_HEADERS = [("Retry-After", "7"), ("x-ratelimit-remaining-requests", "0"), ("x-request-id", "req-abc"),
+                ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"), ("Keep-Alive", "timeout=5")]
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/embeddings"])
+def test_relayed_paths_bring_back_every_header(upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str],
+                                               path: str) -> None:
+    up, _ = upstream
+    up.answer_headers = RATE_HEADERS
+    r = httpx.get(f"{proxy[1]}{path}", timeout=30)
+    assert r.status_code in (200, 201)
+    assert r.headers.get_list("set-cookie") == ["a=1", "b=2"]
+    assert (r.headers["retry-after"], r.headers["x-ratelimit-remaining-requests"], r.headers["x-request-id"]) == (
+        "7", "0", "req-abc")
+    assert "keep-alive" not in r.headers  # hop-by-hop: this connection's, not the answer's
+
+
+def test_forty_half_sent_heads_are_closed_within_the_client_timeout(upstream: tuple[ScriptedUpstream, str],
+                                                                     tmp_path: Path) -> None:
+    cfg = ProxyConfig(upstream=upstream[1], data_dir=tmp_path / "d", summarizer="extractive", fsync="never",
+                      client_timeout_s=1.0)
+    proxy = ProxyApp(cfg)
+    with serve_in_background(proxy) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        conns = [socket.create_connection((host, int(port)), timeout=10) for _ in range(40)]
+        try:
+            t0 = time.monotonic()
+            for s in conns:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+            for s in conns:
+                s.settimeout(max(0.1, 6.0 - (time.monotonic() - t0)))
+                try:
+                    while s.recv(65536):
+                        pass
+                except ConnectionResetError:
+                    pass
+            assert time.monotonic() - t0 < 6.0  # closed by the proxy (recv would time out otherwise)
+        finally:
+            for s in conns:
+                s.close()
+        assert post(srv.url, chat(("user", "still serving"))).status_code == 200
