@@ -5,8 +5,9 @@ completion goes through the modules below, each calling only those after it:
 
 1. :mod:`~ctxfold.serve.request`: read the body within ``max_body_bytes`` and ``client_timeout_s``,
    decode and check it (400 in OpenAI's error shape, naming what and where);
-2. :mod:`~ctxfold.serve.sessions`: find the conversation it continues (:meth:`ProxyApp.completions`,
-   the one place that routes), and take that conversation's lock;
+2. :mod:`~ctxfold.serve.sessions`: find the conversation it continues (the key in
+   :meth:`ProxyApp.completions`, the session in :meth:`ProxyApp._route_and_compact`: the only calls
+   into it), under that conversation's lock;
 3. :mod:`~ctxfold.serve.compaction`: append the new messages to its compactor, run the automatic
    passes and build the outgoing body from the compacted view (``read_archive`` offered once the
    conversation has archived outputs);
@@ -44,7 +45,7 @@ from ctxfold.archive import ArchiveStore
 from ctxfold.compactor import Compactor
 from ctxfold.errors import NoFitError
 from ctxfold.messages import Conversation
-from ctxfold.serve.compaction import CompactionStep, failure_kind
+from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.config import ProxyConfig, redact_url
 from ctxfold.serve.forward import Forwarder, PromptTooLong
 from ctxfold.serve.metrics import ProxyMetrics
@@ -267,9 +268,7 @@ class ProxyApp:
 
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
         """Under the conversation's lock: route, compact, forward, record."""
-        session = await self.sessions.find(key, parsed.system, parsed.messages)
-        out = await uncancelled(self.compaction.prepare(parsed, session,
-                                                        lambda conv: self.sessions.create(key, conv)))
+        out = await uncancelled(self._route_and_compact(parsed, key))
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = dict(relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS))
         headers["Content-Type"] = "application/json"
@@ -294,6 +293,13 @@ class ProxyApp:
         if answer is not None:
             await uncancelled(record(self.config, out.session, answer))
         return resp
+
+    async def _route_and_compact(self, parsed: ParsedRequest, key: str) -> Outgoing:
+        """The session the request continues (a new one when none), with its new messages stored and
+        compacted: what goes upstream. Loading a key's sessions or building one may take a worker
+        thread; run to its end even when the client leaves (see :func:`uncancelled`)."""
+        session = await self.sessions.find(key, parsed.system, parsed.messages)
+        return await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv))
 
     def _counted(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
         """Count a response once it is decided (the client may leave during the recording after it)."""
