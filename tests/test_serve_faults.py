@@ -218,3 +218,30 @@ def test_forty_half_sent_heads_are_closed_within_the_client_timeout(upstream: tu
             for s in conns:
                 s.close()
         assert post(srv.url, chat(("user", "still serving"))).status_code == 200
+
+
+@pytest.mark.parametrize(("body", "figures"), [
+    ({"error": {"message": "This model's maximum context length is 16384 tokens. However, your messages resulted "
+                           "in 16,091 tokens.", "type": "invalid_request_error", "code": "context_length_exceeded"}},
+     (16091, 16384)),
+    ({"object": "error", "message": "This model's maximum context length is 4096 tokens. However, you requested "
+                                    "5000 tokens (4000 in the messages, 1000 in the completion).", "code": 400},
+     (5000, 4096)),
+    ({"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 9000, "n_ctx": 8192,
+                "message": "the request exceeds the available context size, try increasing it"}}, (9000, 8192)),
+    ({"error": {"code": 400, "message": "the request exceeds the available context size, try increasing the "
+                                        "context size or enable context shift"}}, (None, None)),
+    ({"error": {"type": "invalid_request_error", "message": "prompt is too long: 210000 tokens > 200000 maximum"}},
+     (210000, 200000)),
+    ({"error": {"message": "Invalid value for 'temperature': 3000 is greater than the maximum of 2"}}, None),
+    ({"error": "model not found"}, None),
+])
+def test_refusals_of_a_long_prompt_are_told_from_other_400s(body: dict[str, Any],
+                                                            figures: tuple[int | None, int | None] | None) -> None:
+    from ctxfold.serve.forward import prompt_too_long
+
+    got = prompt_too_long(json.dumps(body).encode())
+    if figures is None:
+        assert got is None
+    else:
+        assert got is not None and (got.prompt_tokens, got.limit_tokens) == figures

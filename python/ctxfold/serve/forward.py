@@ -62,13 +62,16 @@ _TOO_LONG = re.compile(r"maximum context length is|exceeds the available context
                        r"context length exceeded|longer than the model's context length|too many tokens",
                        re.IGNORECASE)
 _NUMBERS = re.compile(r"\d[\d,]*")
+# Where the engine names its window: OpenAI and vLLM ("maximum context length is 4096 tokens"),
+# Anthropic-style ("210000 tokens > 200000 maximum").
+_LIMIT = re.compile(r"maximum context length is\s*(\d[\d,]*)|(\d[\d,]*)\s*(?:tokens\s*)?maximum", re.IGNORECASE)
 
 
 def prompt_too_long(raw: bytes) -> PromptTooLong | None:
     """The refusal in a 400 body when it says the prompt is too long (OpenAI's ``context_length_exceeded``
     code, or the message of vLLM, llama.cpp and others), with the prompt's tokens and the window when
-    it gives them (llama.cpp's ``n_prompt_tokens`` and ``n_ctx``, else the largest two numbers of the
-    message: OpenAI and vLLM name both); None for any other 400."""
+    it gives them (llama.cpp's ``n_prompt_tokens`` and ``n_ctx``, else read from the message); None
+    for any other 400."""
     try:
         data = json.loads(raw)
     except ValueError:
@@ -84,11 +87,20 @@ def prompt_too_long(raw: bytes) -> PromptTooLong | None:
     if err.get("code") != "context_length_exceeded" and not _TOO_LONG.search(message):
         return None
     prompt, limit = err.get("n_prompt_tokens"), err.get("n_ctx")  # llama.cpp says them apart from its message
-    if not (isinstance(prompt, int) and isinstance(limit, int)):
-        numbers = sorted({int(n.replace(",", "")) for n in _NUMBERS.findall(message) if len(n) <= 12})
-        prompt = numbers[-1] if numbers else None
-        limit = numbers[-2] if len(numbers) >= 2 else None
-    return PromptTooLong(message[:300], prompt, limit)
+    if isinstance(prompt, int) and isinstance(limit, int):
+        return PromptTooLong(message[:300], prompt, limit)
+    found = _LIMIT.search(message)
+    if found is None:
+        return PromptTooLong(message[:300], None, None)
+    limit = _number(next(g for g in found.groups() if g is not None))
+    # The prompt: the largest other figure (vLLM: "you requested 5000 tokens (4000 in the messages, 1000
+    # in the completion)": what was asked for in all, the completion included).
+    others = [n for n in map(_number, _NUMBERS.findall(message)) if n != limit]
+    return PromptTooLong(message[:300], max(others) if others else None, limit)
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", "")[:12])
 
 
 class _Source:
