@@ -245,3 +245,34 @@ def test_refusals_of_a_long_prompt_are_told_from_other_400s(body: dict[str, Any]
         assert got is None
     else:
         assert got is not None and (got.prompt_tokens, got.limit_tokens) == figures
+
+
+def test_a_client_that_leaves_during_a_summary_stops_it_and_frees_its_conversation(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    up, url = upstream
+    up.summary_delay_s = 60.0
+    proxy, srv = _summarizing_proxy(url, tmp_path / "data")
+    try:
+        turns: list[tuple[str, str]] = []
+        for k in range(40):
+            turns.append(("user", f"question {k}: " + "tell me more about the build " * 40))
+            try:
+                r = post(srv.url, chat(*turns), timeout=3.0)
+            except httpx.ReadTimeout:
+                break  # the summary this request triggered is slow: the client gives up
+            turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
+        else:
+            raise AssertionError("no summary was asked for")
+        assert up.summary_authorizations
+        # The summary's upstream connection is closed, and the conversation is free at once.
+        assert _wait_for(lambda: up.abandoned == 1) < 3.0
+        t0 = time.monotonic()
+        turns += [("assistant", "never mind"), ("user", "next")]
+        assert post(srv.url, chat(*turns), timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 5.0
+        # The extractive summary stood in (a stopped summary is not an empty one).
+        assert proxy.metrics.summary_fallbacks.values == {("the client left",): 1}
+        summaries = [m for m in up.received[-1]["messages"] if "extracted without a model" in str(m.get("content"))]
+        assert len(summaries) == 1 and "question 0" in summaries[0]["content"]
+    finally:
+        srv.close()

@@ -66,7 +66,7 @@ from ctxfold.serve.sessions import (
     fingerprint_wire,
     session_key,
 )
-from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
+from ctxfold.serve.summaries import CLIENT_AUTHORIZATION, CLIENT_LEFT
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
 
 # Re-exported: the names the proxy's users and tests have imported from here.
@@ -76,13 +76,14 @@ __all__ = ["BadRequest", "BoundedSite", "ProxyApp", "ProxyConfig", "failure_kind
 log = logging.getLogger("ctxfold.serve")
 
 T = TypeVar("T")
-_COUNTED = "ctxfold_response_counted"  # request key: the response was counted in the metrics
+_COUNTED = web.RequestKey("ctxfold_response_counted", bool)  # the response was counted in the metrics
 
 
-async def uncancelled(work: Awaitable[T]) -> T:
+async def uncancelled(work: Awaitable[T], on_cancel: Callable[[], None] | None = None) -> T:
     """``await work`` to its end even when the awaiting task is cancelled (its client left); the
     cancellation is raised after it. For work that must not stop half way: a compactor's append and
-    passes (in a worker thread, which a cancellation would not stop anyway), recording an answer."""
+    passes (in a worker thread, which a cancellation would not stop anyway), recording an answer.
+    ``on_cancel`` is called at the cancellation: to ask the work to finish early (a summary stops)."""
     task = asyncio.ensure_future(work)
     cancelled = False
     while True:
@@ -92,6 +93,8 @@ async def uncancelled(work: Awaitable[T]) -> T:
         except asyncio.CancelledError:
             if task.done():
                 raise
+            if not cancelled and on_cancel is not None:
+                on_cancel()
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
@@ -268,7 +271,9 @@ class ProxyApp:
 
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
         """Under the conversation's lock: route, compact, forward, record."""
-        out = await uncancelled(self._route_and_compact(parsed, key))
+        left = asyncio.Event()  # set when the client leaves: the summaries of this request stop
+        CLIENT_LEFT.set(left)
+        out = await uncancelled(self._route_and_compact(parsed, key), left.set)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = dict(relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS))
         headers["Content-Type"] = "application/json"
@@ -281,7 +286,7 @@ class ProxyApp:
             # compact to a lower window and ask once more; the client sees that one answer.
             self.metrics.upstream_errors.inc("context_length_exceeded")
             log.warning("the upstream refused a prompt as too long (%s); compacting further and retrying once", e)
-            lowered = await uncancelled(self.compaction.lower(parsed, out, e.prompt_tokens, e.limit_tokens))
+            lowered = await uncancelled(self.compaction.lower(parsed, out, e.prompt_tokens, e.limit_tokens), left.set)
             if lowered is None:  # no window known to aim lower at: the client gets the refusal
                 refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)

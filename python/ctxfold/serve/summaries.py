@@ -21,6 +21,7 @@ import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 from ctxfold.summarize import OpenAICompatibleSummarizer
@@ -32,8 +33,13 @@ from ctxfold.summarize.request import SummaryRequest
 # asyncio.to_thread copies the context, so the compactor's worker thread reads the request's own.
 CLIENT_AUTHORIZATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("ctxfold_client_authorization",
                                                                                   default=None)
+# Set when the client of the request being handled has left: its summaries stop (the compactor falls
+# back to the extractive summary) so that its conversation is free at once. An event of the proxy's loop.
+CLIENT_LEFT: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("ctxfold_client_left",
+                                                                                   default=None)
 
 _GRACE_S = 5.0
+CLIENT_LEFT_REASON = "the client left"  # a summary stopped because of it (the fallback's metric label)
 
 
 class _Answer:
@@ -102,11 +108,17 @@ class UpstreamSummarizer(OpenAICompatibleSummarizer):
         if loop is None or loop.is_closed() or running is loop:
             # Waiting here for the loop would block the loop: the compactor's passes run in a worker thread.
             return failed(self.name, "no event loop to ask the upstream from", 0.0)
-        authorization = CLIENT_AUTHORIZATION.get()
+        authorization, left = CLIENT_AUTHORIZATION.get(), CLIENT_LEFT.get()
 
         async def call() -> SummaryResult:
             CLIENT_AUTHORIZATION.set(authorization)  # this task's own context: the request's credentials
-            return await self.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s)
+            # The compactor passes no cancel flag of its own; one given wins over the client's leaving.
+            if cancel is not None or left is None:
+                return await self.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s)
+            result = await self.asummarize(request, on_token=on_token, cancel=left, timeout_s=timeout_s)
+            if result.failure == "cancelled":  # a failure, not a cancel: the extractive summary stands in
+                result = replace(result, failure=CLIENT_LEFT_REASON)
+            return result
 
         limit_s = self._timeout_s if timeout_s is None else timeout_s
         future = asyncio.run_coroutine_threadsafe(call(), loop)

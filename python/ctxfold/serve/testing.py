@@ -131,6 +131,7 @@ class ScriptedUpstream:
         # empty: none needed. What each summary request came with is kept in summary_authorizations.
         self.api_keys: set[str] = set()
         self.summary_authorizations: list[str | None] = []
+        self.summary_delay_s = 0.0  # wait before answering a summary request
 
     # -- answers -------------------------------------------------------------------------------------
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -186,6 +187,8 @@ class ScriptedUpstream:
         if self.api_keys and request.headers.get("Authorization", "").removeprefix("Bearer ") not in self.api_keys:
             return web.json_response({"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
                                                 "code": "invalid_api_key"}}, status=401)
+        if self.summary_delay_s and is_summary_request(body) and not await self._wait(request, self.summary_delay_s):
+            return web.Response(status=499)
         if self.delay_s and not await self._wait(request, self.delay_s):
             return web.Response(status=499)
         if self.fail_status is not None and self.fail_count > 0:
