@@ -74,7 +74,7 @@ def prompt_too_long(raw: bytes) -> PromptTooLong | None:
     for any other 400."""
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: not a refusal we know
         return None
     err = data.get("error", data) if isinstance(data, dict) else None
     if isinstance(err, str):
