@@ -12,6 +12,7 @@ import httpx
 
 from ctxfold.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
+from ctxfold.serve.app import runner_options
 from ctxfold.serve.testing import BackgroundServer
 
 
@@ -21,7 +22,13 @@ def start_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp,
     cfg = ProxyConfig(upstream=upstream_url, data_dir=data_dir, compact=compact, summarizer="extractive",
                       fsync="never", **kw)
     proxy = ProxyApp(cfg)
-    return proxy, BackgroundServer(proxy.app()).__enter__()
+    return proxy, serve_in_background(proxy).__enter__()
+
+
+def serve_in_background(proxy: ProxyApp) -> BackgroundServer:
+    """The proxy on loopback, run as ``ctxfold serve`` runs it (its runner options: client timeouts,
+    a handler cancelled when its client leaves)."""
+    return BackgroundServer(proxy.app(), **runner_options(proxy.config))
 
 
 def chat(*turns: tuple[str, str], system: str = "You are terse.", **extra: Any) -> dict[str, Any]:

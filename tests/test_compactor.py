@@ -566,53 +566,6 @@ def test_quiet_holds_until_a_line_could_be_reached_and_follows_a_new_window(coun
     assert c.quiet([user("word " * 20_000)])  # no known window: no token trigger
 
 
-def test_an_exchange_appended_at_once_is_the_same_as_step_by_step(counter: TokenCounter, tmp_path: Path) -> None:
-    step, once = (make(counter, tmp_path / name, context_tokens=100_000, minor={"keep_recent_user_turns": 1})
-                  for name in ("step", "once"))
-    # An agent's exchanges: a question answered by a call, its (short) result answered by text, and so on.
-    exchanges: list[tuple[list[Message], Message]] = []
-    for k in range(4):
-        tool_call = call("read", path="README.md", start=1, count=3)
-        exchanges += [([user(f"question {k}")], tool_call),
-                      ([result(tool_call, readme_lines(1, 3))], Message(Role.ASSISTANT, f"answer {k}"))]
-    for request, answer in exchanges:
-        step.append(*request)
-        step.before_request()
-        step.append(answer)
-        assert once.append_exchange(request, answer)
-    for c in (step, once):
-        c.close()
-    assert once.originals == step.originals and once.view == step.view and once.view_origins == step.view_origins
-    assert once._state() == step._state() and once._state()["turn"] == 4
-    assert once._archive_watermark == step._archive_watermark
-    resumed = [Compactor(header(), counter=counter, session_dir=tmp_path / name / "session") for name in ("step", "once")]
-    assert resumed[0].originals == resumed[1].originals == step.originals
-
-
-def test_an_exchange_that_could_fire_something_is_refused_untouched(counter: TokenCounter) -> None:
-    c = make(counter, context_tokens=8_000)
-    c.append(user("word " * 100))
-    before = list(c.originals)
-    assert not c.append_exchange([user("word " * 2_000)], Message(Role.ASSISTANT, "ok"))  # 10 kB past a line
-    assert c.originals == before
-
-
-def test_a_failure_inside_an_exchange_leaves_memory_and_log_alike(counter: TokenCounter, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    c = make(counter, tmp_path, context_tokens=100_000)
-    c.append(user("first"), Message(Role.ASSISTANT, "one"))
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise OSError("a failure between the request and its answer")
-
-    monkeypatch.setattr(c, "before_request", broken)
-    with pytest.raises(OSError, match="between the request and its answer"):
-        c.append_exchange([user("second")], Message(Role.ASSISTANT, "two"))
-    c.close()
-    resumed = Compactor(header(), counter=counter, session_dir=tmp_path / "session")
-    assert [m.text for m in resumed.originals] == [m.text for m in c.originals] == ["first", "one", "second", "two"]
-
-
 # -- hysteresis: a rewrite lands at the low-water mark, not at the trigger line ---------------------------------
 
 @pytest.mark.parametrize("low_water", [0.6, 0.8])

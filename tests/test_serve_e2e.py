@@ -27,6 +27,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, deepseek_counter
 from ctxfold.session import Session
+from proxy_helpers import serve_in_background
 from subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,7 +98,7 @@ def test_trace_replay_stays_inside_the_window(traces_dir: Path, tmp_path: Path, 
         cfg = ProxyConfig(upstream=upstream.url, data_dir=tmp_path / "data", compact=compact,
                           summarizer="extractive" if summarizer == "extractive" else "upstream", fsync="never")
         proxy = ProxyApp(cfg)
-        with BackgroundServer(proxy.app()) as srv:
+        with serve_in_background(proxy) as srv:
             for i, body in requests_of(traj):
                 status, raw = stream(srv.url, body)
                 assert status == 200, (i, raw[:300])
@@ -228,7 +229,7 @@ def test_an_oversized_tool_result_is_archived_and_recalled_through_the_proxy(tmp
     with BackgroundServer(up.app()) as upstream:
         proxy = ProxyApp(ProxyConfig(upstream=upstream.url, data_dir=tmp_path / "data", compact=compact,
                                      summarizer="extractive", fsync="never"))
-        with BackgroundServer(proxy.app()) as srv:
+        with serve_in_background(proxy) as srv:
             body = {"model": "m", "messages": [*history, {"role": "tool", "tool_call_id": "t1", "content": huge}],
                     "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]}
             r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)

@@ -402,6 +402,17 @@ class Compactor:
         with self._lock:
             return None if self._pending_bound_tokens else self.occupancy_tokens()
 
+    def mark_unseen(self, first_original: int) -> None:
+        """The model did not see the last request (the upstream refused it unread): the view from the
+        message of original ``first_original`` on counts as new again, so the next :meth:`before_request`
+        judges it as it judged that request (a turn start stays one: no resume instruction)."""
+        with self._lock:
+            origins = self.view_origins
+            for i, origin in enumerate(origins):
+                if origin >= first_original:
+                    self._first_unseen = self.view[i]
+                    return
+
     def conversation(self) -> Conversation:
         """The current view as a conversation (what the next request sends)."""
         return replace(self.header, messages=list(self.view))
@@ -412,30 +423,6 @@ class Compactor:
         through :meth:`append_tool_result`, which applies the hard trigger."""
         with self._lock:
             self._ingest(messages)
-
-    def append_exchange(self, request: Sequence[Message], answer: Message) -> bool:
-        """Append a request's messages, mark it sent (:meth:`before_request`) and append the model's
-        answer, in one write to the log, when nothing can fire in between: the byte bound stays under
-        every line (:meth:`quiet`, the hard trigger of tool results included) and no output is due for
-        archiving (:meth:`archive_due`). Returns False, having done nothing, when something could:
-        then append, before_request and append again, one at a time.
-
-        For a caller that learns of both at once: the proxy records a quiet request's messages with
-        its answer, once the answer has gone back."""
-        with self._lock:
-            if not self.quiet(request) or self.archive_due(request):
-                return False
-            if self.session is not None:  # the log first: both in one write
-                self.session.append_messages([*request, answer])
-            self._ingest(request, log=False)
-            events = len(self.events)
-            try:
-                self.before_request()
-                if len(self.events) != events:  # the checks above rule it out; the log would be out of order
-                    raise RuntimeError("a compaction pass fired in append_exchange although quiet() said none could")
-            finally:
-                self._ingest([answer], log=False)  # logged already: memory holds what the log holds, whatever happens
-            return True
 
     def append_tool_result(self, result: Message) -> AppendResult:
         """Append one tool result; if it would not fit with the reply reserve, compact and retry once,

@@ -83,6 +83,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="who writes summaries: the upstream model (default), the summarizer section of --config, "
                    "or no model (extractive); a failed summary always falls back to the extractive one")
     p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
+    p.add_argument("--summary-api-key-env", metavar="NAME",
+                   help="environment variable holding the key summaries are sent with (--summarizer upstream; "
+                   "default: the Authorization header of the client request that triggered the compaction)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--connect-timeout-s", type=positive_seconds, default=10.0, metavar="S",
@@ -119,19 +122,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
-    """What argparse cannot see alone: the upstream URL, --summarizer config without a config file,
-    and the window against the reply reserve (check_settings)."""
+    """What argparse cannot see alone: --summarizer config without a config file, the summary key's
+    variable, and the window against the reply reserve (check_settings). The settings themselves (the
+    upstream URL, every number) are checked by ProxyConfig, once, for the CLI and embedders alike."""
     from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
     from ctxfold.cli._common import check_settings
 
-    if not args.upstream.startswith(("http://", "https://")):
-        raise CommandError(f"--upstream {args.upstream}: not an http(s) URL; expected the base URL of an "
-                           "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1", EXIT_USAGE)
     if args.data_dir.exists() and not args.data_dir.is_dir():
         raise CommandError(f"--data-dir {args.data_dir}: exists and is not a directory", EXIT_INPUT)
     if args.summarizer == "config" and args.config is None:
         raise CommandError("--summarizer config: reads the summarizer section of --config FILE; add --config, "
                            "or choose --summarizer upstream or extractive", EXIT_USAGE)
+    if args.summary_api_key_env is not None and not os.environ.get(args.summary_api_key_env):
+        raise CommandError(f"--summary-api-key-env {args.summary_api_key_env}: that environment variable is not set "
+                           "or empty; export the key in it, or leave the option out to send the client's own "
+                           "Authorization header", EXIT_USAGE)
     check_settings(args, compact)
     check_workers(args.workers, getattr(args, "store", None))
 
@@ -156,7 +161,9 @@ def build_config(args: argparse.Namespace) -> Any:
     check_args(args, compact)
     return ProxyConfig(
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
-        summarizer=args.summarizer, summary_model=args.summary_model, max_body_bytes=args.max_body_bytes,
+        summarizer=args.summarizer, summary_model=args.summary_model,
+        summary_api_key=os.environ[args.summary_api_key_env] if args.summary_api_key_env else None,
+        max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
         max_recall_rounds=args.max_recall_rounds, max_loaded_conversations=args.max_loaded_conversations,
         max_recall_chars=args.max_recall_chars, client_timeout_s=args.client_timeout_s,

@@ -1,9 +1,16 @@
 """``ctxfold serve``: an OpenAI-compatible proxy that keeps every conversation inside the window.
 
-- :mod:`ctxfold.serve.app`: the aiohttp server (:class:`ProxyConfig`, :class:`ProxyApp`, :func:`serve`).
+- :mod:`ctxfold.serve.app`: the aiohttp server (:class:`ProxyApp`, :func:`serve`), routes and relay.
+- :mod:`ctxfold.serve.config`: :class:`ProxyConfig`, every setting checked once.
+- :mod:`ctxfold.serve.request`: reading and checking a request; OpenAI-shaped errors.
 - :mod:`ctxfold.serve.sessions`: which stored conversation a request continues.
+- :mod:`ctxfold.serve.compaction`: a request's messages into its compactor, the outgoing body.
+- :mod:`ctxfold.serve.forward`: forwarding and the answer back (JSON or SSE), with recall
+  (:mod:`ctxfold.serve.recall`).
+- :mod:`ctxfold.serve.record`: recording the answer; :mod:`ctxfold.serve.window`: calibration.
+- :mod:`ctxfold.serve.summaries`: upstream summaries through the proxy's own client.
 - :mod:`ctxfold.serve.upstream`: the HTTP/1.1 client the proxy asks its upstream with.
-- :mod:`ctxfold.serve.sse`: reading an event stream on the side while it passes through.
+- :mod:`ctxfold.serve.sse`: reading an event stream (the package's one SSE reader).
 - :mod:`ctxfold.serve.metrics`: Prometheus text metrics.
 - :mod:`ctxfold.serve.testing`: a scripted upstream for tests and benchmarks.
 

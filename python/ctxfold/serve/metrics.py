@@ -38,6 +38,10 @@ class Counter:
     def get(self, *labels: str) -> float:
         return self.values.get(labels, 0.0)
 
+    def values_total(self) -> float:
+        """The sum over every label set."""
+        return sum(self.values.values())
+
     def render(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
         if not self.values and not self.label_names:

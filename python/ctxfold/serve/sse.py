@@ -1,7 +1,8 @@
 """Reading an OpenAI chat.completions event stream on the side, while its bytes pass through unchanged.
 
 :class:`SseReader` splits the bytes into events (``data:`` payloads) as they arrive, whatever the
-chunking; :class:`AnswerAssembler` folds the chunks' deltas into the one assistant message they
+chunking (the package's one SSE reader: the summarizer reads its streams with it too; it needs
+nothing of the proxy's dependencies); :class:`AnswerAssembler` folds the chunks' deltas into the one assistant message they
 stream (content, reasoning, tool calls, finish reason, usage) so the proxy can record it.
 """
 

@@ -121,8 +121,17 @@ class ScriptedUpstream:
         self.answer_headers: list[tuple[str, str]] = []
         self.other_requests: list[dict[str, Any]] = []  # requests to any other path, in order
         self.rejected_over_context = 0
+        self.too_long_style = "openai"  # how a prompt over context_tokens is refused: openai, vllm, llama.cpp
         self.in_flight = 0  # completions being answered now
         self.max_in_flight = 0
+        # Completions whose client (the proxy) closed the connection before the answer ended: the
+        # scripted engine notices while it waits (delay_s, stall_s) and stops, as a real one would.
+        self.abandoned = 0
+        # Keys a completion must come with (``Authorization: Bearer KEY``), else 401 as OpenAI answers;
+        # empty: none needed. What each summary request came with is kept in summary_authorizations.
+        self.api_keys: set[str] = set()
+        self.summary_authorizations: list[str | None] = []
+        self.summary_delay_s = 0.0  # wait before answering a summary request
 
     # -- answers -------------------------------------------------------------------------------------
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -173,8 +182,15 @@ class ScriptedUpstream:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        if is_summary_request(body):
+            self.summary_authorizations.append(request.headers.get("Authorization"))
+        if self.api_keys and request.headers.get("Authorization", "").removeprefix("Bearer ") not in self.api_keys:
+            return web.json_response({"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                                "code": "invalid_api_key"}}, status=401)
+        if self.summary_delay_s and is_summary_request(body) and not await self._wait(request, self.summary_delay_s):
+            return web.Response(status=499)
+        if self.delay_s and not await self._wait(request, self.delay_s):
+            return web.Response(status=499)
         if self.fail_status is not None and self.fail_count > 0:
             self.fail_count -= 1
             return web.json_response({"error": {"message": "scripted failure", "type": "server_error"}},
@@ -186,10 +202,7 @@ class ScriptedUpstream:
         self.prompt_tokens_seen.append(prompt_tokens)
         if self.context_tokens is not None and prompt_tokens > self.context_tokens:
             self.rejected_over_context += 1
-            return web.json_response({"error": {
-                "message": f"This model's maximum context length is {self.context_tokens} tokens. However, "
-                           f"your messages resulted in {prompt_tokens} tokens.",
-                "type": "invalid_request_error", "code": "context_length_exceeded"}}, status=400)
+            return web.json_response(self._too_long(prompt_tokens, self.context_tokens), status=400)
         answer = self.answer_for(body)
         completion_tokens = max(1, len(json.dumps(answer)) // 4)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -205,6 +218,32 @@ class ScriptedUpstream:
             self.sent.append(raw)
             return web.Response(body=raw, content_type="application/json", headers=self.answer_headers)
         return await self._stream(request, body, answer, cid, created, finish, usage)
+
+    def _too_long(self, prompt_tokens: int, context_tokens: int) -> dict[str, Any]:
+        """The refusal of a prompt over the window, as :attr:`too_long_style` says engines word it."""
+        if self.too_long_style == "llama.cpp":
+            return {"error": {"code": 400, "type": "exceed_context_size_error",
+                              "message": "the request exceeds the available context size, try increasing it",
+                              "n_prompt_tokens": prompt_tokens, "n_ctx": context_tokens}}
+        if self.too_long_style == "vllm":
+            return {"object": "error", "type": "BadRequestError", "code": 400, "param": None,
+                    "message": f"This model's maximum context length is {context_tokens} tokens. However, you "
+                               f"requested {prompt_tokens} tokens in the messages, Please reduce the length of the "
+                               "messages."}
+        return {"error": {"message": f"This model's maximum context length is {context_tokens} tokens. However, "
+                                     f"your messages resulted in {prompt_tokens} tokens.",
+                          "type": "invalid_request_error", "code": "context_length_exceeded"}}
+
+    async def _wait(self, request: web.Request, seconds: float) -> bool:
+        """Sleep ``seconds``; False (and counted in :attr:`abandoned`) as soon as the client has closed
+        the connection."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.02))
+            if request.transport is None or request.transport.is_closing():
+                self.abandoned += 1
+                return False
+        return True
 
     async def _stream(self, request: web.Request, body: dict[str, Any], answer: dict[str, Any], cid: str,
                       created: int, finish: str, usage: dict[str, Any]) -> web.StreamResponse:
@@ -248,7 +287,8 @@ class ScriptedUpstream:
                     return resp
                 if self.stall_after_chunks is not None and n == self.stall_after_chunks:
                     self.stall_after_chunks = None
-                    await asyncio.sleep(self.stall_s)
+                    if not await self._wait(request, self.stall_s):
+                        return resp
                 await resp.write(data)
             await resp.write_eof()
         except ConnectionError:
@@ -262,9 +302,11 @@ class BackgroundServer:
     ``with BackgroundServer(app) as srv: srv.url`` -- the port is chosen by the OS.
     """
 
-    def __init__(self, app: web.Application, host: str = "127.0.0.1") -> None:
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", **runner_options: Any) -> None:
         self.app = app
         self.host = host
+        # The AppRunner's options (the proxy's own: ctxfold.serve.app.runner_options).
+        self.runner_options = {"access_log": None, "handle_signals": False, **runner_options}
         self.url = ""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="ctxfold-test-server", daemon=True)
@@ -284,7 +326,7 @@ class BackgroundServer:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(self.app, **self.runner_options)
         await runner.setup()
         site = web.TCPSite(runner, self.host, 0)
         await site.start()

@@ -1,8 +1,10 @@
 """Summaries from any OpenAI-compatible ``/chat/completions`` endpoint with ``stream: true``
 (vLLM, SGLang, llama.cpp server, Ollama, OpenAI).
 
-One implementation, async (httpx.AsyncClient); the sync API runs it on a private event loop, so both share
-the stream parser, the timeout and the cancellation. Server errors are results, never exceptions: the
+One implementation, async; the sync API runs it on a private event loop, so both share the stream parser,
+the timeout and the cancellation. The HTTP exchange goes through a :class:`SummaryTransport`: by default a
+new httpx client per call (:class:`HttpxTransport`); ``ctxfold serve`` passes its own pooled client, so
+summaries share its connections, timeouts, metrics and the client's credentials. Server errors are results, never exceptions: the
 compactor falls back to the extractive summary and counts the failure for its breaker, so this client does not
 retry (a 429 is reported with its Retry-After in ``detail``).
 """
@@ -13,12 +15,14 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Protocol
 
 import httpx
 
 from ctxfold.errors import ConfigError
+from ctxfold.serve.sse import SseReader
 from ctxfold.summarize._run import run_limited
 from ctxfold.summarize.base import (
     CoroutineSummarizer,
@@ -32,6 +36,89 @@ from ctxfold.summarize.postprocess import StreamCutter, result_from_cutter
 from ctxfold.summarize.request import SummaryRequest
 
 _MAX_ERROR_BODY_CHARS = 2000
+
+
+class SummaryTransportError(Exception):
+    """The exchange failed (no connection, a timeout, a cut stream): ``reason`` goes into the failed
+    result, so it names what happened in a few words, without details (those go in ``detail``)."""
+
+    def __init__(self, reason: str, detail: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class SummaryAnswer(Protocol):
+    """An answer whose head has arrived: ``headers`` with lower-case names; the body read once."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def read(self) -> bytes: ...
+
+    def iter_chunks(self) -> AsyncIterator[bytes]: ...
+
+
+class SummaryTransport(Protocol):
+    """POSTs a summary request (JSON ``body``, ``headers``) to the chat.completions URL. Raises
+    SummaryTransportError when the exchange fails; leaving the context closes the stream."""
+
+    def stream(self, body: bytes, headers: Mapping[str, str]) -> AbstractAsyncContextManager[SummaryAnswer]: ...
+
+
+class _HttpxAnswer:
+    def __init__(self, resp: httpx.Response) -> None:
+        self._resp = resp
+        self.status = resp.status_code
+        self.headers: Mapping[str, str] = resp.headers
+
+    async def read(self) -> bytes:
+        return await self._resp.aread()
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.aiter_bytes():
+                yield chunk
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from None
+
+
+def _transport_error(e: httpx.HTTPError) -> SummaryTransportError:
+    if isinstance(e, httpx.TimeoutException):
+        return SummaryTransportError(f"timeout ({type(e).__name__})")
+    if isinstance(e, httpx.RemoteProtocolError):
+        return SummaryTransportError("connection lost mid-stream", detail=str(e))
+    return SummaryTransportError(f"HTTP transport error: {type(e).__name__}: {e}")
+
+
+class HttpxTransport:
+    """A new httpx client per call: thread-safe, nothing shared between calls."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float, timeout_s: float) -> None:
+        self.url = url
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+
+    @asynccontextmanager
+    async def stream(self, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[SummaryAnswer]:
+        try:
+            async with (
+                httpx.AsyncClient(timeout=self._timeout) as client,
+                client.stream("POST", self.url, content=body, headers=dict(headers)) as resp,
+            ):
+                yield _HttpxAnswer(resp)
+        except httpx.HTTPError as e:
+            raise _transport_error(e) from None
+
+
+def _data_line(raw: bytes) -> int:
+    """The line of an event (its raw bytes) where its data begins, counted from 1."""
+    for k, line in enumerate(raw.split(b"\n"), 1):
+        if line.startswith(b"data:"):
+            return k
+    return 1
 
 
 class _StreamFailure(Exception):
@@ -67,8 +154,9 @@ def _error_message(body: str) -> str:
 class OpenAICompatibleSummarizer(CoroutineSummarizer):
     """Streams a summary from an OpenAI-compatible chat.completions endpoint.
 
-    ``base_url`` ends where ``/chat/completions`` is appended (``http://127.0.0.1:8000/v1``). Thread-safe:
-    each call opens its own connection.
+    ``base_url`` ends where ``/chat/completions`` is appended (``http://127.0.0.1:8000/v1``). Thread-safe
+    with the default transport: each call opens its own connection. ``transport``: how the request is
+    sent instead (the proxy's pooled client); ``api_key`` is sent through it all the same.
     """
 
     def __init__(
@@ -83,6 +171,7 @@ class OpenAICompatibleSummarizer(CoroutineSummarizer):
         connect_timeout_s: float = 10.0,
         timeout_s: float = 120.0,
         extra_body: Mapping[str, Any] | None = None,
+        transport: SummaryTransport | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url {base_url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000/v1")
@@ -97,6 +186,8 @@ class OpenAICompatibleSummarizer(CoroutineSummarizer):
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
         self._extra_body = dict(extra_body or {})
+        self._transport: SummaryTransport = transport or HttpxTransport(
+            self._url, connect_timeout_s=connect_timeout_s, timeout_s=timeout_s)
 
     @classmethod
     def from_config(cls, cfg: Any, *, counter: TokenCounter | None = None,
@@ -163,47 +254,40 @@ class OpenAICompatibleSummarizer(CoroutineSummarizer):
         return result_from_cutter(cutter, self.name, seconds, self._counter)
 
     async def _stream(self, request: SummaryRequest, cutter: StreamCutter, on_token: TokenCallback | None) -> None:
-        headers = {"Accept": "text/event-stream"}
+        headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
-        timeout = httpx.Timeout(self._timeout_s, connect=self._connect_timeout_s)
+        body = json.dumps(self._body(request)).encode()
         try:
-            async with (
-                httpx.AsyncClient(timeout=timeout) as client,
-                client.stream("POST", self._url, json=self._body(request), headers=headers) as resp,
-            ):
-                if resp.status_code != 200:
-                    body = (await resp.aread()).decode("utf-8", "replace")[:_MAX_ERROR_BODY_CHARS]
+            async with self._transport.stream(body, headers) as resp:
+                if resp.status != 200:
+                    text = (await resp.read()).decode("utf-8", "replace")[:_MAX_ERROR_BODY_CHARS]
                     retry = resp.headers.get("retry-after")
                     raise _StreamFailure(
-                        f"HTTP {resp.status_code}: {_error_message(body) or resp.reason_phrase}",
+                        f"HTTP {resp.status}: {_error_message(text) or 'no message'}",
                         detail=f"retry-after: {retry}" if retry else None,
                     )
-                await self._read_sse(resp, cutter, on_token)
-        except httpx.TimeoutException as e:
-            raise _StreamFailure(f"timeout ({type(e).__name__})") from None
-        except httpx.RemoteProtocolError as e:
-            raise _StreamFailure("connection lost mid-stream", detail=str(e)) from None
-        except httpx.HTTPError as e:
-            raise _StreamFailure(f"HTTP transport error: {type(e).__name__}: {e}") from None
+                await self._read_sse(resp.iter_chunks(), cutter, on_token)
+        except SummaryTransportError as e:
+            raise _StreamFailure(e.reason, detail=e.detail) from None
 
-    async def _read_sse(self, resp: httpx.Response, cutter: StreamCutter, on_token: TokenCallback | None) -> None:
-        buf = b""
-        line_no = 0
+    async def _read_sse(self, chunks: AsyncIterator[bytes], cutter: StreamCutter, on_token: TokenCallback | None
+                        ) -> None:
+        reader = SseReader()
+        line_no = 0  # lines before the event being read, for the error message
         finished = False
-        async for chunk in resp.aiter_bytes():
-            buf += chunk
-            while b"\n" in buf:
-                raw, buf = buf.split(b"\n", 1)
-                line_no += 1
-                line = raw.decode("utf-8", "replace").rstrip("\r")
-                if self._handle_line(line, line_no, cutter, on_token):
+        async for chunk in chunks:
+            for raw, data in reader.feed(chunk):
+                if data is not None and self._handle_data(data, line_no + _data_line(raw), cutter, on_token):
                     finished = True
                     break
+                line_no += raw.count(b"\n")
             if finished or cutter.stopped:
                 break  # leaving the `async with` closes the stream: the server stops generating
-        if not finished and not cutter.stopped and buf.strip():
-            finished = self._handle_line(buf.decode("utf-8", "replace").rstrip("\r"), line_no + 1, cutter, on_token)
+        if not finished and not cutter.stopped:  # an unterminated last event ends with the stream
+            for raw, data in reader.feed(b"\n\n"):
+                if data is not None and self._handle_data(data, line_no + _data_line(raw), cutter, on_token):
+                    finished = True
         if cutter.stopped:
             return
         if not finished:
@@ -213,11 +297,9 @@ class OpenAICompatibleSummarizer(CoroutineSummarizer):
         if piece and on_token is not None:
             on_token(piece)
 
-    def _handle_line(self, line: str, line_no: int, cutter: StreamCutter, on_token: TokenCallback | None) -> bool:
-        """One SSE line; returns True at the end of the answer ([DONE] or a finish_reason)."""
-        if not line.startswith("data:"):
-            return False  # blank separators, ": keep-alive" comments, event:/id:/retry: fields
-        data = line[5:].strip()
+    def _handle_data(self, data: str, line_no: int, cutter: StreamCutter, on_token: TokenCallback | None) -> bool:
+        """One event's data; returns True at the end of the answer ([DONE] or a finish_reason)."""
+        data = data.strip()
         if data == "[DONE]":
             return True
         try:

@@ -1,0 +1,228 @@
+"""The compaction step of a request: its new messages go into the conversation's compactor, the
+automatic passes and the window guard run, and the outgoing body is built from the compacted view.
+
+Called under the conversation's lock, after the request was routed to its session
+(:mod:`ctxfold.serve.sessions`). It runs to its end even when the client leaves (the caller shields
+it): a compactor left half way through an append would not match its log.
+
+Appending costs a thread hop only when something may fire or be flushed (:meth:`CompactionStep.inline`):
+the common request appends on the event loop and goes out at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ctxfold import fastjson
+from ctxfold.archive import READ_ARCHIVE, read_archive_tool_openai
+from ctxfold.archive.marker import MARKER_PREFIX
+from ctxfold.compactor import CompactionEvent, Compactor
+from ctxfold.messages import Conversation, Message, Role
+from ctxfold.serve.config import ProxyConfig
+from ctxfold.serve.metrics import ProxyMetrics
+from ctxfold.serve.recall import to_wire
+from ctxfold.serve.request import ParsedRequest, parse_messages, parse_tools
+from ctxfold.serve.sessions import ProxySession
+from ctxfold.serve.window import lower_after_refusal
+
+log = logging.getLogger("ctxfold.serve")
+
+# The recall tool as the proxy offers it, once the conversation has archived outputs.
+_RECALL_TOOL = parse_tools({"tools": [read_archive_tool_openai()]})
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """What a request sends upstream once compacted."""
+
+    session: ProxySession
+    body: dict[str, Any]  # the request object as sent (the first recall round's)
+    payload: bytes  # its bytes
+    recall: bool  # the proxy offers read_archive and answers its calls
+    own_recall: bool  # the client offers a read_archive tool of its own: the proxy never adds one
+    first_new: int = 0  # the original index of the first message this request brought
+
+
+def failure_kind(reason: str | None) -> str:
+    """A summary failure's reason as a metric label: the reason without its details, so the label set
+    stays small (the whole reason goes to the log). The first clause that is words, not a name such as
+    the summarizer's ``openai:model``, up to a parenthesis."""
+    for clause in (reason or "").split(": "):
+        if " " in clause.strip():
+            return clause.split("(", 1)[0].strip()[:60] or "unknown"
+    return "unknown"
+
+
+def _max_reply_tokens(body: dict[str, Any]) -> int | None:
+    """The request's own limit on the answer: ``max_completion_tokens`` (OpenAI's current name) or
+    ``max_tokens``; None when it gives neither as a whole number >= 0 (the upstream judges the rest)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        n = body.get(name)
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+            return n
+    return None
+
+
+def _has_archive_marker(messages: list[Message]) -> bool:
+    return any(m.role is Role.TOOL and m.text.startswith(MARKER_PREFIX) for m in messages)
+
+
+class CompactionStep:
+    def __init__(self, config: ProxyConfig, metrics: ProxyMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+
+    async def prepare(self, parsed: ParsedRequest, session: ProxySession | None,
+                      create: Callable[[Conversation], Awaitable[ProxySession]]) -> Outgoing:
+        """Store the request's new messages in ``session`` (None: a new conversation, made by
+        ``create``), compact, and build what goes upstream. Raises BadRequest for a message or tool
+        that is wrong (before anything is stored) and NoFitError when no compaction can fit it."""
+        known = session.num_known if session is not None else 0
+        new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
+        tools = parsed.body.get("tools") or []
+        has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
+                             for t in tools)
+        if session is None or tools != session.tools_wire:
+            # The tools this request offers, and the recall tool the proxy may add to them, are part of
+            # what goes upstream: counted with every request that changes them (one comparison when not).
+            specs = parse_tools(parsed.body) + (() if has_own_recall else _RECALL_TOOL)
+        if session is None:
+            # Built with the history at once, but the tool results that end the request go in through
+            # append_tool_result, so the hard trigger sees them arrive as it would in a running session.
+            k = len(new)
+            while k > 0 and new[k - 1].role is Role.TOOL:
+                k -= 1
+            session = await create(Conversation(messages=new[:k], system=parsed.system, tools=specs))
+            session.note_wire(parsed.messages)
+            session.tools_wire = tools
+            new = new[k:]
+        c = session.compactor
+        first_new = known  # 0 for a new conversation: all of it is new
+        c.expect_reply(_max_reply_tokens(parsed.body))  # before the quiet check: the reserve is part of it
+        if tools != session.tools_wire:
+            c.update_tools(specs)
+            session.tools_wire = tools
+        if self.inline(c, new):
+            events = self._ingest(session, new, parsed.messages, quiet=True)
+        else:
+            events = await asyncio.to_thread(self._ingest, session, new, parsed.messages)
+        self.count_events(events)
+        if not has_own_recall and not session.inject_recall:
+            # Offer the tool once the conversation has archived outputs: from a pass of this request, in
+            # the messages it brought, or (first request after a restart) anywhere in the view.
+            scan = new if session.recall_scanned else c.view
+            session.recall_scanned = True
+            if tools or _has_archive_marker(scan) or any(e.archived for e in events):
+                session.inject_recall = True
+        out = self._outgoing(parsed, session, recall=session.inject_recall and not has_own_recall,
+                             own_recall=has_own_recall)
+        out.first_new = first_new
+        return out
+
+    async def lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
+                    limit_tokens: int | None) -> Outgoing | None:
+        """The upstream refused ``out`` as too long: compact to a lower window (:mod:`ctxfold.serve.window`)
+        and build the request again; None when there is no window to aim at."""
+        session = out.session
+        events = await asyncio.to_thread(self._lower, session, out.first_new, prompt_tokens, limit_tokens)
+        if events is None:
+            return None
+        self.count_events(events)
+        if any(e.archived for e in events) and not out.own_recall:
+            session.inject_recall = True
+        lowered = self._outgoing(parsed, session, recall=session.inject_recall and not out.own_recall,
+                                 own_recall=out.own_recall)
+        lowered.first_new = out.first_new
+        return lowered
+
+    def _lower(self, session: ProxySession, first_new: int, prompt_tokens: int | None, limit_tokens: int | None
+               ) -> list[CompactionEvent] | None:
+        c = session.compactor
+        sent_tokens = c.occupancy_tokens() - c.reply_reserve_tokens()  # the view as it went out
+        if not lower_after_refusal(session, self.config.compact, prompt_tokens, limit_tokens, sent_tokens):
+            return None
+        first = len(c.events)
+        c.mark_unseen(first_new)  # the model never read the request: the passes judge it as new again
+        c.before_request()  # the window guard makes it fit the lower window (it may summarize)
+        return list(c.events[first:])
+
+    def _outgoing(self, parsed: ParsedRequest, session: ProxySession, *, recall: bool, own_recall: bool) -> Outgoing:
+        c = session.compactor
+        view, origins, originals = c.view, c.view_origins, c.originals
+        # The view is the originals themselves (the usual case): a list comparison, in C, by identity
+        # (a message equal to its original would go out as the client sent it, which is the same).
+        untouched = view == originals
+        if untouched and not recall:
+            return Outgoing(session, parsed.body, parsed.raw, recall, own_recall)  # the client's own bytes go upstream
+        body = dict(parsed.body)
+        if not untouched:
+            # Messages the view shows unchanged go out as the client sent them; the rest as ctxfold wrote them.
+            sent = parsed.messages
+            body["messages"] = ([{"role": "system", "content": c.header.system}]
+                                if c.header.system is not None else []) + [
+                sent[o] if 0 <= o < len(sent) and m is originals[o] else to_wire(m)
+                for m, o in zip(view, origins, strict=True)]
+        if recall:
+            body["tools"] = list(parsed.body.get("tools") or []) + [read_archive_tool_openai()]
+        return Outgoing(session, body, fastjson.dumps(body, fast=parsed.fast_json), recall, own_recall)
+
+    def inline(self, c: Compactor, new: list[Message]) -> bool:
+        """Whether appending ``new`` is cheap enough to run on the event loop: nothing fires and nothing
+        is flushed. A thread hop costs two context switches, which on a busy machine is most of the
+        latency the proxy adds; a summary (a model call) or a disk flush (per message with ``--fsync
+        always``; per archived output, always) must not block the loop.
+
+        Nothing fires when even an upper bound of the tokens after the append (every byte a token)
+        stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`) and no
+        tool output worth archiving slid behind the kept turns (:meth:`Compactor.archive_due`, at
+        most once per user turn): nothing is counted to find that out.
+        """
+        return self.config.fsync != "always" and c.quiet(new) and not c.archive_due(new)
+
+    @staticmethod
+    def _ingest(session: ProxySession, new: list[Message], sent: list[dict[str, Any]], *,
+                quiet: bool = False) -> list[CompactionEvent]:
+        """Append the request's new messages and run the automatic passes (inline or in a worker thread:
+        see :meth:`inline`). ``sent``: the request's messages, as it sent them. ``quiet``: the caller
+        found that nothing can fire (:meth:`Compactor.quiet`), the hard trigger of tool results
+        included: they go in with the rest, in one append (one write to the log)."""
+        c = session.compactor
+        first = len(c.events)
+        try:
+            if quiet:
+                c.append(*new)
+            else:
+                plain: list[Message] = []
+                for m in new:
+                    if m.role is Role.TOOL:
+                        if plain:
+                            c.append(*plain)
+                            plain = []
+                        c.append_tool_result(m)
+                    else:
+                        plain.append(m)
+                if plain:
+                    c.append(*plain)
+            c.before_request()
+        finally:
+            # Whatever was stored before a failure is known, so a retry does not store it twice.
+            session.note_wire(sent)
+        return list(c.events[first:])
+
+    def count_events(self, events: list[CompactionEvent]) -> None:
+        m = self.metrics
+        for e in events:
+            if e.applied:
+                m.compactions.inc(e.kind, e.trigger)
+                m.tokens_saved.inc(amount=max(0, e.tokens_before - e.tokens_after))
+            else:
+                m.compaction_failures.inc(e.kind, e.trigger)
+            if e.kind == "summary" and "summary" in e.seconds:
+                m.summary_seconds.observe(e.seconds["summary"])
+            if e.summary_fallback:
+                m.summary_fallbacks.inc(failure_kind(e.summary_failure))
+                log.warning("summary by the extractive fallback: %s", e.summary_failure)

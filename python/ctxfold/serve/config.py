@@ -1,0 +1,120 @@
+"""How ``ctxfold serve`` runs: :class:`ProxyConfig`, checked once at construction (the CLI, tests and
+embedders all build one; the CLI only converts its flags)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from ctxfold.config import CompactConfig
+from ctxfold.errors import ConfigError
+from ctxfold.serve import (
+    DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_LOADED_CONVERSATIONS,
+    DEFAULT_MAX_RECALL_CHARS,
+    FSYNC_MODES,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """How ``ctxfold serve`` runs."""
+
+    upstream: str  # base URL of the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
+    data_dir: Path  # sessions, history dumps and (by default) archives live here
+    compact: CompactConfig = field(default_factory=CompactConfig)  # context_tokens: the upstream's window
+    archive_url: str | None = None  # fsspec URL for archives shared by replicas (s3://..., memory://...)
+    # "upstream": the upstream model writes summaries; "config": the compact config's summarizer section;
+    # "extractive": no model. Every one falls back to the extractive summary when it fails.
+    summarizer: str = "upstream"
+    summary_model: str | None = None  # model for summaries; None: the model of the conversation's request
+    # The key summaries are sent with (summarizer "upstream"); None: the Authorization header of the client
+    # request that triggered the compaction. Never shown (repr, health, logs).
+    summary_api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    connect_timeout_s: float = 10.0  # to open a connection upstream
+    read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
+    max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
+    # read_archive output the proxy adds to one request, all its calls and rounds together: each call
+    # may ask for 100k characters, and a model that asks for hundreds at once would otherwise make the
+    # next upstream request tens of megabytes. Past it, a call gets what is left and is told to go on later.
+    max_recall_chars: int = DEFAULT_MAX_RECALL_CHARS
+    # A client must send a request's head, and its body, within this; an idle kept-alive connection is
+    # closed after it. Half-sent requests would otherwise hold a connection (and its memory) for an hour.
+    client_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
+    # Client connections open at once; more are answered 503 and closed. Each one in flight holds an
+    # upstream connection too, and every loaded conversation an open log: all count against ulimit -n.
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
+    # and read back from the data directory when they return.
+    max_loaded_conversations: int = DEFAULT_MAX_LOADED_CONVERSATIONS
+    # fsync of the session logs. "compactions" (default): what the client cannot send again (compactions
+    # and their summaries, archives) is fsynced; the session's start and its messages are written (a
+    # killed proxy loses nothing) and become durable with the next fsync, since every request carries
+    # the whole history anyway. "always": every event, a thread hop and a disk flush per message on
+    # the request's path. "never": nothing (a crash of the machine may lose the last compactions).
+    fsync: str = "compactions"
+    tokenizer: str = "estimate:deepseek-v4"  # token counter spec (ctxfold.counting.load_counter)
+    # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
+    # The template's control tokens also bound the accounting's work per append.
+    template: str | None = "deepseek-v4"
+
+    def __post_init__(self) -> None:
+        if self.fsync not in FSYNC_MODES:
+            raise ConfigError(f"fsync: {self.fsync!r} is not one of {', '.join(FSYNC_MODES)}")
+        if self.summarizer not in ("upstream", "config", "extractive"):
+            raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ConfigError(f"upstream: {redact_url(self.upstream)!r} is not an http(s) URL; expected the base "
+                              "URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+        try:
+            port = urlsplit(self.upstream).port
+        except ValueError:
+            port = -1
+        if port == -1 or not urlsplit(self.upstream).hostname:
+            raise ConfigError(f"upstream: {redact_url(self.upstream)!r} has no host or a port outside 0-65535")
+        # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
+        for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_recall_rounds", 0),
+                          ("max_recall_chars", 1), ("max_connections", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name}: must be a whole number >= {low}, got {value!r}")
+        for name in ("connect_timeout_s", "read_timeout_s", "client_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
+
+    @property
+    def completions_url(self) -> str:
+        base = self.upstream.rstrip("/")
+        if not base.endswith("/v1"):
+            base += "/v1"
+        return base + "/chat/completions"
+
+    @property
+    def base_url(self) -> str:
+        return self.completions_url.removesuffix("/chat/completions")
+
+    def upstream_target(self, path_qs: str) -> str:
+        """Where a request the proxy relays goes on the upstream's origin: ``/v1/...`` under the
+        upstream's base path (``/v1/models`` -> ``/openai/v1/models`` for ``http://h/openai/v1``),
+        any other path as it is."""
+        if path_qs == "/v1" or path_qs.startswith(("/v1/", "/v1?")):
+            return urlsplit(self.base_url).path + path_qs.removeprefix("/v1")
+        return path_qs
+
+
+
+def redact_url(url: str) -> str:
+    """``url`` without the password of its user part (``http://user:***@host/v1``), for whatever a
+    person or a log may read: health, errors, the startup line."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+

@@ -1,0 +1,344 @@
+"""Forwarding a chat completion and bringing its answer back, with recall: one loop over an answer
+source that is JSON or an event stream.
+
+Each round posts the request upstream and reads the answer through its source: :class:`JsonAnswer`
+reads it whole; :class:`StreamAnswer` passes the events through as they arrive, byte for byte, and
+holds back only what the proxy may have to keep from the client (the deltas of ``read_archive`` calls
+and the closing events). An answer that is nothing but read_archive calls is answered by the proxy
+(:mod:`ctxfold.serve.recall`) and the upstream asked again, at most ``max_recall_rounds`` times; any
+other answer is finished (the JSON body, or the held events) and returned for recording.
+
+Errors: upstream unreachable -> 502, upstream too slow -> 504, an upstream error status is passed
+through as it came (not retried: a retry could bill and generate twice; the client decides), except
+a first-round refusal of the prompt as too long, which raises :class:`PromptTooLong` for the caller to
+compact further and retry once. A stream cut mid-way -> an SSE ``error`` event, the stream closes
+without ``[DONE]``. A client that leaves cancels the handler: the upstream connection is closed when
+the cancellation leaves the ``async with`` (the engine stops generating).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ctxfold import fastjson
+from ctxfold.archive import ArchiveStore
+from ctxfold.errors import CtxfoldError
+from ctxfold.serve.config import ProxyConfig, redact_url
+from ctxfold.serve.metrics import ProxyMetrics
+from ctxfold.serve.recall import answer_recall, hold_event, is_recall_round
+from ctxfold.serve.request import OWN_ANSWER_HEADERS, error_response, relayed_headers
+from ctxfold.serve.sse import AnswerAssembler, SseReader
+from ctxfold.serve.upstream import UpstreamClient, UpstreamCut, UpstreamResponse, UpstreamTimeout
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An answer the client has whole: what the proxy records."""
+
+    message: dict[str, Any]  # choices[0].message (assembled from the deltas of a stream)
+    usage: Any  # the upstream's usage object, when it sent one
+    rounds: int  # read_archive rounds the proxy answered before it: 0 means the answer is to the view as sent
+
+
+class PromptTooLong(CtxfoldError):
+    """The upstream refused the request's prompt as longer than its window (400), before anything
+    reached the client. ``prompt_tokens`` and ``limit_tokens``: the engine's figures, when it gave them."""
+
+    def __init__(self, message: str, prompt_tokens: int | None, limit_tokens: int | None) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.limit_tokens = limit_tokens
+        self.answer: web.Response | None = None  # the upstream's 400 as it came, to pass on if no retry is made
+
+
+# How engines say a prompt does not fit (OpenAI's code aside): vLLM, llama.cpp, Anthropic-style, SGLang.
+_TOO_LONG = re.compile(r"maximum context length is|exceeds the available context size|prompt is too long|"
+                       r"context length exceeded|longer than the model's context length|too many tokens",
+                       re.IGNORECASE)
+_NUMBERS = re.compile(r"\d[\d,]*")
+# Where the engine names its window: OpenAI and vLLM ("maximum context length is 4096 tokens"),
+# Anthropic-style ("210000 tokens > 200000 maximum").
+_LIMIT = re.compile(r"maximum context length is\s*(\d[\d,]*)|(\d[\d,]*)\s*(?:tokens\s*)?maximum", re.IGNORECASE)
+
+
+def prompt_too_long(raw: bytes) -> PromptTooLong | None:
+    """The refusal in a 400 body when it says the prompt is too long (OpenAI's ``context_length_exceeded``
+    code, or the message of vLLM, llama.cpp and others), with the prompt's tokens and the window when
+    it gives them (llama.cpp's ``n_prompt_tokens`` and ``n_ctx``, else read from the message); None
+    for any other 400."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: not a refusal we know
+        return None
+    err = data.get("error", data) if isinstance(data, dict) else None
+    if isinstance(err, str):
+        err = {"message": err}
+    if not isinstance(err, dict):
+        return None
+    message = err.get("message")
+    if not isinstance(message, str):
+        message = ""
+    if err.get("code") != "context_length_exceeded" and not _TOO_LONG.search(message):
+        return None
+    prompt, limit = err.get("n_prompt_tokens"), err.get("n_ctx")  # llama.cpp says them apart from its message
+    if isinstance(prompt, int) and isinstance(limit, int):
+        return PromptTooLong(message[:300], prompt, limit)
+    found = _LIMIT.search(message)
+    if found is None:
+        return PromptTooLong(message[:300], None, None)
+    limit = _number(next(g for g in found.groups() if g is not None))
+    # The prompt: the largest other figure (vLLM: "you requested 5000 tokens (4000 in the messages, 1000
+    # in the completion)": what was asked for in all, the completion included).
+    others = [n for n in map(_number, _NUMBERS.findall(message)) if n != limit]
+    return PromptTooLong(message[:300], max(others) if others else None, limit)
+
+
+def _number(text: str) -> int:
+    return int(text.replace(",", "")[:12])
+
+
+class _Source:
+    """How one kind of answer (JSON or an event stream) is read, finished and failed."""
+
+    resp: web.StreamResponse | None
+    message: dict[str, Any]
+    usage: Any
+
+    async def read(self, up: UpstreamResponse) -> web.StreamResponse | None:
+        """Read one round's answer (status 200); a response to end with when it cannot be used."""
+        raise NotImplementedError
+
+    async def refused(self, status: int, raw: bytes, headers: list[tuple[str, str]]) -> web.StreamResponse:
+        """The upstream answered ``status`` (not 200) with ``raw``."""
+        raise NotImplementedError
+
+    @property
+    def started(self) -> bool:
+        """Whether bytes of the answer went out: a failure can only end it with an error event."""
+        return False
+
+    async def cut(self, reason: str) -> web.StreamResponse:
+        """End an answer that was started (see :attr:`started`) with an error event."""
+        raise NotImplementedError
+
+    def next_round(self) -> None:
+        """The answer was a recall round: the next one is read afresh."""
+
+    async def finish(self) -> bool:
+        """Send the rest of the answer; False when the client has gone."""
+        raise NotImplementedError
+
+
+class JsonAnswer(_Source):
+    def __init__(self, request: web.Request, metrics: ProxyMetrics) -> None:
+        self.message, self.usage = {}, None
+        self.request = request
+        self.metrics = metrics
+        self.resp = None
+        self._raw = b""
+        self._headers: list[tuple[str, str]] = []
+
+    async def read(self, up: UpstreamResponse) -> web.StreamResponse | None:
+        self._raw = await up.read()
+        self._headers = relayed_headers(up.header_list, OWN_ANSWER_HEADERS)
+        try:
+            data = fastjson.loads(self._raw)
+            message = data["choices"][0]["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            message = None
+        if not isinstance(message, dict):
+            self.metrics.upstream_errors.inc("bad_body")
+            return error_response(502, "the upstream answered 200 with a body that is not a chat completion",
+                                  kind="upstream_error", code="bad_upstream_body")
+        self.message, self.usage = message, data.get("usage")
+        return None
+
+    async def refused(self, status: int, raw: bytes, headers: list[tuple[str, str]]) -> web.StreamResponse:
+        return web.Response(body=raw, status=status, headers=headers)
+
+    async def finish(self) -> bool:
+        self.resp = web.Response(body=self._raw, status=200, headers=self._headers)
+        try:
+            await self.resp.prepare(self.request)
+            await self.resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            return False  # the client went away without the answer: its retry will not carry it
+        return True
+
+
+class StreamAnswer(_Source):
+    """With the recall tool offered, every event still goes out as it arrives except the deltas of
+    ``read_archive`` calls and the closing events (finish reason, usage, ``[DONE]``), held to the end of
+    the answer. A recall round's text and reasoning reach the client; then the next answer's events.
+    Any other answer gets its held events, in order: the bytes the client receives are the upstream's."""
+
+    def __init__(self, request: web.Request, *, recall: bool, read_timeout_s: float) -> None:
+        self.request = request
+        self.recall = recall
+        self.read_timeout_s = read_timeout_s
+        self.resp = web.StreamResponse(status=200)
+        self.message, self.usage = {}, None
+        self.next_round()
+
+    def next_round(self) -> None:
+        self.reader, self.answer = SseReader(), AnswerAssembler()
+        self.held: list[bytes] = []
+        self.recall_calls: set[int] = set()  # tool-call indexes of read_archive calls in this answer
+
+    async def _send(self, data: bytes) -> None:
+        resp = self.resp
+        if resp is None:
+            raise RuntimeError("no stream response")  # not reached: set in __init__
+        if not resp.prepared:
+            await resp.prepare(self.request)
+        await resp.write(data)
+
+    async def read(self, up: UpstreamResponse) -> web.StreamResponse | None:
+        resp = self.resp
+        if resp is not None and not resp.prepared:  # the first round's head is the one the client gets
+            for name, value in relayed_headers(up.header_list, OWN_ANSWER_HEADERS):
+                resp.headers.add(name, value)
+            resp.headers.setdefault("Content-Type", "text/event-stream")
+            resp.headers.setdefault("Cache-Control", "no-cache")
+        reader, answer = self.reader, self.answer
+        try:
+            async for chunk in up.iter_chunks():
+                if not self.recall:
+                    for _, data in reader.feed(chunk):
+                        answer.add(data)
+                    await self._send(chunk)
+                    continue
+                out: list[bytes] = []
+                for raw_event, data in reader.feed(chunk):
+                    if hold_event(data, answer.add(data), self.recall_calls):
+                        self.held.append(raw_event)
+                    else:
+                        out.append(raw_event)
+                if out:
+                    await self._send(b"".join(out))
+        except UpstreamTimeout:
+            return await self.cut(f"the upstream sent nothing for {self.read_timeout_s:g} s (--read-timeout-s)")
+        except UpstreamCut as e:
+            return await self.cut(f"the upstream stream was cut: {e}")
+        if not answer.done:
+            return await self.cut("the upstream stream ended without [DONE]")
+        self.message, self.usage = answer.message(), answer.usage
+        return None
+
+    async def cut(self, reason: str) -> web.StreamResponse:
+        resp = self.resp
+        if resp is None or (not resp.prepared and not self.recall and not self.answer.chunks):
+            return error_response(502, reason, kind="upstream_error", code="upstream_stream_cut")
+        if not resp.prepared:
+            await resp.prepare(self.request)
+        await _write_error(resp, reason)
+        return resp
+
+    async def refused(self, status: int, raw: bytes, headers: list[tuple[str, str]]) -> web.StreamResponse:
+        if self.resp is not None and self.resp.prepared:  # a later recall round failed after bytes went out
+            await _write_error(self.resp, f"the upstream answered {status}: {raw[:300]!r}")
+            return self.resp
+        return web.Response(body=raw, status=status, headers=headers)
+
+    @property
+    def started(self) -> bool:
+        return self.resp is not None and self.resp.prepared
+
+    async def finish(self) -> bool:
+        tail = b"".join(self.held) + self.reader.rest()
+        try:
+            if tail or self.resp is None or not self.resp.prepared:
+                await self._send(tail)
+            if self.resp is not None:
+                await self.resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            return False  # the client went away without the whole answer
+        return True
+
+
+class Forwarder:
+    """Sends a completion upstream and its answer back (see the module's docstring)."""
+
+    def __init__(self, config: ProxyConfig, metrics: ProxyMetrics, client: Callable[[], UpstreamClient]) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._client = client
+
+    async def forward(self, request: web.Request, store: ArchiveStore, body: dict[str, Any], payload: bytes,
+                      headers: dict[str, str], *, stream: bool, recall: bool, too_long_raises: bool
+                      ) -> tuple[web.StreamResponse, Answer | None]:
+        """The response the client gets and, when the client has an answer whole, that answer.
+        ``too_long_raises``: a first-round 400 that says the prompt is too long raises PromptTooLong."""
+        upstream = self._client()
+        source: _Source = (StreamAnswer(request, recall=recall, read_timeout_s=self.config.read_timeout_s)
+                           if stream else JsonAnswer(request, self.metrics))
+        rounds = 0
+        recall_left = [self.config.max_recall_chars]  # read_archive output this request may still add
+        while True:
+            too_long: PromptTooLong | None = None
+            try:
+                async with upstream.post(payload, headers) as up:
+                    if up.status != 200:
+                        raw = await up.read()
+                        self.metrics.upstream_errors.inc("status")
+                        if rounds == 0 and too_long_raises and up.status == 400:
+                            too_long = prompt_too_long(raw)
+                        if too_long is not None:
+                            too_long.answer = web.Response(body=raw, status=up.status, headers=relayed_headers(
+                                up.header_list, OWN_ANSWER_HEADERS))
+                        else:
+                            return await source.refused(up.status, raw,
+                                                        relayed_headers(up.header_list, OWN_ANSWER_HEADERS)), None
+                    else:
+                        ended = await source.read(up)
+                        if ended is not None:
+                            if stream:
+                                self.metrics.upstream_errors.inc("cut_stream")
+                            return ended, None
+            except ConnectionError:  # the client went away mid-stream (the upstream's failures are UpstreamError)
+                return source.resp or web.Response(status=499), None
+            except Exception as e:  # noqa: BLE001 - connection or timeout: 502/504 (an error event mid-stream)
+                if not source.started:
+                    return self.upstream_failure(e), None
+                self.metrics.upstream_errors.inc("cut_stream")
+                return await source.cut(f"the upstream failed: {e}"), None
+            if too_long is not None:
+                raise too_long
+            if recall and rounds < self.config.max_recall_rounds and is_recall_round(source.message):
+                rounds += 1
+                body = await answer_recall(store, body, source.message, recall_left,
+                                           max_chars=self.config.max_recall_chars, metrics=self.metrics)
+                payload = fastjson.dumps(body)
+                source.next_round()
+                continue
+            if not await source.finish():
+                return source.resp or web.Response(status=499), None
+            resp = source.resp
+            if resp is None:
+                raise RuntimeError("an answer finished without a response")  # not reached: finish sets it
+            return resp, Answer(source.message, source.usage, rounds)
+
+    def upstream_failure(self, e: BaseException) -> web.Response:
+        if isinstance(e, TimeoutError):
+            self.metrics.upstream_errors.inc("timeout")
+            return error_response(504, f"the upstream {redact_url(self.config.completions_url)} did not answer within "
+                                       f"{self.config.read_timeout_s:g} s (--read-timeout-s)",
+                                  kind="upstream_error", code="upstream_timeout")
+        self.metrics.upstream_errors.inc("connect")
+        return error_response(502, f"cannot reach the upstream {redact_url(self.config.completions_url)}: {e}",
+                              kind="upstream_error", code="upstream_unreachable")
+
+
+async def _write_error(resp: web.StreamResponse, message: str) -> None:
+    event = {"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_cut"}}
+    try:
+        await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass  # the client went away too

@@ -1,0 +1,126 @@
+"""The proxy's answers to the model's ``read_archive`` calls: the archived outputs it asks for, within a
+budget of characters per request, so that hundreds of calls in one answer cannot build a huge upstream
+request. :func:`hold_event` decides which streamed events wait until the proxy knows whether an answer
+is a recall round (the client never sees those calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from typing import Any
+
+from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive
+from ctxfold.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
+from ctxfold.formats.openai import message_to_openai
+from ctxfold.messages import Message, Role, ToolCall
+from ctxfold.serve.metrics import ProxyMetrics
+
+
+def is_recall_round(message: dict[str, Any]) -> bool:
+    """Whether an answer (a ``choices[0].message`` dict) calls read_archive and nothing else."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return False
+    return all(isinstance(c, dict) and isinstance(c.get("function"), dict) and c["function"].get("name") == READ_ARCHIVE
+               for c in calls)
+
+
+def to_wire(m: Message) -> dict[str, Any]:
+    """A message as the upstream receives it: the client's own fields, without ctxfold's ids and usage."""
+    out = message_to_openai(m)
+    out.pop("id", None)
+    out.pop("usage", None)
+    return out
+
+
+async def answer_recall(store: ArchiveStore, body: dict[str, Any], message: dict[str, Any], left: list[int], *,
+                        max_chars: int, metrics: ProxyMetrics) -> dict[str, Any]:
+    """The request again, with the model's read_archive calls and their answers appended. ``left``
+    (one number, shared by the request's rounds): the characters of archived text the request may
+    still receive; a call asking for more gets what is left, and the answer says so."""
+    results = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        tc = ToolCall(id=str(call.get("id", "")), name=str(fn.get("name", "")),
+                      arguments=str(fn.get("arguments", "")))
+        metrics.recall_calls.inc()
+        wanted = _recall_limit(tc.arguments)
+        if wanted is not None and left[0] <= 0:
+            results.append(to_wire(_recall_refused(tc, max_chars)))
+            continue
+        cut = wanted is not None and wanted > left[0]
+        if cut:
+            args = json.loads(tc.arguments)
+            args["limit"] = left[0]
+            tc = replace(tc, arguments=json.dumps(args))
+        answer = await asyncio.to_thread(answer_read_archive, store, tc)
+        if wanted is not None and not answer.is_error:
+            header, _, piece = answer.text.partition("\n")
+            left[0] -= len(piece)
+            if cut and "next_offset=" in header:  # the limit, not the end of the output, stopped it
+                answer = replace(answer, content=answer.text + _recall_cut_note(max_chars))
+        results.append(to_wire(answer))
+    out = dict(body)
+    out["messages"] = list(body["messages"]) + [message] + results
+    return out
+
+
+def _recall_limit(arguments: str) -> int | None:
+    """The characters a read_archive call asks for (its limit, or the tool's default, within the tool's
+    cap), or None when its arguments are not an object with a usable limit: the tool answers those
+    with an error, which reads nothing."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return None
+    if not isinstance(args, dict):
+        return None
+    limit = args.get("limit", DEFAULT_LIMIT_CHARS)
+    if isinstance(limit, float) and limit.is_integer():
+        limit = int(limit)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        return None
+    return min(limit, MAX_LIMIT_CHARS)
+
+
+def _recall_cut_note(max_chars: int) -> str:
+    return (f"\n[cut: read_archive output is limited to {max_chars} characters per answer; "
+            "read the rest from next_offset in a later answer]")
+
+
+def _recall_refused(call: ToolCall, max_chars: int) -> Message:
+    return Message(role=Role.TOOL, id="", tool_call_id=call.id, name=READ_ARCHIVE, is_error=True,
+                   content=f"Not read: this answer's read_archive output already reached its limit of {max_chars} "
+                           "characters. Answer with what you have, and call read_archive again with the same "
+                           "arguments in a later answer if you still need it.")
+
+
+
+def hold_event(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]) -> bool:
+    """Whether a streamed event waits for the end of the answer: read_archive call deltas and the
+    closing events. ``recall_calls`` collects the indexes of read_archive calls as their names appear."""
+    if data is not None and data.strip() == "[DONE]":
+        return True
+    if chunk is None:
+        return False
+    choices = chunk.get("choices")
+    if not choices:
+        return "usage" in chunk  # the usage-only chunk at the end
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    if choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta")
+    calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+    if not isinstance(calls, list) or not calls:
+        return False
+    hold = False
+    for k, tc in enumerate(calls):
+        if not isinstance(tc, dict):
+            continue
+        index = tc.get("index", k)
+        fn = tc.get("function")
+        if isinstance(fn, dict) and fn.get("name") == READ_ARCHIVE:
+            recall_calls.add(index)
+        hold = hold or index in recall_calls
+    return hold

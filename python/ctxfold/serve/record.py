@@ -1,0 +1,70 @@
+"""Recording an answer the client has: it joins the conversation's session, and the upstream's
+``usage.prompt_tokens`` calibrates the token estimate of that conversation (:mod:`ctxfold.serve.window`).
+
+After the response, still under the conversation's lock: the bookkeeping (and with ``--fsync always``
+a thread hop and a disk flush) stays off the latency the client sees, and the next request finds the
+answer recorded. Nothing is lost if the proxy dies in between or the recording fails: the client's
+next request carries the answer, and a message the session does not hold yet is appended then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ctxfold.compactor import Compactor
+from ctxfold.errors import FormatError
+from ctxfold.formats.openai import message_from_openai
+from ctxfold.messages import Message
+from ctxfold.serve.config import ProxyConfig
+from ctxfold.serve.forward import Answer
+from ctxfold.serve.sessions import ProxySession
+from ctxfold.serve.window import calibrate
+
+log = logging.getLogger("ctxfold.serve")
+
+
+def answer_message(c: Compactor, message: dict[str, Any], usage: Any, index: int) -> Message | None:
+    """The upstream's answer as the conversation's original ``index`` (None, logged, when it is not
+    a chat message)."""
+    wire = dict(message)
+    if isinstance(usage, dict):
+        wire["usage"] = usage
+    try:
+        return message_from_openai(wire, f"m{index + (1 if c.header.system is not None else 0)}", keep_id=False)
+    except FormatError as e:
+        log.warning("answer not recorded: %s", e)
+        return None
+
+
+async def record(config: ProxyConfig, session: ProxySession, answer: Answer) -> None:
+    """Keep the answer in the session and, when it answers the request as the view was sent (no
+    recall round in between), calibrate the estimate with the upstream's count. Never raises: the
+    response is out, a failure here can only be logged."""
+    try:
+        await _record(config, session, answer)
+    except Exception:
+        log.exception("answer not recorded; the conversation's next request will bring it")
+
+
+async def _record(config: ProxyConfig, session: ProxySession, answer: Answer) -> None:
+    c = session.compactor
+    index = len(c.originals)
+    m = answer_message(c, answer.message, answer.usage, index)
+    if m is None:
+        return
+    # The estimate of the request as it was sent, before the answer joins the view, when the trigger
+    # check counted it: from about a fifth of the window on (where the byte bound meets a trigger
+    # line), so the factor has settled long before it decides anything; below, nothing is counted.
+    usage = answer.usage
+    reported = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    counted = c.counted_occupancy_tokens() if answer.rounds == 0 and config.compact.context_tokens else None
+    estimate = counted - c.config.reply_reserve() if counted is not None else None
+    if config.fsync == "always":
+        await asyncio.to_thread(c.append, m)  # fsync off the event loop
+    else:
+        c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop
+    session.note_wire([answer.message], index)
+    if estimate is not None and isinstance(reported, int):
+        calibrate(session, config.compact, reported, estimate)
