@@ -341,6 +341,33 @@ def test_summarizer_failures_fall_back_and_the_breaker_stops_calling_it(counter:
     assert "model server exploded" in (events[0].summary_failure or "")
 
 
+class CancelsItself:
+    """A summarizer that stops itself (its own caller went away) and says so: a failed result."""
+
+    name = "stops"
+
+    def summarize(self, request: SummaryRequest, **kw: Any) -> Any:
+        from ctxfold.summarize.base import failed
+
+        return failed(self.name, "cancelled", 0.0)
+
+    async def asummarize(self, request: SummaryRequest, **kw: Any) -> Any:
+        return self.summarize(request)
+
+
+def test_a_summarizer_that_cancels_itself_never_leaves_an_empty_summary(counter: TokenCounter) -> None:
+    config = CompactConfig.preset("both", context_tokens=100_000)
+    c = Compactor(header(), config=config, counter=counter, summarizer=CancelsItself())  # type: ignore[arg-type]
+    c.append(user("q"))
+    c.append(Message(Role.ASSISTANT, readme_lines(0, 50), id="a"))
+    event = c.compact_now()
+    assert event.applied and event.summary_fallback
+    assert event.summarizer is not None and event.summarizer.startswith("extractive")
+    assert "cancelled" in (event.summary_failure or "")
+    summary = next(m for m in c.view if m.is_summary)
+    assert summary.text.strip() and "readme" in summary.text.lower()
+
+
 def test_archive_stage_survives_a_failed_summary_stage(counter: TokenCounter, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     c = make(counter, tmp_path, policy="datus", context_tokens=16000, max_output_tokens=1024)

@@ -901,10 +901,13 @@ class Compactor:
             except Exception as exc:  # noqa: BLE001 - a summarizer outside the contract must not stop compaction
                 failure = f"{self.summarizer.name} raised {type(exc).__name__}: {exc}"
             else:
-                failure = result.primary_failure
-                if failure is not None and result.detail:
-                    failure = f"{failure} ({result.detail})"
-                return _Summary(result.text, result.summarizer, result.cut_reason, failure)
+                if not result.ok:  # cancelled by the summarizer itself (its caller left): no text to apply
+                    failure = f"{result.summarizer}: {result.failure}"
+                else:
+                    failure = result.primary_failure
+                    if failure is not None and result.detail:
+                        failure = f"{failure} ({result.detail})"
+                    return _Summary(result.text, result.summarizer, result.cut_reason, failure)
         # The extractive summary takes no room in the window (no model writes it), so only the cap
         # binds; an eighth of the window at most, so the rebuilt view keeps room for the tail.
         cap = cfg.summary.max_tokens if ctx is None else max(64, min(cfg.summary.max_tokens, ctx // 8))
