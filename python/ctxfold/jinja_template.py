@@ -31,8 +31,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -94,7 +95,7 @@ def _compile(source: str) -> Any:
     class GenerationTag(jinja2.ext.Extension):
         # transformers marks assistant text with {% generation %}...{% endgeneration %}; rendering is
         # unchanged by it.
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares it so
 
         def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
@@ -124,7 +125,7 @@ def _compile(source: str) -> Any:
 
     class TemplateNamespace(jinja2.utils.Namespace):
         # Attributes that start with "_" are refused, as transformers does (no way to CPython internals).
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's Namespace signature
+        def __init__(*args: Any, **kwargs: Any) -> None:
             self, rest = args[0], args[1:]
             attrs = dict(*rest, **kwargs)
             for name in attrs:
@@ -203,8 +204,8 @@ def _lcp(a: str, b: str) -> int:
 
 
 # Window shape. Every number is checked, not trusted: a template that needs more falls back to full renders.
-_HEAD = 2  # the first messages, always in the window: templates attach the system prompt or tools to them
-_CONTEXT = 2  # messages before the first new one (and back to the assistant message whose results they are)
+_HEAD = 1  # the first messages, always in the window: templates attach the system prompt or tools to them
+_CONTEXT = 1  # messages before the first new one (and back to the assistant message whose results they are)
 _CHUNK = 4  # messages derived per window when many are new: windows of ~10 messages, ~1.3 renders each
 _LOOKBACK_LIMIT = 64  # how far back the context reaches for the call a run of results answers
 # Messages put after those of a cut, so that the last of them renders as it does inside the conversation,
@@ -213,6 +214,11 @@ _LOOKBACK_LIMIT = 64  # how far back the context reaches for the call a run of r
 _PROBE_TEXT = "ctxfold boundary probe"
 _PROBES = (Message(role=Role.TOOL, content=_PROBE_TEXT, tool_call_id="probe", name="probe"),
            Message(role=Role.USER, content=_PROBE_TEXT))
+
+
+# Probe results per template (source, variables, control tokens, argument form): probing takes a few
+# hundred renders, once per process.
+_separable: dict[tuple[str, str, tuple[tuple[str, int], ...], bool], tuple[bool, str]] = {}
 
 
 class JinjaRenderer:
@@ -228,8 +234,15 @@ class JinjaRenderer:
         self._split_re = (re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True)))
                           if ids else None)
         self.separable = True
-        self.separable = self._probe()
-        if not self.separable:
+        # When a new last user turn re-derives the turn before it: "never", "reasoning" (when one of its
+        # messages has reasoning), "always". Probed, as is separability.
+        self.turn_sensitive = "always"
+        key = (template.source, json.dumps(dict(template.variables), sort_keys=True, default=str),
+               tuple(sorted(ids.items())), template.object_arguments)
+        known = _separable.get(key)
+        self.separable, self.turn_sensitive = self._probe() if known is None else known
+        _separable[key] = (self.separable, self.turn_sensitive)
+        if not self.separable and known is None:
             log.warning("chat template %s cannot be cut into per-message segments; every boundary is rendered "
                         "whole (O(messages) per message)", template.name)
 
@@ -290,10 +303,10 @@ class JinjaRenderer:
             # A window can fail where the whole request does not (a gap the template notices): then the
             # template is not separable. Where the whole request fails too, that is the error to report.
             self._render(system, tools, msgs, True)
-            self._mark_not_separable("a window of the conversation fails to render where the whole does not")
+            self.mark_not_separable("a window of the conversation fails to render where the whole does not")
             return self._segments_whole(system, tools, msgs, start)
 
-    def _mark_not_separable(self, why: str) -> None:
+    def mark_not_separable(self, why: str) -> None:
         if self.separable:
             log.warning("chat template %s is not separable at message boundaries (%s): falling back to whole "
                         "renders, O(messages) per message", self.template.name, why)
@@ -321,23 +334,28 @@ class JinjaRenderer:
             if b < len(head):
                 for probe in _PROBES:
                     try:
-                        b = max(b, self._agreement(self._render(system, tools, [*window[:k], probe], False), whole))
+                        agreed, full = self._agreement(self._render(system, tools, [*window[:k], probe], False), whole)
                     except TemplateRenderError:
-                        pass
+                        continue
+                    b = max(b, agreed)
+                    if full:
+                        break  # it agrees up to the probe itself: no other probe can do better
             last = max(b, last)
             out.append(last)
         return whole, out
 
-    def _agreement(self, probed: str, whole: str) -> int:
+    def _agreement(self, probed: str, whole: str) -> tuple[int, bool]:
         """How far ``probed`` (messages, then a probe) agrees with ``whole``, never into the probe's own
-        rendering: not past the control token that opens it (or its text, for a template without any)."""
+        rendering: not past the control token that opens it (or its text, for a template without any);
+        and whether it agrees all the way there."""
         at = probed.rfind(_PROBE_TEXT)
         cap = len(probed) if at < 0 else at
         if self._split_re is not None:
             opening = [mt.start() for mt in self._split_re.finditer(probed, 0, cap)]
             if opening:
                 cap = opening[-1]
-        return min(_lcp(probed, whole), cap)
+        agreed = _lcp(probed, whole)
+        return min(agreed, cap), agreed >= cap
 
     def _segments_whole(self, system: str | None, tools: Sequence[ToolSpec], msgs: Sequence[Message],
                         start: int) -> tuple[str, list[str], str]:
@@ -397,7 +415,7 @@ class JinjaRenderer:
                 idx.append(u)  # the next user turn: templates drop or keep reasoning by it
         return idx
 
-    def render(self, conversation: Conversation, opts: RenderOptions = RenderOptions()) -> RenderedRequest:
+    def render(self, conversation: Conversation, opts: RenderOptions | None = None) -> RenderedRequest:
         """The whole request, as segments (``opts`` is unused: a Jinja template's switches are its
         ``variables``)."""
         del opts
@@ -417,9 +435,19 @@ class JinjaRenderer:
 
     # -- the load-time check ---------------------------------------------------------------------------------
 
-    def check(self, conversation: Conversation, *, incremental: bool = True) -> str | None:
+    def rerenders_turn(self, messages: Sequence[Message]) -> bool:
+        """Whether a new last user turn can change how ``messages`` (the turn before it) render: the
+        accounting then derives them again. Qwen3's template drops reasoning before the last user turn."""
+        if self.turn_sensitive == "always":
+            return True
+        return self.turn_sensitive == "reasoning" and any(_has_reasoning(m) for m in messages)
+
+    def check(self, conversation: Conversation, *, incremental: bool = True,
+              turn_rule: bool | None = None) -> str | None:
         """Where the derived segments disagree with a whole render of ``conversation`` (None: nowhere).
-        ``incremental``: also derive them as an append-only conversation would, one message at a time."""
+        ``incremental``: also derive them as an append-only conversation would, one message at a time,
+        from the message before the new one, and from the previous user turn when a new one comes and
+        ``turn_rule`` (default: :meth:`rerenders_turn`) says so."""
         msgs = conversation.messages
         want = self.render_text(conversation)
         prefix, texts, suffix = self.segments(conversation.system, conversation.tools, msgs)
@@ -435,7 +463,9 @@ class JinjaRenderer:
                 # turn when a new one moves it (templates render the turn before it differently).
                 a = max(k - 2, 0)
                 if sub[-1].role is Role.USER:
-                    a = min(a, max(last_user, 0))
+                    again = self.rerenders_turn(sub[max(last_user, 0):]) if turn_rule is None else turn_rule
+                    if again:
+                        a = min(a, max(last_user, 0))
                     last_user = k - 1
                 p2, t2, s2 = self.segments(conversation.system, conversation.tools, sub, a)
                 if a == 0:
@@ -446,19 +476,60 @@ class JinjaRenderer:
                     return f"appending message {k - 1}"
         return None
 
-    def _probe(self) -> bool:
+    def _probe(self) -> tuple[bool, str]:
+        """(separable, turn sensitivity) on the probe conversations: separable at all (with every earlier
+        turn derived again), then whether that is needed with reasoning, then without."""
+        convs = []
         for conv in _probes():
             try:
                 self._render(conv.system, conv.tools, conv.messages, True)
             except TemplateRenderError:
                 continue  # a shape this template refuses: nothing to check on it
+            convs.append(conv)
+
+        def passes(rule: bool, cs: Sequence[Conversation]) -> bool:
             try:
-                why = self.check(conv)
+                return all(self.check(c, turn_rule=rule) is None for c in cs) and self.separable
             except TemplateRenderError:
-                why = "a window fails to render"
-            if why is not None or not self.separable:
                 return False
-        return True
+
+        if not passes(True, convs):
+            return False, "always"
+        if passes(False, convs):
+            return True, "never"
+        plain = [Conversation(messages=[replace(m, reasoning=None) for m in c.messages], system=c.system,
+                              tools=c.tools) for c in convs]
+        return True, ("reasoning" if passes(False, plain) else "always")
+
+
+_renderers: dict[tuple[int, int], tuple[JinjaChatTemplate, Any, JinjaRenderer]] = {}
+_renderers_lock = threading.Lock()
+
+
+def renderer_for(template: JinjaChatTemplate, counter: Any = None) -> JinjaRenderer:
+    """The shared renderer of ``template`` as ``counter`` counts it: a template that names no control
+    tokens (a plain file) takes the special tokens of an exact tokenizer's vocabulary (a ``tokenizers``
+    one), so the text between them is counted on its own, as the tokenizer does."""
+    key = (id(template), id(counter))
+    with _renderers_lock:
+        hit = _renderers.get(key)
+        if hit is not None and hit[0] is template and hit[1] is counter:
+            return hit[2]
+    t = template
+    tokenizer = getattr(counter, "tokenizer", None)
+    if not t.specials and tokenizer is not None and hasattr(tokenizer, "get_added_tokens_decoder"):
+        added = tokenizer.get_added_tokens_decoder()
+        t = t.with_specials({tok.content: int(i) for i, tok in added.items() if getattr(tok, "special", False)})
+    r = JinjaRenderer(t)
+    with _renderers_lock:
+        # The template and counter are held by the entry, so their ids are not reused while it lives.
+        _renderers[key] = (template, counter, r)
+    return r
+
+
+def _has_reasoning(m: Message) -> bool:
+    # Templates read reasoning from reasoning_content, or from a <think> block left in the content (Qwen3).
+    return m.reasoning is not None or "</think>" in m.text
 
 
 def _probes() -> Iterator[Conversation]:
@@ -539,13 +610,14 @@ def from_tokenizer_config(path: str | Path, *, name: str | None = None) -> Jinja
     if source is None:
         raise ConfigError(f"chat template: {p} has no chat_template")
     text = _pick(source, str(p), name)
-    variables = {k: t for k in _SPECIAL_NAMES if (t := _special_text(config.get(k))) is not None}
+    variables = {k: v for k in _SPECIAL_NAMES if (v := _special_text(config.get(k))) is not None}
     specials: dict[str, int] = {}
     for tid, tok in (config.get("added_tokens_decoder") or {}).items():
         if isinstance(tok, dict) and tok.get("special") and isinstance(tok.get("content"), str):
             specials[tok["content"]] = int(tid)
-    t = JinjaChatTemplate(name=f"hf:{p}", source=text, variables=variables, description=f"the chat template of {p}")
-    return t.with_specials(specials)
+    loaded = JinjaChatTemplate(name=f"hf:{p}", source=text, variables=variables,
+                               description=f"the chat template of {p}")
+    return loaded.with_specials(specials)
 
 
 def from_gguf(path: str | Path) -> JinjaChatTemplate:
@@ -632,5 +704,6 @@ __all__ = [
     "from_tokenizer_config",
     "jinja_presets",
     "message_dict",
+    "renderer_for",
     "tools_list",
 ]
