@@ -160,6 +160,7 @@ class RequestAccounting:
         self._segs: list[Segment] = []  # Jinja: every message's segment, as last derived
         self._jinja_suffix: Segment = ()
         self._next_check = _FIRST_CHECK_MESSAGES
+        self._rederiving = False
         self.ledger = _core.Ledger()
         self._messages: list[Message] = []
         self._last_user = -1
@@ -366,25 +367,41 @@ class RequestAccounting:
         if self._jinja is not None:
             self._segs[start:] = segs
         self._update_suffix()
-        if self._jinja is not None and len(new) >= self._next_check:
+        if self._jinja is not None and (not self._jinja.separable or len(new) >= self._next_check):
+            # Not separable: every request is checked (the messages before the changed ones may render
+            # differently now), and derived again from the start where they do.
             self._next_check = 2 * len(new)
             self._check_jinja()
         return self.total_tokens
+
+    def request_text(self) -> str:
+        """The whole request as this accounting has it rendered (control tokens as their text). O(request)."""
+        if self._jinja is not None:
+            segs = (self._prefix, *self._segs, self._jinja_suffix)
+            return "".join(segment_text(s, self._jinja.specials) for s in segs)
+        assert isinstance(self.renderer, Renderer)
+        view = Conversation(messages=list(self._messages), system=self._system, tools=self._tools)
+        return self.renderer.render(view, self._opts).text()
 
     def _check_jinja(self) -> None:
         """Compares the derived segments with a whole render; where they differ, the template is not
         separable: it is rendered whole from now on and every message is derived again."""
         assert self._jinja is not None
         r = self._jinja
-        got = "".join(segment_text(s, r.specials) for s in (self._prefix, *self._segs, self._jinja_suffix))
+        if not self._messages or self._rederiving:
+            return
         want = r.render_text(Conversation(messages=self._messages, system=self._system, tools=self._tools))
-        if got == want:
+        if self.request_text() == want:
             return
         r.mark_not_separable(f"derived segments differ from the whole render of {len(self._messages)} messages")
         msgs = self._messages
         self._messages, self._segs, self._last_user = [], [], -1
         self.ledger.truncate(0)
-        self.sync(msgs)
+        self._rederiving = True  # from the start, cut on whole renders: the segments add up by construction
+        try:
+            self.sync(msgs)
+        finally:
+            self._rederiving = False
 
     def count_view(self, header: Conversation, messages: Sequence[Message]) -> int:
         """Total tokens of the request ``header`` + ``messages`` would make, without changing this
