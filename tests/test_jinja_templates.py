@@ -358,3 +358,51 @@ def test_gemma3_folds_the_system_prompt_into_the_first_turn() -> None:
                         "<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n")
     assert r.prefix == (2,)
     assert r.messages[0] == (105, "user\nBe brief.\n\nhi", 106, "\n")
+
+
+# -- the command line: --template takes every form, and its errors are one line --------------------------------
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from ctxfold.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_count_with_a_loaded_template(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "chat.json"
+    trace.write_text(json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]))
+    code, out, err = _run(capsys, "count", str(trace), "--tokenizer", "qwen3", "--template", f"hf:{qwen3_config()}",
+                          "--json", "-")
+    assert code == 0, err
+    loaded = json.loads(out)
+    code, out, err = _run(capsys, "count", str(trace), "--tokenizer", "qwen3", "--template", "chatml", "--json", "-")
+    assert code == 0, err
+    assert loaded["total_tokens"] == json.loads(out)["total_tokens"]  # Qwen3's own template is what chatml is
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("gguf:/nonexistent/model.gguf", "does not exist"),
+    ("llama9", "unknown chat template"),
+])
+def test_count_template_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, spec: str,
+                                            message: str) -> None:
+    trace = tmp_path / "chat.json"
+    trace.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    code, _, err = _run(capsys, "count", str(trace), "--tokenizer", "qwen3", "--template", spec)
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and message in lines[0] and "Traceback" not in err
+
+
+def test_count_a_conversation_the_template_refuses_is_one_line(capsys: pytest.CaptureFixture[str],
+                                                                tmp_path: Path) -> None:
+    trace = tmp_path / "chat.json"
+    trace.write_text(json.dumps([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]))
+    code, _, err = _run(capsys, "count", str(trace), "--tokenizer", "qwen3", "--template", "gemma-3")
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "Conversation roles must alternate" in lines[0]
