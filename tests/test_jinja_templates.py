@@ -406,3 +406,29 @@ def test_count_a_conversation_the_template_refuses_is_one_line(capsys: pytest.Ca
     code, _, err = _run(capsys, "count", str(trace), "--tokenizer", "qwen3", "--template", "gemma-3")
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and "Conversation roles must alternate" in lines[0]
+
+
+def test_named_templates_pick_tool_use_when_the_request_offers_tools(tmp_path: Path) -> None:
+    """A config with named templates: "tool_use" for requests with tools, "default" otherwise, as
+    transformers' get_chat_template picks them."""
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "plain{% for m in messages %} {{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "tools {{ tools|length }}{% for m in messages %} {{ m.content }}{% endfor %}"},
+    ]}), encoding="utf-8")
+    t = get_template(f"hf:{tmp_path}")
+    assert isinstance(t, JinjaChatTemplate)
+    r = JinjaRenderer(t)
+    msgs = [Message(role=Role.USER, content="hi")]
+    assert r.render_text(Conversation(messages=msgs)) == "plain hi"
+    assert r.render_text(Conversation(messages=msgs, tools=(ToolSpec(name="x"),))) == "tools 1 hi"
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    class _Tk(PreTrainedTokenizerFast):  # only get_chat_template is used: no vocabulary needed
+        def __init__(self) -> None:
+            self.chat_template = {"default": t.source, "tool_use": t.tool_use_source}
+
+    chosen = _Tk.get_chat_template(_Tk(), None, tools=[{"type": "function", "function": {"name": "x"}}])
+    assert render_jinja_template([[{"role": "user", "content": "hi"}]], tools=[{}], chat_template=chosen)[0][0] == \
+        "tools 1 hi"

@@ -56,6 +56,9 @@ class JinjaChatTemplate:
 
     name: str  # a preset name, or where it was loaded from
     source: str  # the Jinja text
+    # The text used when the request offers tools, where the model ships a separate one (a config's
+    # named "tool_use" template, a GGUF's tokenizer.chat_template.tool_use), as transformers picks it.
+    tool_use_source: str = ""
     # Variables every render gets: the config's special tokens (bos_token, eos_token, ...), then
     # template switches (enable_thinking, date_string, ...); transformers passes both as keyword arguments.
     variables: Mapping[str, Any] = field(default_factory=dict)
@@ -71,11 +74,11 @@ class JinjaChatTemplate:
     def with_specials(self, specials: Mapping[str, int]) -> JinjaChatTemplate:
         """This template with ``specials`` (text -> id) added to its control tokens, keeping those that
         its source can write (or that are its BOS/EOS): a vocabulary has thousands it never writes."""
-        keep = {t: i for t, i in specials.items() if t and (t in self.source or t in self.variables.values())}
+        written = self.source + self.tool_use_source
+        keep = {t: i for t, i in specials.items() if t and (t in written or t in self.variables.values())}
         merged = dict(self.specials)
         merged.update({t: (t, i) for t, i in keep.items()})
-        return JinjaChatTemplate(name=self.name, source=self.source, variables=self.variables, specials=merged,
-                                 object_arguments=self.object_arguments, description=self.description)
+        return replace(self, specials=merged)
 
 
 # -- the environment, as transformers builds it ------------------------------------------------------------
@@ -184,8 +187,16 @@ def message_dict(m: Message, object_arguments: bool = True) -> dict[str, Any]:
 
 
 def tools_list(tools: Sequence[ToolSpec]) -> list[dict[str, Any]] | None:
-    """The tool definitions as the template reads them (OpenAI function shape); None without tools."""
-    return [{"type": "function", "function": tool_schema(t)} for t in tools] or None
+    """The tool definitions as the template reads them (OpenAI function shape, with the fields a client
+    sent beside name, description and parameters, such as ``strict``); None without tools."""
+    out = []
+    for t in tools:
+        fn = tool_schema(t)
+        kept = t.extra.get("openai")
+        if isinstance(kept, dict) and isinstance(kept.get("function"), dict):
+            fn.update(kept["function"])
+        out.append({"type": "function", "function": fn})
+    return out or None
 
 
 def _lcp(a: str, b: str) -> int:
@@ -228,6 +239,7 @@ class JinjaRenderer:
     def __init__(self, template: JinjaChatTemplate) -> None:
         self.template = template
         self._compiled = _compile(template.source)
+        self._compiled_tools = _compile(template.tool_use_source) if template.tool_use_source else self._compiled
         self.specials = {v[1]: v[0] for v in template.specials.values()}
         ids = {v[0]: v[1] for v in template.specials.values()}
         self._ids = ids
@@ -237,7 +249,7 @@ class JinjaRenderer:
         # When a new last user turn re-derives the turn before it: "never", "reasoning" (when one of its
         # messages has reasoning), "always". Probed, as is separability.
         self.turn_sensitive = "always"
-        key = (template.source, json.dumps(dict(template.variables), sort_keys=True, default=str),
+        key = (template.source + "\0" + template.tool_use_source, json.dumps(dict(template.variables), sort_keys=True, default=str),
                tuple(sorted(ids.items())), template.object_arguments)
         known = _separable.get(key)
         self.separable, self.turn_sensitive = self._probe() if known is None else known
@@ -256,7 +268,8 @@ class JinjaRenderer:
         if system is not None:
             dicts = [{"role": "system", "content": system}, *dicts]
         try:
-            return str(self._compiled.render(messages=dicts, tools=tools_list(tools), documents=None,
+            compiled = self._compiled_tools if tools else self._compiled
+            return str(compiled.render(messages=dicts, tools=tools_list(tools), documents=None,
                                              add_generation_prompt=generation_prompt, **self.template.variables))
         except jinja2.exceptions.TemplateError as e:
             raise TemplateRenderError(f"chat template {self.template.name}: {e.message or type(e).__name__}") from None
@@ -504,6 +517,7 @@ class JinjaRenderer:
 
 _renderers: dict[tuple[int, int], tuple[JinjaChatTemplate, Any, JinjaRenderer]] = {}
 _renderers_lock = threading.Lock()
+_MAX_RENDERERS = 64
 
 
 def renderer_for(template: JinjaChatTemplate, counter: Any = None) -> JinjaRenderer:
@@ -523,6 +537,8 @@ def renderer_for(template: JinjaChatTemplate, counter: Any = None) -> JinjaRende
     r = JinjaRenderer(t)
     with _renderers_lock:
         # The template and counter are held by the entry, so their ids are not reused while it lives.
+        if len(_renderers) >= _MAX_RENDERERS:
+            _renderers.clear()  # templates made on the fly (dataclasses.replace) must not pile up
         _renderers[key] = (template, counter, r)
     return r
 
@@ -573,21 +589,24 @@ def _special_text(value: Any) -> str | None:
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def _pick(source: Any, what: str, name: str | None) -> str:
-    """The template text of a ``chat_template`` value: a string, or a list of named templates (the one
-    named ``name``, else "default")."""
+def _pick(source: Any, what: str) -> tuple[str, str]:
+    """The template texts of a ``chat_template`` value: a string, or a list of named templates
+    ("default", and "tool_use" for requests with tools, as transformers picks them)."""
     if isinstance(source, str):
-        return source
+        return source, ""
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        chosen = named.get(name or "default")
-        if isinstance(chosen, str):
-            return chosen
-        raise ConfigError(f"{what} has no chat template named {name or 'default'!r} (it has {sorted(map(str, named))})")
-    raise ConfigError(f"{what} has no chat template")
+        default, tool_use = named.get("default"), named.get("tool_use")
+        if not isinstance(default, str):
+            default = tool_use if isinstance(tool_use, str) else None
+        if isinstance(default, str):
+            return default, tool_use if isinstance(tool_use, str) else ""
+        raise ConfigError(f"chat template: {what} has no chat template named 'default' "
+                          f"(it has {sorted(map(str, named))})")
+    raise ConfigError(f"chat template: {what} has no chat template")
 
 
-def from_tokenizer_config(path: str | Path, *, name: str | None = None) -> JinjaChatTemplate:
+def from_tokenizer_config(path: str | Path) -> JinjaChatTemplate:
     """The template of a ``tokenizer_config.json`` (or a ``chat_template.json`` /
     ``chat_template.jinja`` beside it, where newer models keep it), with its special tokens."""
     p = Path(path)
@@ -609,13 +628,13 @@ def from_tokenizer_config(path: str | Path, *, name: str | None = None) -> Jinja
             source = json.loads(json_file.read_text(encoding="utf-8")).get("chat_template")
     if source is None:
         raise ConfigError(f"chat template: {p} has no chat_template")
-    text = _pick(source, str(p), name)
+    text, tool_use = _pick(source, str(p))
     variables = {k: v for k in _SPECIAL_NAMES if (v := _special_text(config.get(k))) is not None}
     specials: dict[str, int] = {}
     for tid, tok in (config.get("added_tokens_decoder") or {}).items():
         if isinstance(tok, dict) and tok.get("special") and isinstance(tok.get("content"), str):
             specials[tok["content"]] = int(tid)
-    loaded = JinjaChatTemplate(name=f"hf:{p}", source=text, variables=variables,
+    loaded = JinjaChatTemplate(name=f"hf:{p}", source=text, tool_use_source=tool_use, variables=variables,
                                description=f"the chat template of {p}")
     return loaded.with_specials(specials)
 
@@ -625,7 +644,7 @@ def from_gguf(path: str | Path) -> JinjaChatTemplate:
     from ctxfold.gguf import TOKEN_TYPE_CONTROL, GGUFError, read_metadata
 
     p = Path(path)
-    keys = {"tokenizer.chat_template", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    keys = {"tokenizer.chat_template", "tokenizer.chat_template.tool_use", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
             "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "general.name"}
     try:
         meta = read_metadata(p, keys)
@@ -649,7 +668,9 @@ def from_gguf(path: str | Path) -> JinjaChatTemplate:
     if types is not None:
         for tid in (types == TOKEN_TYPE_CONTROL).nonzero()[0].tolist():
             specials.setdefault(tokens[tid], int(tid))
+    tool_use = meta.get("tokenizer.chat_template.tool_use")
     t = JinjaChatTemplate(name=f"gguf:{p}", source=source, variables=variables,
+                          tool_use_source=tool_use if isinstance(tool_use, str) else "",
                           description=f"the chat template of {p}")
     return t.with_specials(specials)
 
