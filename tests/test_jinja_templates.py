@@ -300,6 +300,7 @@ def test_the_gemma3_package_gguf_has_no_template_and_says_so_in_one_line() -> No
         from_gguf(first_chunk)
     msg = str(e.value)
     assert "\n" not in msg and "carries no chat template" in msg and "Gemma 3 270m" in msg
+    assert "--template gemma-3" in msg
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -645,7 +645,7 @@ def from_gguf(path: str | Path) -> JinjaChatTemplate:
 
     p = Path(path)
     keys = {"tokenizer.chat_template", "tokenizer.chat_template.tool_use", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "general.name"}
+            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "general.name", "general.architecture"}
     try:
         meta = read_metadata(p, keys)
     except FileNotFoundError:
@@ -655,8 +655,10 @@ def from_gguf(path: str | Path) -> JinjaChatTemplate:
     source = meta.get("tokenizer.chat_template")
     if not isinstance(source, str):
         model = meta.get("general.name") or p.name
+        preset = _ARCHITECTURE_PRESETS.get(str(meta.get("general.architecture", "")))
+        hint = f"--template {preset} (its instruct template)" if preset else "--template file:PATH or a preset"
         raise ConfigError(f"chat template: the GGUF file {p} ({model}) carries no chat template "
-                          "(tokenizer.chat_template); give one with --template file:PATH or a preset")
+                          f"(tokenizer.chat_template); give one with {hint}")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     types = meta.get("tokenizer.ggml.token_type")
     variables: dict[str, str] = {}
@@ -673,6 +675,11 @@ def from_gguf(path: str | Path) -> JinjaChatTemplate:
                           tool_use_source=tool_use if isinstance(tool_use, str) else "",
                           description=f"the chat template of {p}")
     return t.with_specials(specials)
+
+
+# A model architecture (GGUF general.architecture) -> the preset of its instruct template, where one
+# template serves every model of it.
+_ARCHITECTURE_PRESETS = {"gemma3": "gemma-3"}
 
 
 def from_file(path: str | Path) -> JinjaChatTemplate:
