@@ -74,7 +74,7 @@ def test_turn_by_turn_chatml_preset(benchmark: Any, conversation: Conversation) 
     benchmark.group = "jinja-turn-by-turn"
     benchmark.extra_info["role"] = "baseline"
     benchmark.extra_info["method"] = "chatml preset, incremental"
-    benchmark.pedantic(turn_by_turn, args=(CHATML_QWEN3, conversation), rounds=3, iterations=1)
+    benchmark.pedantic(turn_by_turn, args=(CHATML_QWEN3, conversation), rounds=5, iterations=1, warmup_rounds=1)
 
 
 def test_turn_by_turn_qwen3_jinja(benchmark: Any, conversation: Conversation, qwen3_jinja: JinjaChatTemplate) -> None:
@@ -82,7 +82,7 @@ def test_turn_by_turn_qwen3_jinja(benchmark: Any, conversation: Conversation, qw
     benchmark.extra_info["role"] = "ctxfold"
     benchmark.extra_info["method"] = "Qwen3's own Jinja template, incremental"
     renderer_for(qwen3_jinja, load_counter("qwen3"))  # compiled and probed once per process, not timed
-    totals = benchmark.pedantic(turn_by_turn, args=(qwen3_jinja, conversation), rounds=3, iterations=1)
+    totals = benchmark.pedantic(turn_by_turn, args=(qwen3_jinja, conversation), rounds=5, iterations=1, warmup_rounds=1)
     assert totals == turn_by_turn(CHATML_QWEN3, conversation)
     assert totals == whole_every_request(qwen3_jinja, conversation)
 
@@ -92,4 +92,4 @@ def test_baseline_qwen3_jinja_whole_every_request(benchmark: Any, conversation: 
     benchmark.group = "jinja-turn-by-turn"
     benchmark.extra_info["role"] = "baseline"
     benchmark.extra_info["method"] = "Qwen3's Jinja template, whole render + tokenize every request"
-    benchmark.pedantic(whole_every_request, args=(qwen3_jinja, conversation), rounds=3, iterations=1)
+    benchmark.pedantic(whole_every_request, args=(qwen3_jinja, conversation), rounds=5, iterations=1, warmup_rounds=1)
