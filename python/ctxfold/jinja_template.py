@@ -12,18 +12,23 @@ objects where they parse as JSON (what transformers' and vLLM's servers pass).
 Incremental accounting needs one segment per message. A Jinja template is a program over the
 whole message list, so segments are derived from renders: the boundary before message ``j`` is
 where the render of the messages before ``j`` stops agreeing with the render of the whole request
-(their longest common prefix), so a template that renders the last message differently (Qwen3's
-empty thinking block) still cuts the request into pieces that add up to it exactly. To keep the cost
-O(new messages), the renders are of a small window, not of the whole conversation: the first
-messages (the system prompt and what templates attach to the first turn), a little context before
-the new messages, the new messages, and, inside the history, the next message and the next user
-turn after them (templates look ahead: a tool result closes its run, reasoning is dropped before the
-last user turn). Index parity is kept across every gap (templates that check alternation count it).
+(their longest common prefix). Where a template renders the last message differently (Qwen3's empty
+thinking block) or drops reasoning before a later user turn, the messages before ``j`` are rendered
+again followed by a probe message (a tool result, then a user turn), and the cut is where that agrees,
+short of the probe's own framing. The pieces add up to the whole request exactly, whatever the cut.
+To keep the cost O(new messages), the renders are of a small window, not of the whole conversation:
+the first message (what templates attach the system prompt or the tools to), the message before the
+new ones (and back to the call a run of results answers), the new messages, and, inside the history,
+the next message and the next user turn after them (templates look ahead: a tool result closes its
+run, reasoning is dropped before the last user turn). Index parity is kept across every gap
+(templates that check alternation count it).
 
 That a template can be cut this way is checked, never assumed: on probe conversations when it is
-loaded, and by :class:`ctxfold.accounting.RequestAccounting` against a full render as the
-conversation grows. A template that fails (:attr:`JinjaRenderer.separable` False) is rendered whole
-for every boundary instead (O(messages) per message), with a warning.
+loaded (which also tells whether a new user turn re-renders the turn before it: Qwen3's does when
+that turn has reasoning), and by :class:`ctxfold.accounting.RequestAccounting` against a whole render
+each time the conversation doubles in length. A template that fails (:attr:`JinjaRenderer.separable`
+False) is cut on whole renders instead (O(messages) per message), with a logged warning, and checked
+on every request.
 """
 
 from __future__ import annotations
@@ -217,7 +222,7 @@ def _lcp(a: str, b: str) -> int:
 # Window shape. Every number is checked, not trusted: a template that needs more falls back to full renders.
 _HEAD = 1  # the first messages, always in the window: templates attach the system prompt or tools to them
 _CONTEXT = 1  # messages before the first new one (and back to the assistant message whose results they are)
-_CHUNK = 4  # messages derived per window when many are new: windows of ~10 messages, ~1.3 renders each
+_CHUNK = 4  # messages derived per window when many are new: windows of ~8 messages, ~1.5 renders a message
 _LOOKBACK_LIMIT = 64  # how far back the context reaches for the call a run of results answers
 # Messages put after those of a cut, so that the last of them renders as it does inside the conversation,
 # not as the last message: a tool result (a template that marks its last message, as Qwen3's empty
