@@ -545,14 +545,6 @@ PRESETS["mistral"] = MISTRAL_V7
 # Presets kept as the model's own Jinja text (ctxfold.template_sources), rendered through jinja2.
 JINJA_PRESETS: tuple[str, ...] = ("gemma-3", "gemma3", "llama-3", "llama-3.1", "llama-3.2", "llama3")
 
-# How a template is named where one can be chosen (--template, the proxy's config).
-TEMPLATE_SPEC_HELP = (
-    "a preset (deepseek-v3.2, deepseek-v3.2-api, deepseek-v4, chatml/qwen3, mistral-v7, gemma-3, llama-3.1, "
-    "llama-3.2), or a model's own Jinja template: hf:PATH (a tokenizer_config.json, or its folder), "
-    "gguf:PATH (a GGUF model's tokenizer.chat_template) or file:PATH (a template file)"
-)
-
-
 def get_template(spec: str) -> ChatTemplate | JinjaChatTemplate:
     """The chat template ``spec`` names: a preset, or ``hf:PATH``, ``gguf:PATH``, ``file:PATH`` (a model's
     own Jinja template, rendered as transformers renders it; needs jinja2). Raises ConfigError with one
