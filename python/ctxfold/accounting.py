@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from ctxfold import _core
 from ctxfold.counting import TokenCounter
+from ctxfold.jinja_template import JinjaChatTemplate, JinjaRenderer, TemplateRenderError, renderer_for
 from ctxfold.ledger import SegmentFlag, message_flags
 from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.templates import (
@@ -41,6 +42,7 @@ from ctxfold.templates import (
     Segment,
     get_template,
     last_user_index,
+    segment_text,
 )
 
 _KEY_MASK = (1 << 64) - 1
@@ -57,7 +59,7 @@ PLAIN = ChatTemplate(
 )
 
 
-def default_template(counter: TokenCounter) -> ChatTemplate:
+def default_template(counter: TokenCounter) -> ChatTemplate | JinjaChatTemplate:
     """The template an accounting renders with when it is given none.
 
     An estimator's calibration names the chat template of the model it stands for (``template``):
@@ -120,21 +122,45 @@ class _Pending:
     join_tail: str | None  # the run this segment's first text continues; its count is subtracted
 
 
+# A model's own (Jinja) template is checked against a whole render of the request when the conversation
+# reaches this many messages, then at twice as many, and so on: O(1) amortized per message.
+_FIRST_CHECK_MESSAGES = 4
+
+
 class RequestAccounting:
-    """Token accounting of one conversation's requests under one counter and chat template."""
+    """Token accounting of one conversation's requests under one counter and chat template.
+
+    With a model's own Jinja template (:class:`ctxfold.jinja_template.JinjaChatTemplate`) the
+    segments are derived from renders of a few messages around the changed ones; the derivation is
+    checked against a whole render as the conversation doubles in length, and a template it does
+    not hold for is rendered whole from then on (``renderer.separable`` False, with a warning).
+    A template that refuses the conversation raises
+    :class:`ctxfold.jinja_template.TemplateRenderError`.
+    """
 
     def __init__(
         self,
         counter: TokenCounter,
-        template: ChatTemplate | None = None,
+        template: ChatTemplate | JinjaChatTemplate | None = None,
         *,
         options: RenderOptions | None = None,
     ) -> None:
         self.counter = counter
-        self.template = template if template is not None else default_template(counter)
+        chosen = template if template is not None else default_template(counter)
         self.options = options if options is not None else RenderOptions()
         self._opts = self.options.resolved(())  # with thinking decided for the current messages
-        self.renderer = Renderer(self.template)
+        self.renderer: Renderer | JinjaRenderer
+        self._jinja: JinjaRenderer | None = None
+        if isinstance(chosen, JinjaChatTemplate):
+            self._jinja = self.renderer = renderer_for(chosen, counter)
+            self.template: ChatTemplate | JinjaChatTemplate = self._jinja.template
+        else:
+            self.template = chosen
+            self.renderer = Renderer(chosen)
+        self._segs: list[Segment] = []  # Jinja: every message's segment, as last derived
+        self._jinja_suffix: Segment = ()
+        self._next_check = _FIRST_CHECK_MESSAGES
+        self._rederiving = False
         self.ledger = _core.Ledger()
         self._messages: list[Message] = []
         self._last_user = -1
@@ -153,15 +179,41 @@ class RequestAccounting:
         specs = tuple(t for t in tools if isinstance(t, ToolSpec))
         self._system, self._tools = system, specs
         self._keep_all = self.renderer.keeps_all_reasoning(bool(specs))
-        self._prefix = self.renderer.prefix(system, specs)
+        if self._jinja is not None:
+            # A Jinja template may fold the header into the first messages (Gemma's system prompt, Llama's
+            # tools): every message is derived again.
+            self._messages, self._segs = [], []
+            self._last_user = -1
+            self.ledger.truncate(0)
+            prefix, _, suffix = self._jinja_segments([], 0)
+            self._prefix, self._jinja_suffix = prefix, suffix
+        else:
+            assert isinstance(self.renderer, Renderer)
+            self._prefix = self.renderer.prefix(system, specs)
         self.prefix_tokens = self._count_segments([self._prefix], [None])[0]
+
+    def _jinja_segments(self, msgs: Sequence[Message], start: int, system: str | None = None,
+                        tools: Sequence[ToolSpec] | None = None) -> tuple[Segment, list[Segment], Segment]:
+        """Prefix, segments of messages ``start``.., and suffix under the Jinja template. An empty
+        conversation that the template refuses (one that needs a user turn) is an empty request."""
+        assert self._jinja is not None
+        r = self._jinja
+        sys_, tls = (self._system, self._tools) if tools is None else (system, tools)
+        if not msgs:
+            try:
+                prefix, _, suffix = r.segments(sys_, tls, msgs, 0)
+            except TemplateRenderError:
+                return (), [], ()
+            return r.split(prefix), [], r.split(suffix)
+        prefix, texts, suffix = r.segments(sys_, tls, msgs, start)
+        return r.split(prefix), [r.split(t) for t in texts], r.split(suffix)
 
     def reset(self, header: Conversation, messages: Sequence[Message] | None = None) -> int:
         """Sets the system prompt and tools from ``header`` and syncs to ``messages`` (default: the
         header's own messages). Returns the request's total tokens."""
         if header.system != self._system or tuple(header.tools) != self._tools:
             keep_all = self._keep_all
-            self._set_header(header.system, header.tools)
+            self._set_header(header.system, header.tools)  # a Jinja template: every message re-derived
             if keep_all != self._keep_all:  # reasoning rules changed: every message re-renders
                 self._messages = []
                 self._last_user = -1
@@ -213,9 +265,12 @@ class RequestAccounting:
         saved = self._opts
         if self.options.thinking is None and message.reasoning and not saved.thinking:
             self._opts = RenderOptions(thinking=True)  # auto mode: this message would turn it on
+        known: dict[int, Segment] = {}
+        if self._jinja is not None:
+            known[len(msgs) - 1] = self._jinja_segments(msgs, len(msgs) - 1)[1][0]
         try:
-            seg = self._render(msgs, len(msgs) - 1, last_user, {})
-            tail = self._tail_before(msgs, len(msgs) - 1, {}, last_user) if _leading_text(seg) else None
+            seg = self._render(msgs, len(msgs) - 1, last_user, known)
+            tail = self._tail_before(msgs, len(msgs) - 1, known, last_user) if _leading_text(seg) else None
         finally:
             self._opts = saved
         return self._count_segments([seg], [tail])[0]
@@ -267,7 +322,7 @@ class RequestAccounting:
             last_user = last_user_index(new)
         start = max(d - 1, 0)  # the previous message's framing can depend on what follows it
         opts = self._opts
-        if self.options.thinking is None:
+        if self.options.thinking is None and self._jinja is None:
             # Auto thinking mode: on once any message carries reasoning; a flip re-renders everything.
             if d == len(old):
                 thinking = bool(opts.thinking) or any(m.reasoning for m in new[d:])
@@ -279,9 +334,17 @@ class RequestAccounting:
         if last_user != self._last_user:
             # Thinking markers and kept reasoning depend on where the last user turn is: every
             # message from the earlier of the two positions on may render differently (from the
-            # start when there was no user message).
-            start = min(start, max(min(self._last_user, last_user), 0))
+            # start when there was no user message). A Jinja template says whether it does (probed).
+            turn = max(min(self._last_user, last_user), 0)
+            if self._jinja is None or self._jinja.rerenders_turn(new[turn:d]):
+                start = min(start, turn)
         rendered: dict[int, Segment] = {}
+        if self._jinja is not None:
+            prefix, derived, self._jinja_suffix = self._jinja_segments(new, start)
+            rendered.update(zip(range(start, len(new)), derived, strict=True))
+            if start == 0 and prefix != self._prefix:
+                self._prefix = prefix
+                self.prefix_tokens = self._count_segments([prefix], [None])[0]
         segs: list[Segment] = []
         tails: list[str | None] = []
         for i in range(start, len(new)):
@@ -301,8 +364,44 @@ class RequestAccounting:
         self.ledger.append_batch(keys, np.asarray(counts, dtype=np.int64), flags, group_start)
         self._messages = new
         self._last_user = last_user
+        if self._jinja is not None:
+            self._segs[start:] = segs
         self._update_suffix()
+        if self._jinja is not None and (not self._jinja.separable or len(new) >= self._next_check):
+            # Not separable: every request is checked (the messages before the changed ones may render
+            # differently now), and derived again from the start where they do.
+            self._next_check = 2 * len(new)
+            self._check_jinja()
         return self.total_tokens
+
+    def request_text(self) -> str:
+        """The whole request as this accounting has it rendered (control tokens as their text). O(request)."""
+        if self._jinja is not None:
+            segs = (self._prefix, *self._segs, self._jinja_suffix)
+            return "".join(segment_text(s, self._jinja.specials) for s in segs)
+        assert isinstance(self.renderer, Renderer)
+        view = Conversation(messages=list(self._messages), system=self._system, tools=self._tools)
+        return self.renderer.render(view, self._opts).text()
+
+    def _check_jinja(self) -> None:
+        """Compares the derived segments with a whole render; where they differ, the template is not
+        separable: it is rendered whole from now on and every message is derived again."""
+        assert self._jinja is not None
+        r = self._jinja
+        if not self._messages or self._rederiving:
+            return
+        want = r.render_text(Conversation(messages=self._messages, system=self._system, tools=self._tools))
+        if self.request_text() == want:
+            return
+        r.mark_not_separable(f"derived segments differ from the whole render of {len(self._messages)} messages")
+        msgs = self._messages
+        self._messages, self._segs, self._last_user = [], [], -1
+        self.ledger.truncate(0)
+        self._rederiving = True  # from the start, cut on whole renders: the segments add up by construction
+        try:
+            self.sync(msgs)
+        finally:
+            self._rederiving = False
 
     def count_view(self, header: Conversation, messages: Sequence[Message]) -> int:
         """Total tokens of the request ``header`` + ``messages`` would make, without changing this
@@ -310,8 +409,14 @@ class RequestAccounting:
         msgs = list(messages)
         last_user = last_user_index(msgs)
         keep_all = self.renderer.keeps_all_reasoning(bool(header.tools))
-        prefix = self.renderer.prefix(header.system, header.tools)
         rendered: dict[int, Segment] = {}
+        jinja_suffix: Segment = ()
+        if self._jinja is not None:
+            prefix, derived, jinja_suffix = self._jinja_segments(msgs, 0, header.system, tuple(header.tools))
+            rendered.update(enumerate(derived))
+        else:
+            assert isinstance(self.renderer, Renderer)
+            prefix = self.renderer.prefix(header.system, header.tools)
         segs: list[Segment] = [prefix]
         tails: list[str | None] = [None]
         saved = self._keep_all, self._tools, self._opts
@@ -322,7 +427,7 @@ class RequestAccounting:
                 seg = self._render(msgs, i, last_user, rendered)
                 segs.append(seg)
                 tails.append(self._tail_before(msgs, i, rendered, last_user, prefix) if _leading_text(seg) else None)
-            segs.append(self.renderer.suffix(msgs, last_user=last_user, keep_all_reasoning=keep_all, opts=self._opts))
+            segs.append(jinja_suffix if self._jinja is not None else self._suffix_of(msgs, last_user, keep_all))
             tails.append(None)
         finally:
             self._keep_all, self._tools, self._opts = saved
@@ -333,10 +438,18 @@ class RequestAccounting:
     def _render(self, msgs: Sequence[Message], i: int, last_user: int, rendered: dict[int, Segment]) -> Segment:
         seg = rendered.get(i)
         if seg is None:
+            if isinstance(self.renderer, JinjaRenderer):
+                # Before the first changed message: the segment derived when it was new.
+                return self._segs[i]
+            assert isinstance(self.renderer, Renderer)
             seg = self.renderer.message(msgs, i, last_user=last_user, keep_all_reasoning=self._keep_all,
                                         opts=self._opts, tools=self._tools)
             rendered[i] = seg
         return seg
+
+    def _suffix_of(self, msgs: Sequence[Message], last_user: int, keep_all: bool) -> Segment:
+        assert isinstance(self.renderer, Renderer)
+        return self.renderer.suffix(msgs, last_user=last_user, keep_all_reasoning=keep_all, opts=self._opts)
 
     def _tail_before(self, msgs: Sequence[Message], i: int, rendered: dict[int, Segment], last_user: int,
                      prefix: Segment | None = None) -> str | None:
@@ -363,8 +476,10 @@ class RequestAccounting:
         return tail or None
 
     def _update_suffix(self) -> None:
-        suffix = self.renderer.suffix(self._messages, last_user=self._last_user,
-                                      keep_all_reasoning=self._keep_all, opts=self._opts)
+        if self._jinja is not None:
+            suffix = self._jinja_suffix
+        else:
+            suffix = self._suffix_of(self._messages, self._last_user, self._keep_all)
         self.suffix_tokens = self._count_segments([suffix], [None])[0]
 
     def _count_segments(self, segs: Sequence[Segment], tails: Sequence[str | None]) -> list[int]:
@@ -408,7 +523,7 @@ class RequestAccounting:
         return out
 
 
-def count_request(counter: TokenCounter, template: ChatTemplate | None, conversation: Conversation,
+def count_request(counter: TokenCounter, template: ChatTemplate | JinjaChatTemplate | None, conversation: Conversation,
                   options: RenderOptions | None = None) -> int:
     """Tokens of the whole request ``conversation`` makes under ``template`` (a one-off count)."""
     acc = RequestAccounting(counter, template, options=options)

@@ -50,6 +50,7 @@ from ctxfold.archive.marker import is_marker, make_marker
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
 from ctxfold.errors import ArchiveError, NoFitError
+from ctxfold.jinja_template import JinjaChatTemplate
 from ctxfold.kvplan import plan_kv_resync
 from ctxfold.ledger import SegmentFlag
 from ctxfold.messages import Conversation, Message, Role, ToolSpec
@@ -175,7 +176,7 @@ class Compactor:
         *,
         config: CompactConfig | None = None,
         counter: TokenCounter | None = None,
-        template: ChatTemplate | None = None,
+        template: ChatTemplate | JinjaChatTemplate | None = None,
         summarizer: Summarizer | None = None,
         session_dir: str | Path | None = None,
         session_log: BufferedLog | None = None,

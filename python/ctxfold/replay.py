@@ -30,6 +30,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter
 from ctxfold.errors import NoFitError
 from ctxfold.integrity import count_orphans
+from ctxfold.jinja_template import JinjaChatTemplate
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session
 from ctxfold.templates import ChatTemplate
@@ -53,7 +54,7 @@ class Verifier:
     """A second counter every request of a replay is also counted with: the truth to judge by."""
 
     counter: TokenCounter
-    template: ChatTemplate | None = None
+    template: ChatTemplate | JinjaChatTemplate | None = None
 
     @property
     def name(self) -> str:

@@ -14,7 +14,10 @@ sum of their counts is its count (see :func:`count_segments` for text that joins
 Presets: ``deepseek-v3.2`` (DeepSeek V3.2's DSML encoding), ``deepseek-v3.2-api`` (the same as the
 hosted DeepSeek API counts it: one token fewer after a user message that directly follows tool
 results; reproduces its recorded prompt_tokens exactly), ``deepseek-v4`` (the V4 encoding: ``<tool_result>`` inside user
-turns, ``tool_calls`` DSML blocks), ``chatml`` (Qwen3), ``mistral-v7`` (Mistral instruct v7 control tokens).
+turns, ``tool_calls`` DSML blocks), ``chatml`` (Qwen3), ``mistral-v7`` (Mistral instruct v7 control tokens);
+``gemma-3``, ``llama-3.1``, ``llama-3.2``: those models' own Jinja templates, kept as data
+(:mod:`ctxfold.template_sources`). :func:`get_template` also loads any model's own Jinja template
+(:mod:`ctxfold.jinja_template`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ctxfold.errors import ConfigError
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
+
+if TYPE_CHECKING:
+    from ctxfold.jinja_template import JinjaChatTemplate
 
 Part = str | int  # text, or a control token id
 Segment = tuple[Part, ...]
@@ -535,8 +542,29 @@ PRESETS["qwen3"] = CHATML_QWEN3
 PRESETS["mistral"] = MISTRAL_V7
 
 
-def get_template(name: str) -> ChatTemplate:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"unknown chat template {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+# Presets kept as the model's own Jinja text (ctxfold.template_sources), rendered through jinja2.
+JINJA_PRESETS: tuple[str, ...] = ("gemma-3", "gemma3", "llama-3", "llama-3.1", "llama-3.2", "llama3")
+
+def get_template(spec: str) -> ChatTemplate | JinjaChatTemplate:
+    """The chat template ``spec`` names: a preset, or ``hf:PATH``, ``gguf:PATH``, ``file:PATH`` (a model's
+    own Jinja template, rendered as transformers renders it; needs jinja2). Raises ConfigError with one
+    line a user can act on: an unknown name, a missing file, a file without a template."""
+    hit = PRESETS.get(spec)
+    if hit is not None:
+        return hit
+    kind, sep, rest = spec.partition(":")
+    if spec in JINJA_PRESETS:
+        from ctxfold.jinja_template import jinja_presets
+
+        return jinja_presets()[spec]
+    if sep and kind in ("hf", "gguf", "file") and rest:
+        from ctxfold import jinja_template as jt
+
+        if kind == "gguf":
+            return jt.from_gguf(rest)
+        if kind == "file":
+            return jt.from_file(rest)
+        path = Path(rest)
+        return jt.from_tokenizer_config(path / "tokenizer_config.json" if path.is_dir() else path)
+    names = ", ".join(sorted({*PRESETS, *JINJA_PRESETS}))
+    raise ConfigError(f"unknown chat template {spec!r}; presets: {names}; or hf:PATH, gguf:PATH, file:PATH")

@@ -107,11 +107,13 @@ def add_counting_options(p: argparse.ArgumentParser) -> None:
                    help="token counter: a tokenizer by name (deepseek-v4, qwen3, mistral, o200k_base, "
                    "cl100k_base), a tokenizer.json or SentencePiece .model file, estimate:NAME (the "
                    f"calibrated estimator), or chars4 (default: {DEFAULT_TOKENIZER})")
-    p.add_argument("--template", metavar="NAME",
+    p.add_argument("--template", metavar="SPEC",
                    help="chat template the requests are rendered with, for exact counts: deepseek-v3.2 "
                    "(DeepSeek V3.2's own), deepseek-v3.2-api (the hosted DeepSeek API, which counts one token "
                    "fewer after a user message that follows tool results), deepseek-v4, chatml (qwen3), "
-                   "mistral-v7; default: message text alone, without template tokens")
+                   "mistral-v7, gemma-3, llama-3.1, llama-3.2; or the model's own Jinja template: "
+                   "hf:PATH (a tokenizer_config.json or its folder), gguf:PATH, file:PATH (needs "
+                   "ctxfold[templates]); default: message text alone, without template tokens")
 
 
 def add_policy_options(p: argparse.ArgumentParser) -> None:
@@ -235,7 +237,8 @@ def load_counter(spec: str) -> TokenCounter:
 
 
 def load_template(spec: str | None) -> Any:
-    """The chat template preset named ``spec`` (None: plain text, no template tokens)."""
+    """The chat template ``spec`` names: a preset, hf:PATH, gguf:PATH or file:PATH (None: plain text, no
+    template tokens). One parser for every command and the proxy: :func:`ctxfold.templates.get_template`."""
     if spec is None:
         return None
     from ctxfold.templates import get_template

@@ -76,9 +76,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="token counter for the upstream's model: deepseek-v4, qwen3, mistral, o200k_base, "
                    "cl100k_base, a tokenizer.json or .model file, estimate:NAME, or chars4 (default: "
                    "estimate:deepseek-v4; the upstream's usage figures calibrate it per conversation)")
-    p.add_argument("--template", default="deepseek-v4", metavar="NAME",
+    p.add_argument("--template", default="deepseek-v4", metavar="SPEC",
                    help="chat template the upstream renders requests with: deepseek-v3.2, deepseek-v4, chatml, "
-                   "mistral-v7, or none for message text alone (default: deepseek-v4)")
+                   "mistral-v7, gemma-3, llama-3.1, llama-3.2, the model's own Jinja template (hf:PATH, "
+                   "gguf:PATH, file:PATH), or none for message text alone (default: deepseek-v4)")
     p.add_argument("--summarizer", choices=("upstream", "config", "extractive"), default="upstream",
                    help="who writes summaries: the upstream model (default), the summarizer section of --config, "
                    "or no model (extractive); a failed summary always falls back to the extractive one")
