@@ -235,7 +235,8 @@ class Session:
             # none of it (memory, updated after the log, holds none of it either).
             os.ftruncate(fd, os.fstat(fd).st_size - written)
             self.close()
-            raise OSError(f"{self.events_path}: short write ({written} of {len(data)} bytes); disk full?")
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes); disk full?",
+                          str(self.events_path))
         if self.durable and sync:
             os.fsync(fd)
         self._seq += len(events)

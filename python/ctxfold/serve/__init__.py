@@ -21,6 +21,9 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB o
 # would run a long-lived proxy out of memory and file descriptors. The least recently used beyond
 # this are closed and read back from disk when they come back.
 DEFAULT_MAX_LOADED_CONVERSATIONS = 512
+# Event-log bytes of the loaded sessions (a loaded session holds its messages parsed, and the dicts they
+# came in: a few times its log in memory). Past it, the least recently used conversations are closed.
+DEFAULT_MAX_LOADED_BYTES = 256 << 20
 FSYNC_MODES = ("compactions", "always", "never")  # ProxyConfig.fsync, the first is the default
 # read_archive output added to one request, all calls and rounds together: one full-size read (the
 # tool's own cap per call), about 25k tokens.
@@ -66,6 +69,7 @@ __all__ = [
     "DEFAULT_CLIENT_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_LOADED_BYTES",
     "DEFAULT_MAX_LOADED_CONVERSATIONS",
     "DEFAULT_MAX_RECALL_CHARS",
     "FSYNC_MODES",

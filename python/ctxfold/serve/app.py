@@ -56,6 +56,7 @@ from ctxfold.serve import (
     DEFAULT_CLIENT_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_LOADED_BYTES,
     DEFAULT_MAX_LOADED_CONVERSATIONS,
     DEFAULT_MAX_RECALL_CHARS,
     FSYNC_MODES,
@@ -64,10 +65,11 @@ from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
+    WARNING_HEADER,
     ProxySession,
     SessionStore,
-    fingerprint_wire,
-    session_key,
+    is_storage_error,
+    load_tenant_key,
 )
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.upstream import UpstreamClient, UpstreamCut, UpstreamError, UpstreamTimeout
@@ -80,6 +82,21 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-
                          "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
 # Request headers the proxy writes itself on a chat completion: the body may be rewritten (length,
 # type), and the proxy reads the answer, so it must come uncompressed (no Accept-Encoding).
+_WARNINGS = web.RequestKey("ctxfold_warnings", list[str])  # what the proxy could not do for a request
+
+
+def request_warnings(request: web.Request) -> list[str]:
+    """The warnings of a request, sent back as ``X-Ctxfold-Warning`` headers."""
+    warnings: list[str] = request.setdefault(_WARNINGS, [])
+    return warnings
+
+
+async def add_warning_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """An ``on_response_prepare`` hook: each warning of the request as one header (ASCII, one line)."""
+    for text in request.get(_WARNINGS, ()):
+        response.headers.add(WARNING_HEADER, " ".join(text.split()).encode("ascii", "replace").decode())
+
+
 _OWN_REQUEST_HEADERS = frozenset({"host", "content-length", "content-type", "accept-encoding", "expect",
                                   SESSION_HEADER.lower()})
 # Answer headers aiohttp writes for the body the client receives (a completion's body may be the last of
@@ -120,6 +137,12 @@ class ProxyConfig:
     # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
     # and read back from the data directory when they return.
     max_loaded_conversations: int = DEFAULT_MAX_LOADED_CONVERSATIONS
+    # Event-log bytes of the loaded sessions, all together: the memory they hold is a few times this.
+    max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES
+    # The request header whose value names the tenant (hashed with the tenant key, never kept in clear).
+    tenant_header: str = "Authorization"
+    # The tenant HMAC key's file; None: $CTXFOLD_TENANT_KEY, else <data_dir>/tenant.key (made once).
+    tenant_key_file: Path | None = None
     # fsync of the session logs. "compactions" (default): what the client cannot send again (compactions
     # and their summaries, archives) is fsynced; the session's start and its messages are written (a
     # killed proxy loses nothing) and become durable with the next fsync, since every request carries
@@ -146,7 +169,8 @@ class ProxyConfig:
         if port == -1 or not urlsplit(self.upstream).hostname:
             raise ConfigError(f"upstream: {redact_url(self.upstream)!r} has no host or a port outside 0-65535")
         # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
-        for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_recall_rounds", 0),
+        for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_loaded_bytes", 1),
+                          ("max_recall_rounds", 0),
                           ("max_recall_chars", 1), ("max_connections", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -389,6 +413,9 @@ class ProxyApp:
         self.template = get_template(config.template) if config.template is not None else None
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
                                      max_loaded_keys=config.max_loaded_conversations,
+                                     max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
+                                     tenant_key=(load_tenant_key(config.data_dir, config.tenant_key_file)
+                                                 if config.tenant_key_file is not None else None),
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None)
         self._upstream: UpstreamClient | None = None
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
@@ -403,16 +430,15 @@ class ProxyApp:
         elif self.config.summarizer == "upstream":
             from ctxfold.summarize import OpenAICompatibleSummarizer
 
-            model = self.config.summary_model or self._models.get(path.parent.name) or "default"
+            model = self.config.summary_model or self._models.get(self.sessions.key_of(path)) or "default"
             summarizer = OpenAICompatibleSummarizer(self.config.base_url, model,
                                                     connect_timeout_s=self.config.connect_timeout_s,
                                                     timeout_s=self.config.compact.summary.timeout_s)
         # One archive per key, shared by the sessions a key forks into: they share their early history,
         # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
         # With archive_url, replicas share it through object storage; event logs stay on local disk.
-        key = path.parent.name
         if self.config.archive_url is not None:
-            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{key}")
+            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
         else:
             store = ArchiveStore(path.parent / "archive")
         c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
@@ -429,6 +455,7 @@ class ProxyApp:
         app.router.add_get("/metrics", self.metrics_handler)
         # Everything else (/v1/models, /v1/embeddings, a vendor's own paths) goes to the upstream as it came.
         app.router.add_route("*", "/{path:.*}", self.relay)
+        app.on_response_prepare.append(add_warning_headers)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -448,18 +475,24 @@ class ProxyApp:
         await asyncio.to_thread(self.sessions.close)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "upstream": redact_url(self.config.completions_url),
-                                  "sessions_loaded": self.sessions.num_sessions})
+        problem = await asyncio.to_thread(self.sessions.storage_problem)
+        report: dict[str, Any] = {"status": "ok" if problem is None else "degraded",
+                                  "upstream": redact_url(self.config.completions_url),
+                                  "sessions_loaded": self.sessions.num_sessions}
+        if problem is not None:  # requests still pass through, uncompacted: the reason is the operator's to fix
+            report["reason"] = problem
+        return web.json_response(report, status=200 if problem is None else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.sessions.set(self.sessions.num_sessions)
+        self.metrics.sessions_quarantined.set(self.sessions.num_quarantined)
+        self.metrics.sessions_forked.set(self.sessions.num_forks)
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A request the proxy does not handle, to the upstream and back: method, path and query,
         body and end-to-end headers one way; status, headers and body, as they come, the other."""
-        upstream = self._client()
         try:
             body = await self._read_body(request)
         except BadRequest as e:
@@ -467,10 +500,14 @@ class ProxyApp:
             refused.force_close()
             return refused
         headers = relayed_headers(request.headers.items(), frozenset({"host", "content-length", "expect"}))
+        return await self._relay_body(request, self.config.upstream_target(request.raw_path), body, headers)
+
+    async def _relay_body(self, request: web.Request, target: str, body: bytes,
+                          headers: list[tuple[str, str]]) -> web.StreamResponse:
+        upstream = self._client()
         resp: web.StreamResponse | None = None
         try:
-            async with upstream.request(request.method, self.config.upstream_target(request.raw_path), body,
-                                        headers) as up:
+            async with upstream.request(request.method, target, body, headers) as up:
                 resp = web.StreamResponse(status=up.status,
                                           headers=relayed_headers(up.header_list, frozenset({"content-length"})))
                 length = up.headers.get("content-length")
@@ -529,13 +566,17 @@ class ProxyApp:
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
                                  code="invalid_session", param=SESSION_HEADER)
             self.metrics.requests.inc(str(parsed.stream).lower())
-            key = session_key(header_key, parsed.system,
-                              fingerprint_wire(parsed.messages[0]) if parsed.messages else None)
+            key = self.sessions.key_for(request.headers, parsed.system, parsed.messages)
             model = parsed.body.get("model")
             if isinstance(model, str):
                 self._models.setdefault(key, model)
-            async with self.sessions.lock(key):
-                resp = await self._handle(request, parsed, key, t0)
+            try:
+                async with self.sessions.lock(key):
+                    resp = await self._handle(request, parsed, key, t0)
+            except OSError as e:
+                if not is_storage_error(e):
+                    raise
+                resp = await self._pass_through(request, parsed, e)
             for evicted in self.sessions.trim():
                 self._models.pop(evicted, None)
         except NoFitError as e:
@@ -559,8 +600,19 @@ class ProxyApp:
         self.metrics.responses.inc(str(resp.status))
         return resp
 
+    async def _pass_through(self, request: web.Request, parsed: ParsedRequest, error: OSError) -> web.StreamResponse:
+        """The request as the client sent it, uncompacted, when its session cannot be written: the
+        client gets an answer and a warning, and loses nothing (its next request carries the whole
+        history, which is stored once the data directory takes writes again)."""
+        reason = self.sessions.note_storage_error(error)
+        log.error("request passed through uncompacted: %s", reason)
+        self.metrics.bad_requests.inc("storage_error")
+        request_warnings(request).append(f"not compacted: {reason}")
+        headers = [*relayed_headers(request.headers.items(), _OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
+        return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
+
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
-        session = await self.sessions.find(key, parsed.system, parsed.messages)
+        session = await self.sessions.find(key, parsed.system, parsed.messages, request_warnings(request))
         known = session.num_known if session is not None else 0
         new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
         tools = parsed.body.get("tools") or []
@@ -597,7 +649,7 @@ class ProxyApp:
         else:
             events = await asyncio.to_thread(self._ingest, session, new, parsed.messages)
         self._count_events(events)
-        view, origins, originals = c.view, c.view_origins, c.originals
+        view, origins, originals = session.request_view()
         # The view is the originals themselves (the usual case): a list comparison, in C, by identity
         # (a message equal to its original would go out as the client sent it, which is the same).
         untouched = view == originals
@@ -835,6 +887,8 @@ class ProxyApp:
         """Keep the answer in the session and, with ``calibrate`` (the answer is to the request as the
         view was sent, no recall round in between), calibrate the estimate with the upstream's count."""
         c = session.compactor
+        if session.resend_drop:  # a re-sent request: the session holds the answer it got the first time
+            return
         index = len(c.originals)
         m = _answer_message(c, message, usage, index)
         if m is None:
