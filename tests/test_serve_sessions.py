@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -79,14 +79,13 @@ def proxy_process(upstream_url: str, data_dir: Path, *, nofile: int | None = Non
     argv = [sys.executable, "-m", "ctxfold", "serve", "--upstream", upstream_url, "--data-dir", str(data_dir),
             "--port", "0", "--summarizer", "extractive", "--no-fsync", "--event-loop", "asyncio", *extra]
 
-    def limit() -> None:
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
+    script = "exec " + " ".join(shlex.quote(a) for a in argv)  # exec: the signal that stops it reaches it
+    if nofile is not None:  # the shell sets it for the proxy alone (no preexec_fn: this process has threads)
+        script = f"ulimit -n {nofile} && {script}"
+    argv = ["sh", "-c", script if mount is None else f"{mount} && {script}"]
     if mount is not None:
-        argv = ["unshare", "-m", "sh", "-c", f"{mount} && exec " + " ".join(argv)]
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=ctxfold_env(),
-                            preexec_fn=limit)
+        argv = ["unshare", "-m", *argv]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=ctxfold_env())
     assert proc.stderr is not None
     lines: list[str] = []
     url = None
@@ -208,7 +207,7 @@ def test_retries_of_an_answered_request_continue_its_session(
         upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
     """A client re-sending the same request (retry, regenerate) N times: no new session directory, no
     new open file, the answer not recorded twice, and the view goes out without the recorded answer."""
-    up, url = upstream
+    up, _ = upstream
     app, purl = proxy
     data = tmp_path / "data"
     body = chat(("user", "first"), ("assistant", "echo: first"), ("user", "second"))
