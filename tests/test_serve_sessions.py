@@ -419,6 +419,9 @@ def test_a_data_dir_that_takes_no_writes_passes_requests_through(
         assert "not compacted" in r.headers[WARNING_HEADER]
         sent = up.received[-1]
         assert sent["messages"] == chat(("user", "hello"))["messages"]
+        # A tenant's first request, whose tenant key cannot be made on this file system, too.
+        r = post(purl, chat(("user", "hello")), headers={"Authorization": "Bearer sk-a"})
+        assert answer(r) == "echo: hello" and "not compacted" in r.headers[WARNING_HEADER]
         with httpx.stream("POST", f"{purl}/v1/chat/completions", json=chat(("user", "hi"), stream=True),
                           timeout=30) as s:
             assert s.status_code == 200 and WARNING_HEADER in s.headers

@@ -32,6 +32,7 @@ import gc
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -168,6 +169,8 @@ class ProxyConfig:
             port = -1
         if port == -1 or not urlsplit(self.upstream).hostname:
             raise ConfigError(f"upstream: {redact_url(self.upstream)!r} has no host or a port outside 0-65535")
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", self.tenant_header):
+            raise ConfigError(f"tenant_header: {self.tenant_header!r} is not an HTTP header name")
         # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
         for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_loaded_bytes", 1),
                           ("max_recall_rounds", 0),
@@ -414,11 +417,21 @@ class ProxyApp:
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
                                      max_loaded_keys=config.max_loaded_conversations,
                                      max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
-                                     tenant_key=(load_tenant_key(config.data_dir, config.tenant_key_file)
-                                                 if config.tenant_key_file is not None else None),
+                                     tenant_key=self._tenant_key(),
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None)
         self._upstream: UpstreamClient | None = None
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
+
+    def _tenant_key(self) -> bytes | None:
+        """The key file's secret, read at startup so a bad file stops the proxy with one line; None:
+        the store reads the environment or the data directory's key when a credential first comes."""
+        path = self.config.tenant_key_file
+        if path is None:
+            return None
+        try:
+            return load_tenant_key(self.config.data_dir, path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"tenant_key_file: cannot read a tenant key from {path}: {e}") from None
 
     # -- compactors ----------------------------------------------------------------------------------
     def _make_compactor(self, header: Conversation, path: Path) -> Compactor:
@@ -566,11 +579,11 @@ class ProxyApp:
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
                                  code="invalid_session", param=SESSION_HEADER)
             self.metrics.requests.inc(str(parsed.stream).lower())
-            key = self.sessions.key_for(request.headers, parsed.system, parsed.messages)
-            model = parsed.body.get("model")
-            if isinstance(model, str):
-                self._models.setdefault(key, model)
             try:
+                key = self.sessions.key_for(request.headers, parsed.system, parsed.messages)
+                model = parsed.body.get("model")
+                if isinstance(model, str):
+                    self._models.setdefault(key, model)
                 async with self.sessions.lock(key):
                     resp = await self._handle(request, parsed, key, t0)
             except OSError as e:
