@@ -490,10 +490,10 @@ class SessionStore:
     def _new_path(self, key: str) -> Path:
         self._refuse_links(key)
         folder = self.data_dir / key
-        n = len(self._sessions[key].sessions)
-        while os.path.lexists(folder / f"{n:04d}"):  # set aside, or left without a log by a crash
-            n += 1
-        return folder / f"{n:04d}"
+        # After the highest number in use: set aside, left on disk by the bounds, or without a log
+        # after a crash. One listing, not a probe per number.
+        taken = [int(e) for e in os.listdir(folder) if e.isdigit()] if folder.is_dir() else []
+        return folder / f"{max(taken, default=-1) + 1:04d}"
 
     def _fork(self, key: str, parent: ProxySession, num_common: int) -> ProxySession:
         """A new session continuing ``parent``'s first ``num_common`` messages: its log is the parent's
@@ -543,17 +543,35 @@ class SessionStore:
             refuse_symlink(folder)
 
     def _load_key(self, key: str, warnings: list[str] | None) -> list[ProxySession]:
+        """The key's sessions, least recently used first: the most recently written ones that fit the
+        bounds (a key with more sessions than ``max_loaded_sessions``, or logs beyond
+        ``max_loaded_bytes``, leaves its oldest on disk, where ``ctxfold restore`` reads them; a
+        request that would continue one of those forks or starts anew instead)."""
         folder = self.data_dir / key
         self._refuse_links(key)
         if not folder.is_dir():
             return []
-        out = []
-        for entry in sorted(os.listdir(folder)):
+        found: list[tuple[float, int, Path]] = []
+        for entry in os.listdir(folder):
             path = folder / entry
             if entry != "archive":
                 refuse_symlink(path)
-            if not (path / EVENTS_FILE).is_file() or (path / QUARANTINE_FILE).exists():
+            try:
+                st = os.stat(path / EVENTS_FILE)
+            except OSError:
                 continue
+            if not os.path.lexists(path / QUARANTINE_FILE):
+                found.append((st.st_mtime, st.st_size, path))
+        found.sort(key=lambda f: (f[0], f[2].name), reverse=True)  # newest first
+        chosen: list[tuple[int, Path]] = []
+        total = 0
+        for _, size, path in found:
+            if chosen and (len(chosen) >= self.max_loaded_sessions or total + size > self.max_loaded_bytes):
+                break
+            chosen.append((size, path))
+            total += size
+        out = []
+        for size, path in reversed(chosen):
             try:
                 compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
             except Exception as e:  # noqa: BLE001 - whatever is wrong with this log concerns this session alone
@@ -561,7 +579,7 @@ class SessionStore:
                 continue
             s = ProxySession(key, path, compactor)
             s.note_wire([])
-            s.log_nbytes = _log_size(path)
+            s.log_nbytes = size
             out.append(s)
         return out
 
