@@ -415,7 +415,7 @@ class ProxyApp:
         self.counter = load_counter(config.tokenizer)
         self.template = get_template(config.template) if config.template is not None else None
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
-                                     max_loaded_keys=config.max_loaded_conversations,
+                                     max_loaded_sessions=config.max_loaded_conversations,
                                      max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
                                      tenant_key=self._tenant_key(),
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None)

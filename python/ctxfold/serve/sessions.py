@@ -290,15 +290,15 @@ class SessionStore:
     bound too."""
 
     def __init__(self, data_dir: Path, make_compactor: CompactorFactory, *,
-                 max_loaded_keys: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = True,
+                 max_loaded_sessions: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = True,
                  max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES, tenant_header: str = "Authorization",
                  tenant_key: bytes | None = None, durable: bool = True) -> None:
-        if max_loaded_keys < 1:
-            raise ValueError(f"max_loaded_keys: must be >= 1, got {max_loaded_keys}")
+        if max_loaded_sessions < 1:
+            raise ValueError(f"max_loaded_sessions: must be >= 1, got {max_loaded_sessions}")
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "sessions"  # the anonymous tenant's
         self.make_compactor = make_compactor
-        self.max_loaded_sessions = max_loaded_keys
+        self.max_loaded_sessions = max_loaded_sessions
         self.max_loaded_bytes = max_loaded_bytes
         self.tenant_header = tenant_header
         self._tenant_key = tenant_key
