@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from ctxfold.config import CompactConfig
-from ctxfold.serve import ProxyApp
-from ctxfold.serve.testing import ScriptedUpstream
+from ctxfold.serve import ProxyApp, ProxyConfig
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, is_summary_request
 from ctxfold.session import Session
 from proxy_helpers import chat, post, start_proxy
 from subprocess_env import can_mount, ctxfold_env
@@ -290,14 +290,21 @@ def test_loaded_bytes_are_bounded(upstream: tuple[ScriptedUpstream, str], tmp_pa
 
 # -- forks ---------------------------------------------------------------------------------------------------
 
-def test_an_edited_history_forks_from_the_common_prefix(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("summarizer", ["extractive", "upstream"])
+def test_an_edited_history_forks_from_the_common_prefix(upstream: tuple[ScriptedUpstream, str], tmp_path: Path,
+                                                        summarizer: str) -> None:
     """40 turns with compactions, then a request that edits turn 35 (or the next one at which nothing
     was compacted): the new session continues the parent's log up to the turn before (its
     compactions kept: none runs again for the prefix), and what goes upstream starts as the parent's
     request of that turn did, the prior summary included."""
     up, url = upstream
     data = tmp_path / "data"
-    app, srv = start_proxy(url, data, compact=CompactConfig(context_tokens=8192))
+    compact = CompactConfig(context_tokens=8192)
+    if summarizer == "extractive":
+        app, srv = start_proxy(url, data, compact=compact)
+    else:  # summaries written by the upstream: a summary request is one the upstream sees
+        app = ProxyApp(ProxyConfig(upstream=url, data_dir=data, compact=compact, summarizer="upstream", fsync="never"))
+        srv = BackgroundServer(app.app()).__enter__()
     try:
         turns: list[tuple[str, str]] = []
         sent: list[list[dict[str, Any]]] = []
@@ -316,10 +323,11 @@ def test_an_edited_history_forks_from_the_common_prefix(upstream: tuple[Scripted
         parent = session_dirs(data)
         assert len(parent) == 1
         edited = [*turns[:2 * e], ("user", turns[2 * e][1].replace(f"turn {e}", f"turn {e} (edited)"))]
-        before = _compactions(app)
+        before, summaries = _compactions(app), _summary_requests(up)
         answer(post(srv.url, chat(*edited)))
         settle(app)
         assert _compactions(app) == before  # the prefix is not counted or compacted again
+        assert _summary_requests(up) == summaries > (0 if summarizer == "upstream" else -1)
         fork_sent = up.received[-1]["messages"]
         assert fork_sent[:-1] == sent[e][:-1]  # the parent's view of the prefix, its summary included
         assert "[ctxfold compacted" in json.dumps(fork_sent)
@@ -334,6 +342,10 @@ def test_an_edited_history_forks_from_the_common_prefix(upstream: tuple[Scripted
     fork_log = (fork / "events.jsonl").read_bytes().splitlines(keepends=True)
     cut = next(i for i, line in enumerate(parent_log) if json.loads(line).get("index") == 2 * e)
     assert fork_log[:cut] == parent_log[:cut]
+
+
+def _summary_requests(up: ScriptedUpstream) -> int:
+    return sum(1 for body in up.received if is_summary_request(body))
 
 
 def _compactions(app: ProxyApp) -> float:
