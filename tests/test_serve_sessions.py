@@ -354,17 +354,20 @@ def _compactions(app: ProxyApp) -> float:
 
 def test_a_client_sending_back_different_tool_calls_stays_in_one_family(
         upstream: tuple[ScriptedUpstream, str], proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
-    """Each request rewrites the previous answer: every request forks from the session before it (its
-    log carried over, not started afresh)."""
+    """Each request sends back tool calls instead of the answer it got: every request forks from the
+    session before it (its log carried over, not started afresh)."""
     app, url = proxy
     history = [{"role": "system", "content": "s"}, {"role": "user", "content": "go"}]
     for k in range(6):
         r = post(url, {"model": "m", "messages": history})
         answer(r)
         settle(app)
-        history += [{"role": "assistant", "content": f"rewritten answer {k}"}, {"role": "user", "content": f"next {k}"}]
+        # The client parsed a call out of the answer's text and sends that back instead of the text.
+        call = {"id": f"call_{k}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": f"ls {k}"})}}
+        history += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": f"call_{k}", "content": f"output {k}"}]
     dirs = session_dirs(tmp_path / "data")
-    assert len(dirs) == 6
+    assert len(dirs) == 6 and app.sessions.num_forks == 5
     first_lines = (dirs[0] / "events.jsonl").read_bytes().splitlines()[:2]
     assert all((d / "events.jsonl").read_bytes().splitlines()[:2] == first_lines for d in dirs)
     last = max(dirs, key=lambda d: len(Session(d).restore().messages))
