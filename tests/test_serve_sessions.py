@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -341,7 +342,11 @@ def test_an_edited_history_forks_from_the_common_prefix(upstream: tuple[Scripted
     parent_log = (parent[0] / "events.jsonl").read_bytes().splitlines(keepends=True)
     fork_log = (fork / "events.jsonl").read_bytes().splitlines(keepends=True)
     cut = next(i for i, line in enumerate(parent_log) if json.loads(line).get("index") == 2 * e)
-    assert fork_log[:cut] == parent_log[:cut]
+    assert fork_log[1:cut] == parent_log[1:cut]  # all but the header, which names the fork
+    parent_header, fork_header = json.loads(parent_log[0]), json.loads(fork_log[0])
+    assert fork_header["conversation"].pop("id").endswith(fork.name)
+    assert parent_header["conversation"].pop("id").endswith(parent[0].name)
+    assert fork_header == parent_header
 
 
 def _summary_requests(up: ScriptedUpstream) -> int:
@@ -368,8 +373,12 @@ def test_a_client_sending_back_different_tool_calls_stays_in_one_family(
                     {"role": "tool", "tool_call_id": f"call_{k}", "content": f"output {k}"}]
     dirs = session_dirs(tmp_path / "data")
     assert len(dirs) == 6 and app.sessions.num_forks == 5
-    first_lines = (dirs[0] / "events.jsonl").read_bytes().splitlines()[:2]
-    assert all((d / "events.jsonl").read_bytes().splitlines()[:2] == first_lines for d in dirs)
+    # Each fork's log is its parent's up to the message the client changed (the header names the fork).
+    for parent, fork in pairwise(dirs):
+        parent_log = (parent / "events.jsonl").read_bytes().splitlines()
+        fork_log = (fork / "events.jsonl").read_bytes().splitlines()
+        cut = next(i for i in range(1, len(fork_log)) if i >= len(parent_log) or fork_log[i] != parent_log[i])
+        assert fork_log[1:cut] == parent_log[1:cut] and json.loads(fork_log[cut])["message"]["tool_calls"]
     last = max(dirs, key=lambda d: len(Session(d).restore().messages))
     assert len(Session(last).restore().messages) == len(history) - 2 - 1 + 1  # the last request's, and its answer
 

@@ -514,6 +514,10 @@ class SessionStore:
                     break
                 if event.get("type") == "view" and event.get("dump"):
                     dumps.append(str(event["dump"]))
+                if event.get("type") == "header" and isinstance(event.get("conversation"), dict):
+                    # The fork's own name; the rest of the header (system prompt, tools) is the parent's.
+                    event["conversation"]["id"] = f"{key}/{path.name}"
+                    raw = fastjson.dumps_record(event)
                 kept.append(raw + b"\n")
         make_private_dir(path)
         for dump in dumps:
