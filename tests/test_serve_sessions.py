@@ -453,3 +453,31 @@ def test_a_data_dir_that_takes_no_writes_passes_requests_through(
         health = httpx.get(f"{purl}/health")
         assert health.status_code == 503
         assert health.json()["status"] == "degraded" and "data directory" in health.json()["reason"]
+
+
+def test_the_tenant_key_comes_from_the_operator_when_given(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ctxfold.errors import ConfigError
+
+    _, url = upstream
+    short = tmp_path / "short.key"
+    short.write_text("too short")
+    with pytest.raises(ConfigError, match="tenant_key_file: cannot read a tenant key from .*at least 16 bytes"):
+        ProxyApp(ProxyConfig(upstream=url, data_dir=tmp_path / "d0", tenant_key_file=short))
+    with pytest.raises(ConfigError, match="tenant_header: 'X Bad' is not an HTTP header name"):
+        ProxyConfig(upstream=url, data_dir=tmp_path / "d0", tenant_header="X Bad")
+    # The same key, from a file or the environment, derives the same tenants: no key file is made.
+    key = tmp_path / "tenant.secret"
+    key.write_text("0123456789abcdef0123456789abcdef\n")
+    monkeypatch.setenv("CTXFOLD_TENANT_KEY", "0123456789abcdef0123456789abcdef")
+    names = []
+    for data, extra in ((tmp_path / "d1", {"tenant_key_file": key}), (tmp_path / "d2", {})):
+        app, srv = start_proxy(url, data, **extra)
+        try:
+            answer(post(srv.url, chat(("user", "hi")), headers={"Authorization": "Bearer sk-x"}))
+            settle(app)
+        finally:
+            srv.close()
+        assert not (data / TENANT_KEY_FILE).exists()
+        names.append([p.name for p in (data / "tenants").iterdir()])
+    assert names[0] == names[1] and len(names[0]) == 1
