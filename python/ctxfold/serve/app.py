@@ -81,8 +81,6 @@ log = logging.getLogger("ctxfold.serve")
 # Those a Connection header names are dropped too.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                          "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
-# Request headers the proxy writes itself on a chat completion: the body may be rewritten (length,
-# type), and the proxy reads the answer, so it must come uncompressed (no Accept-Encoding).
 _WARNINGS = web.RequestKey("ctxfold_warnings", list[str])  # what the proxy could not do for a request
 
 
@@ -98,6 +96,8 @@ async def add_warning_headers(request: web.Request, response: web.StreamResponse
         response.headers.add(WARNING_HEADER, " ".join(text.split()).encode("ascii", "replace").decode())
 
 
+# Request headers the proxy writes itself on a chat completion: the body may be rewritten (length,
+# type), and the proxy reads the answer, so it must come uncompressed (no Accept-Encoding).
 _OWN_REQUEST_HEADERS = frozenset({"host", "content-length", "content-type", "accept-encoding", "expect",
                                   SESSION_HEADER.lower()})
 # Answer headers aiohttp writes for the body the client receives (a completion's body may be the last of

@@ -259,8 +259,8 @@ def scope_of(tenant: str, key: str) -> str:
 WARNING_HEADER = "X-Ctxfold-Warning"  # what the proxy could not do for a request, one header each
 # OSError numbers that mean the data directory cannot take a write: the request then passes through
 # uncompacted (the client sends its history again with the next request, so nothing is lost).
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
-                            errno.EIO})
+# (Not EIO: a read can fail with it too, after an answer has begun, where passing through is too late.)
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
 STORAGE_ERROR_HOLD_S = 60.0
 MIN_FREE_BYTES = 1 << 20  # below this, /health calls the data directory full  # /health reports a failed write for this long after it
 
