@@ -248,7 +248,8 @@ def tenant_of(hmac_key: bytes, credential: str | None) -> str:
     :data:`ANONYMOUS_TENANT` when there is none. The credential itself is never kept."""
     if not credential:
         return ANONYMOUS_TENANT
-    return hmac.new(hmac_key, credential.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:32]
+    # hmac.digest: the one-shot C path, a microsecond (hmac.new builds Python objects: several).
+    return hmac.digest(hmac_key, credential.encode("utf-8", "surrogatepass"), "sha256").hex()[:32]
 
 
 def scope_of(tenant: str, key: str) -> str:
