@@ -113,7 +113,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    f"conversations beyond are closed and read back from --data-dir when they return (default "
                    f"{DEFAULT_MAX_LOADED_CONVERSATIONS})")
     p.add_argument("--max-loaded-bytes", type=positive_int, default=DEFAULT_MAX_LOADED_BYTES, metavar="N",
-                   help="event-log bytes of the loaded sessions, all together (memory is a few times this); "
+                   help="event-log bytes of the loaded sessions, all together (the memory they hold is about this); "
                    f"beyond, the least recently used conversations are closed (default {DEFAULT_MAX_LOADED_BYTES})")
     p.add_argument("--tenant-header", default="Authorization", metavar="NAME",
                    help="the request header whose value names the client's tenant, kept only as a keyed hash "

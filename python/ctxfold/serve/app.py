@@ -138,7 +138,7 @@ class ProxyConfig:
     # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
     # and read back from the data directory when they return.
     max_loaded_conversations: int = DEFAULT_MAX_LOADED_CONVERSATIONS
-    # Event-log bytes of the loaded sessions, all together: the memory they hold is a few times this.
+    # Event-log bytes of the loaded sessions, all together: the memory they hold is about this.
     max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES
     # The request header whose value names the tenant (hashed with the tenant key, never kept in clear).
     tenant_header: str = "Authorization"
