@@ -22,7 +22,8 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB o
 # this are closed and read back from disk when they come back.
 DEFAULT_MAX_LOADED_CONVERSATIONS = 512
 # Event-log bytes of the loaded sessions (a loaded session holds its messages parsed, and the dicts they
-# came in, sharing their text: about its log's size in memory, twice that while it is read). Past it, the least recently used conversations are closed.
+# came in, sharing their text: about its log's size in memory, twice that while it is read). Past it,
+# the least recently used conversations are closed.
 DEFAULT_MAX_LOADED_BYTES = 256 << 20
 FSYNC_MODES = ("compactions", "always", "never")  # ProxyConfig.fsync, the first is the default
 # read_archive output added to one request, all calls and rounds together: one full-size read (the
