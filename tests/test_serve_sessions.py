@@ -224,6 +224,11 @@ def test_retries_of_an_answered_request_continue_its_session(
             answer(send())
             settle(app)
             assert up.received[-1]["messages"] == first_sent  # the recorded answer is not sent back
+        for _ in range(3):  # streamed, the same
+            with client.stream("POST", f"{purl}/v1/chat/completions", json=dict(body, stream=True)) as r:
+                assert r.status_code == 200 and b"[DONE]" in r.read()
+            settle(app)
+            assert up.received[-1]["messages"] == first_sent
     assert session_dirs(data) == dirs and open_fds_under(data) == fds
     assert [m.text for m in Session(dirs[0]).restore().messages] == ["first", "echo: first", "second", "echo: second"]
     # The conversation goes on in the same session.
