@@ -486,3 +486,24 @@ def test_the_tenant_key_comes_from_the_operator_when_given(
         assert not (data / TENANT_KEY_FILE).exists()
         names.append([p.name for p in (data / "tenants").iterdir()])
     assert names[0] == names[1] and len(names[0]) == 1
+
+
+def test_a_client_editing_every_request_stays_within_the_bounds(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    """Every request edits the last answer: a fork each time, yet loaded sessions and open files stay
+    within --max-loaded-sessions, and the conversation goes on from its newest fork."""
+    _, url = upstream
+    data = tmp_path / "data"
+    app, srv = start_proxy(url, data, max_loaded_conversations=3)
+    try:
+        history = [{"role": "user", "content": "go"}]
+        for k in range(10):
+            answer(post(srv.url, {"model": "m", "messages": history}))
+            settle(app)
+            assert app.sessions.num_sessions <= 3 and open_fds_under(data) <= 3
+            history += [{"role": "assistant", "content": f"edited answer {k}"}, {"role": "user", "content": f"next {k}"}]
+        assert app.sessions.num_forks == 9
+    finally:
+        srv.close()
+    newest = max(session_dirs(data), key=lambda d: int(d.name))
+    assert len(Session(newest).restore().messages) == len(history) - 2 + 1
