@@ -129,7 +129,7 @@ def session_key(header_value: str | None, system: str | None, first: bytes | Non
 class ProxySession:
     """One stored conversation and its compactor. Used only under its key's lock."""
 
-    key: str  # the key digest
+    key: str  # the store's key: tenant and key digest (scope_of)
     path: Path  # the session directory
     compactor: Compactor
     # The wire form of each of compactor.originals, in order: the dict the message last came in (from a
@@ -159,9 +159,9 @@ class ProxySession:
         self.wire.extend(message_to_openai(m, api=True) for m in originals[len(self.wire):])
 
     def common_prefix(self, system: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
-        """How many of the stored messages the request carries first, by what the model sees (0 when
-        its system prompt differs). Where only the form differs (a dropped field, reordered keys), the
-        request's dicts are kept, so its next request compares as dicts. -1: the system prompts differ."""
+        """How many of the stored messages the request carries first, by what the model sees; -1 when
+        its system prompt differs. Where only the form differs (a dropped field, reordered keys), the
+        request's dicts are kept, so its next request compares as dicts."""
         if self.compactor.header.system != system:
             return -1
         n = len(self.wire)
