@@ -220,9 +220,12 @@ def test_restore_of_a_corrupt_log(capsys: pytest.CaptureFixture[str], tmp_path: 
     lines = Session(root).events_path.read_bytes().split(b"\n")
     lines[2] = b"{not json"
     Session(root).events_path.write_bytes(b"\n".join(lines))
-    code, _, err = run_main(capsys, "restore", str(root), "-o", str(tmp_path / "o.json"))
+    code, _, err = run_main(capsys, "restore", str(root), "-o", str(tmp_path / "o.json"), "--strict")
     assert code == EXIT_INPUT
     assert "corrupt event log line" in one_error_line(err) and "line 3" in err
+    # Without --strict, the readable records are salvaged and the line left out is named.
+    code, _, err = run_main(capsys, "restore", str(root), "-o", str(tmp_path / "o.json"))
+    assert code == EXIT_OK and "line 3: skipped: not an event" in err
 
 
 # -- small pieces ------------------------------------------------------------------------------------------------

@@ -225,3 +225,50 @@ def test_kill_at_any_point_leaves_old_or_new_view(tmp_path: Path) -> None:
         assert [m.id for m in resumed.originals] == [f"m{i}" for i in range(len(resumed.originals))]
         for d in root.glob("history/*.jsonl"):
             assert d.read_text().endswith("\n")  # no partial dump is ever visible under its final name
+
+
+# -- salvage ------------------------------------------------------------------------------------------
+
+def _session_with_garbage(root: Path) -> tuple[Session, list[Message]]:
+    """A session of 8 messages and a compaction, with line 5 (the 4th message) replaced by garbage."""
+    conv = _conversation()
+    msgs = [Message(Role.USER if k % 2 == 0 else Role.ASSISTANT, f"message {k}") for k in range(8)]
+    s = Session(root, durable=False)
+    s.create(conv)
+    for m in msgs[:6]:
+        s.append_messages([m])
+    s.log_view([ViewEntry(origin=-1, message=Message(Role.USER, "summary")), ViewEntry(origin=5)], kind="summary",
+               reason="test", dump=None, state={})
+    s.append_messages(msgs[6:])
+    s.close()
+    lines = s.events_path.read_bytes().splitlines(keepends=True)
+    assert json.loads(lines[4])["index"] == 3
+    lines[4] = b'{"seq": 4, "type": "app\x00garbage\n'
+    s.events_path.write_bytes(b"".join(lines))
+    return Session(root), msgs
+
+
+def test_salvage_keeps_every_readable_record_and_names_what_it_left_out(tmp_path: Path) -> None:
+    s, msgs = _session_with_garbage(tmp_path / "s")
+    with pytest.raises(FormatError, match="line 5"):
+        s.load()
+    resumed = s.load(salvage=True)
+    assert [m.text for m in resumed.originals] == [m.text for m in msgs[:3] + msgs[4:]]
+    assert [line for line, _ in resumed.skipped] == [5, 6, 8]  # the garbage, the gap after it, the view
+    assert "not an event" in resumed.skipped[0][1] and "missing" in resumed.skipped[1][1]
+    assert resumed.conversation.system == _conversation().system
+
+
+def test_restore_salvages_and_strict_refuses(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from ctxfold.cli import EXIT_INPUT, EXIT_OK, main
+
+    _, msgs = _session_with_garbage(tmp_path / "s")
+    out = tmp_path / "o.json"
+    assert main(["restore", str(tmp_path / "s"), "-o", str(out)]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert "line 5: skipped: not an event" in err and "salvaged 7 messages; 3 lines left out" in err
+    assert [m["content"] for m in json.loads(out.read_text())["messages"]][-7:] == [
+        m.text for m in msgs[:3] + msgs[4:]]
+    assert main(["restore", str(tmp_path / "s"), "-o", str(out), "--strict"]) == EXIT_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "line 5" in err and "Traceback" not in err

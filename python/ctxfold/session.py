@@ -80,6 +80,8 @@ class ResumedState:
     state: dict[str, Any] = field(default_factory=dict)  # compactor state saved with the last event
     num_compactions: int = 0
     torn_lines: int = 0  # lines ignored because a write was cut off
+    # With salvage: (line number, why) of each line left out because it could not be read.
+    skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
 def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
@@ -235,14 +237,17 @@ class Session:
             # none of it (memory, updated after the log, holds none of it either).
             os.ftruncate(fd, os.fstat(fd).st_size - written)
             self.close()
-            raise OSError(f"{self.events_path}: short write ({written} of {len(data)} bytes); disk full?")
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes); disk full?",
+                          str(self.events_path))
         if self.durable and sync:
             os.fsync(fd)
         self._seq += len(events)
 
     # -- reading ----------------------------------------------------------------------------------
-    def iter_events(self) -> Iterator[tuple[int, dict[str, Any] | None]]:
-        """(line number, event) for each line; event None for a torn last line."""
+    def iter_events(self, *, skipped: list[tuple[int, str]] | None = None
+                    ) -> Iterator[tuple[int, dict[str, Any] | None]]:
+        """(line number, event) for each line; event None for a torn last line. A line that is not a
+        JSON object raises FormatError, or, given ``skipped``, is left out and noted there."""
         with open(self.events_path, "rb") as f:
             lines = f.read().split(b"\n")
         last = len(lines) - 1  # after the final "\n" comes an empty string; anything else is torn
@@ -252,13 +257,26 @@ class Session:
                     yield i + 1, None
                 return
             try:
-                yield i + 1, fastjson.loads(raw)
+                event = fastjson.loads(raw)
+                why = None if isinstance(event, dict) else f"a JSON {type(event).__name__}, not an event object"
             except ValueError as exc:
-                raise FormatError(f"corrupt event log line: {exc}", source=str(self.events_path),
-                                  location=f"line {i + 1}") from exc
+                why = _short(exc)
+            if why is None:
+                yield i + 1, event
+            elif skipped is None:
+                raise FormatError(f"corrupt event log line: {why}", source=str(self.events_path),
+                                  location=f"line {i + 1}")
+            else:
+                skipped.append((i + 1, f"not an event (JSON object): {why}"))
 
-    def load(self) -> ResumedState:
-        """Read the log: the current view, every original, and the last saved state."""
+    def load(self, *, salvage: bool = False) -> ResumedState:
+        """Read the log: the current view, every original, and the last saved state.
+
+        A line that cannot be read raises FormatError. With ``salvage``, it is left out instead and
+        noted in :attr:`ResumedState.skipped` (line number, why), so every readable record comes back:
+        a lost append loses that message alone; a lost or unreadable view leaves the view as the
+        originals after the last readable one (a view is always rebuilt from references, so one that
+        refers to what is missing is dropped too)."""
         if not self.exists():
             raise FileNotFoundError(f"{self.events_path}: no session here (expected {EVENTS_FILE})")
         header: dict[str, Any] | None = None
@@ -269,35 +287,67 @@ class Session:
         compactions = 0
         torn = 0
         seq = 0
-        for line, event in self.iter_events():
+        skipped: list[tuple[int, str]] | None = [] if salvage else None
+        next_index = 0  # the index the next append should carry: a gap is a lost message
+        for line, event in self.iter_events(skipped=skipped):
             if event is None:
                 torn += 1
                 continue
-            seq = int(event.get("seq", seq)) + 1
-            kind = event.get("type")
             where = f"line {line}"
-            if kind == "header":
-                header = event["conversation"]
-            elif kind == "append":
-                originals.append(decode_message(event["message"], where=f"{self.events_path}, {where}"))
-            elif kind == "view":
-                last_view = (event["view"], where)  # only the last view matters: decoded after the loop
-                view_len_at = len(originals)
-                state = dict(event.get("state") or {})
-                compactions += 1
-            elif kind == "state":
-                state = dict(event.get("state") or {})
-            else:
-                raise FormatError(f"unknown event type {kind!r}", source=str(self.events_path), location=where)
+            try:
+                kind = event.get("type")
+                if kind == "header":
+                    header = dict(event["conversation"])
+                elif kind == "append":
+                    index = int(event.get("index", next_index))
+                    if skipped is not None and index > next_index:  # said once per gap
+                        skipped.append((line, f"{index - next_index} message(s) before this one are missing"))
+                    originals.append(decode_message(event["message"], where=f"{self.events_path}, {where}"))
+                    next_index = index + 1
+                elif kind == "view":
+                    last_view = (list(event["view"]), where)  # only the last view matters: decoded after the loop
+                    view_len_at = len(originals)
+                    state = dict(event.get("state") or {})
+                    compactions += 1
+                elif kind == "state":
+                    state = dict(event.get("state") or {})
+                else:
+                    raise FormatError(f"unknown event type {kind!r}", source=str(self.events_path), location=where)
+                seq = int(event.get("seq", seq)) + 1
+            except (FormatError, KeyError, TypeError, ValueError) as exc:
+                if skipped is None:
+                    if isinstance(exc, FormatError):
+                        raise
+                    raise FormatError(f"malformed {event.get('type')!r} event: {_short(exc)}",
+                                      source=str(self.events_path), location=where) from exc
+                skipped.append((line, f"unreadable {event.get('type')!r} event: {_short(exc)}"))
         if header is None:
-            raise FormatError("event log has no header", source=str(self.events_path), location="line 1")
-        if last_view is None:
-            entries = [ViewEntry(origin=i) for i in range(len(originals))]
-        else:
+            if skipped is None:
+                raise FormatError("event log has no header", source=str(self.events_path), location="line 1")
+            skipped.append((1, "no readable header: the system prompt and tools are unknown"))
+            header = {}
+        entries: list[ViewEntry] | None = None
+        if last_view is not None:
             raw, where = last_view
-            entries = [ViewEntry(origin=int(e["ref"])) if "ref" in e
-                       else ViewEntry(origin=int(e["origin"]), message=decode_message(e["message"], where=where))
-                       for e in raw]
+            try:
+                entries = [ViewEntry(origin=int(e["ref"])) if "ref" in e
+                           else ViewEntry(origin=int(e["origin"]), message=decode_message(e["message"], where=where))
+                           for e in raw]
+                view_line = int(where.removeprefix("line "))
+                if skipped and any(line < view_line for line, _ in skipped):
+                    # A message lost before it shifts every later index: its references cannot be trusted.
+                    raise FormatError("lines before it were left out", source=str(self.events_path), location=where)
+                if any(e.message is None and not 0 <= e.origin < view_len_at for e in entries):
+                    raise FormatError("the view refers to a message that is not logged before it",
+                                      source=str(self.events_path), location=where)
+            except (FormatError, KeyError, TypeError, ValueError) as exc:
+                if skipped is None:
+                    raise
+                skipped.append((int(where.removeprefix("line ")), f"view left out: {_short(exc)}"))
+                entries, view_len_at = None, 0
+        if entries is None:
+            entries = [ViewEntry(origin=i) for i in range(view_len_at, len(originals))]
+        else:
             entries += [ViewEntry(origin=i) for i in range(view_len_at, len(originals))]
         messages = [originals[e.origin] if e.message is None else e.message for e in entries]
         self._num_originals = len(originals)
@@ -309,11 +359,17 @@ class Session:
             state=state,
             num_compactions=compactions,
             torn_lines=torn,
+            skipped=skipped or [],
         )
 
-    def restore(self) -> Conversation:
-        """The full original conversation, as it was appended, through any number of compactions."""
-        resumed = self.load()
+    def restore(self, *, salvage: bool = False) -> Conversation:
+        """The full original conversation, as it was appended, through any number of compactions.
+        ``salvage``: every readable message, leaving out what cannot be read (see :meth:`load`)."""
+        resumed = self.load(salvage=salvage)
         conv = resumed.conversation
         conv.messages = resumed.originals
         return conv
+
+
+def _short(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,12 @@ A session directory is what ctxfold replay --session-dir and ctxfold compact --s
 written before each rewrite, and the archive of tool outputs. Restore reads the log and returns
 every message as it was appended, through any number of compactions.
 
-exit codes: 0 success, 2 usage error, 3 not a session or a corrupt one, 5 internal error."""
+A log with unreadable lines (a disk fault, a hand edit) is salvaged: every readable message comes
+back, and each line left out is named on stderr with the reason (a lost message is lost alone).
+--strict refuses such a log instead.
+
+exit codes: 0 success (salvaged or not: see stderr), 2 usage error, 3 not a session, or a corrupt one
+with --strict, 5 internal error."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -35,6 +41,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="output shape (default: openai)")
     p.add_argument("--store", metavar="URL", help="read the session from this session store (redis://..., "
                    "valkey://...): SESSION_DIR is then the session's id in it")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a log with any unreadable line instead of salvaging the readable records")
     return p
 
 
@@ -59,6 +67,17 @@ def run(args: argparse.Namespace) -> int:
                 f"{', ...' if len(inside) > 5 else ''}): name one of them" if inside
                 else "; expected a directory kept with --session-dir")
         raise CommandError(f"{root}: not a ctxfold session (no {session.events_path.name}){hint}", EXIT_INPUT)
-    conv = session.restore()
+    if args.strict:
+        conv = session.restore()
+    else:
+        resumed = session.load(salvage=True)
+        conv = resumed.conversation
+        conv.messages = resumed.originals
+        for line, why in resumed.skipped:
+            print(f"ctxfold restore: {session.events_path}, line {line}: skipped: {why}", file=sys.stderr)
+        if resumed.skipped:
+            print(f"ctxfold restore: salvaged {len(conv.messages)} messages; {len(resumed.skipped)} "
+                  f"line{'s' if len(resumed.skipped) != 1 else ''} left out (--strict refuses such a log)",
+                  file=sys.stderr)
     write_output(args.output, dumps(conv, args.output_format, indent=1) + "\n")
     return EXIT_OK

@@ -43,6 +43,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         DEFAULT_CLIENT_TIMEOUT_S,
         DEFAULT_MAX_BODY_BYTES,
         DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_MAX_LOADED_BYTES,
         DEFAULT_MAX_LOADED_CONVERSATIONS,
         DEFAULT_MAX_RECALL_CHARS,
         FSYNC_MODES,
@@ -110,9 +111,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "each request's path), never (a machine crash may lose the last compactions; a killed proxy "
                    "loses nothing in any mode)")
     p.add_argument("--no-fsync", dest="fsync", action="store_const", const="never", help="the same as --fsync never")
-    p.add_argument("--max-loaded-conversations", type=positive_int, default=DEFAULT_MAX_LOADED_CONVERSATIONS, metavar="N",
-                   help="conversations kept in memory with their event logs open; the least recently used beyond "
-                   f"are closed and read back from --data-dir when they return (default {DEFAULT_MAX_LOADED_CONVERSATIONS})")
+    p.add_argument("--max-loaded-sessions", "--max-loaded-conversations", dest="max_loaded_conversations",
+                   type=positive_int, default=DEFAULT_MAX_LOADED_CONVERSATIONS, metavar="N",
+                   help="sessions kept in memory (each with at most one open file); the least recently used "
+                   f"conversations beyond are closed and read back from --data-dir when they return (default "
+                   f"{DEFAULT_MAX_LOADED_CONVERSATIONS})")
+    p.add_argument("--max-loaded-bytes", type=positive_int, default=DEFAULT_MAX_LOADED_BYTES, metavar="N",
+                   help="event-log bytes of the loaded sessions, all together (the memory they hold is about this); "
+                   f"beyond, the least recently used conversations are closed (default {DEFAULT_MAX_LOADED_BYTES})")
+    p.add_argument("--tenant-header", default="Authorization", metavar="NAME",
+                   help="the request header whose value names the client's tenant, kept only as a keyed hash "
+                   "(default Authorization); requests without it share one anonymous tenant")
+    p.add_argument("--tenant-key-file", type=Path, metavar="FILE",
+                   help="the secret the tenant hash is keyed with (default: $CTXFOLD_TENANT_KEY, else "
+                   "<data-dir>/tenant.key, made once)")
     p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="worker processes accepting on one listening socket (default 1); more than one needs "
                    "a shared session store, since each worker's sessions must be every worker's")
@@ -168,7 +180,8 @@ def build_config(args: argparse.Namespace) -> Any:
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
         max_recall_rounds=args.max_recall_rounds, max_loaded_conversations=args.max_loaded_conversations,
         max_recall_chars=args.max_recall_chars, client_timeout_s=args.client_timeout_s,
-        max_connections=args.max_connections,
+        max_connections=args.max_connections, max_loaded_bytes=args.max_loaded_bytes,
+        tenant_header=args.tenant_header, tenant_key_file=args.tenant_key_file,
         fsync=args.fsync, tokenizer=args.tokenizer,
         template=None if args.template == "none" else args.template,
     )

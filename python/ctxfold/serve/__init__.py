@@ -24,10 +24,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB of JSON
-# Conversations kept in memory: each holds its compactor and an open event log, so an unbounded set
-# would run a long-lived proxy out of memory and file descriptors. The least recently used beyond
-# this are closed and read back from disk when they come back.
+# Sessions kept in memory: each holds its compactor and, once written to, an open event log, so an
+# unbounded set would run a long-lived proxy out of memory and file descriptors. The least recently
+# used conversations beyond this are closed and read back from disk when they come back.
 DEFAULT_MAX_LOADED_CONVERSATIONS = 512
+# Event-log bytes of the loaded sessions (a loaded session holds its messages parsed, and the dicts they
+# came in, sharing their text: about its log's size in memory, twice that while it is read). Past it,
+# the least recently used conversations are closed.
+DEFAULT_MAX_LOADED_BYTES = 256 << 20
 FSYNC_MODES = ("compactions", "always", "never")  # ProxyConfig.fsync, the first is the default
 # read_archive output added to one request, all calls and rounds together: one full-size read (the
 # tool's own cap per call), about 25k tokens.
@@ -73,6 +77,7 @@ __all__ = [
     "DEFAULT_CLIENT_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_LOADED_BYTES",
     "DEFAULT_MAX_LOADED_CONVERSATIONS",
     "DEFAULT_MAX_RECALL_CHARS",
     "FSYNC_MODES",

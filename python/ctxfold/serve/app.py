@@ -39,12 +39,13 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from ctxfold.archive import ArchiveStore
 from ctxfold.compactor import Compactor
-from ctxfold.errors import NoFitError
+from ctxfold.errors import ConfigError, NoFitError
 from ctxfold.messages import Conversation
 from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.config import ProxyConfig, redact_url
@@ -63,9 +64,10 @@ from ctxfold.serve.request import (
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
+    WARNING_HEADER,
     SessionStore,
-    fingerprint_wire,
-    session_key,
+    is_storage_error,
+    load_tenant_key,
 )
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION, CLIENT_LEFT
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
@@ -78,6 +80,19 @@ log = logging.getLogger("ctxfold.serve")
 
 T = TypeVar("T")
 _COUNTED = web.RequestKey("ctxfold_response_counted", bool)  # the response was counted in the metrics
+_WARNINGS = web.RequestKey("ctxfold_warnings", list[str])  # what the proxy could not do for a request
+
+
+def request_warnings(request: web.Request) -> list[str]:
+    """The warnings of a request, sent back as ``X-Ctxfold-Warning`` headers."""
+    warnings: list[str] = request.setdefault(_WARNINGS, [])
+    return warnings
+
+
+async def add_warning_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """An ``on_response_prepare`` hook: each warning of the request as one header (ASCII, one line)."""
+    for text in request.get(_WARNINGS, ()):
+        response.headers.add(WARNING_HEADER, " ".join(text.split()).encode("ascii", "replace").decode())
 
 
 async def uncancelled(work: Awaitable[T], on_cancel: Callable[[], None] | None = None) -> T:
@@ -116,13 +131,26 @@ class ProxyApp:
         self.counter = load_counter(config.tokenizer)
         self.template = get_template(config.template) if config.template is not None else None
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
-                                     max_loaded_keys=config.max_loaded_conversations,
+                                     max_loaded_sessions=config.max_loaded_conversations,
+                                     max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
+                                     tenant_key=self._tenant_key(),
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None)
         self._upstream: UpstreamClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: upstream summaries are asked on it
         self.compaction = CompactionStep(config, self.metrics)
         self.forwarder = Forwarder(config, self.metrics, self._client)
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
+
+    def _tenant_key(self) -> bytes | None:
+        """The key file's secret, read at startup so a bad file stops the proxy with one line; None:
+        the store reads the environment or the data directory's key when a credential first comes."""
+        path = self.config.tenant_key_file
+        if path is None:
+            return None
+        try:
+            return load_tenant_key(self.config.data_dir, path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"tenant_key_file: cannot read a tenant key from {path}: {e}") from None
 
     # -- compactors ----------------------------------------------------------------------------------
     def _make_compactor(self, header: Conversation, path: Path) -> Compactor:
@@ -134,16 +162,15 @@ class ProxyApp:
         elif self.config.summarizer == "upstream":
             from ctxfold.serve.summaries import UpstreamSummarizer
 
-            model = self.config.summary_model or self._models.get(path.parent.name) or "default"
+            model = self.config.summary_model or self._models.get(self.sessions.key_of(path)) or "default"
             summarizer = UpstreamSummarizer(self.config.base_url, model, loop=lambda: self._loop, client=self._client,
                                             api_key=self.config.summary_api_key,
                                             timeout_s=self.config.compact.summary.timeout_s)
         # One archive per key, shared by the sessions a key forks into: they share their early history,
         # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
         # With archive_url, replicas share it through object storage; event logs stay on local disk.
-        key = path.parent.name
         if self.config.archive_url is not None:
-            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{key}")
+            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
         else:
             store = ArchiveStore(path.parent / "archive")
         c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
@@ -160,6 +187,7 @@ class ProxyApp:
         app.router.add_get("/metrics", self.metrics_handler)
         # Everything else (/v1/models, /v1/embeddings, a vendor's own paths) goes to the upstream as it came.
         app.router.add_route("*", "/{path:.*}", self.relay)
+        app.on_response_prepare.append(add_warning_headers)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -180,18 +208,24 @@ class ProxyApp:
         await asyncio.to_thread(self.sessions.close)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "upstream": redact_url(self.config.completions_url),
-                                  "sessions_loaded": self.sessions.num_sessions})
+        problem = await asyncio.to_thread(self.sessions.storage_problem)
+        report: dict[str, Any] = {"status": "ok" if problem is None else "degraded",
+                                  "upstream": redact_url(self.config.completions_url),
+                                  "sessions_loaded": self.sessions.num_sessions}
+        if problem is not None:  # requests still pass through, uncompacted: the reason is the operator's to fix
+            report["reason"] = problem
+        return web.json_response(report, status=200 if problem is None else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.sessions.set(self.sessions.num_sessions)
+        self.metrics.sessions_quarantined.set(self.sessions.num_quarantined)
+        self.metrics.sessions_forked.set(self.sessions.num_forks)
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A request the proxy does not handle, to the upstream and back: method, path and query,
         body and end-to-end headers one way; status, headers and body, as they come, the other."""
-        upstream = self._client()
         try:
             body = await read_body(request, self.config)
         except BadRequest as e:
@@ -199,10 +233,14 @@ class ProxyApp:
             refused.force_close()
             return refused
         headers = relayed_headers(request.headers.items(), frozenset({"host", "content-length", "expect"}))
+        return await self._relay_body(request, self.config.upstream_target(request.raw_path), body, headers)
+
+    async def _relay_body(self, request: web.Request, target: str, body: bytes,
+                          headers: list[tuple[str, str]]) -> web.StreamResponse:
+        upstream = self._client()
         resp: web.StreamResponse | None = None
         try:
-            async with upstream.request(request.method, self.config.upstream_target(request.raw_path), body,
-                                        headers) as up:
+            async with upstream.request(request.method, target, body, headers) as up:
                 resp = web.StreamResponse(status=up.status,
                                           headers=relayed_headers(up.header_list, frozenset({"content-length"})))
                 length = up.headers.get("content-length")
@@ -236,14 +274,17 @@ class ProxyApp:
                                  code="invalid_session", param=SESSION_HEADER)
             self.metrics.requests.inc(str(parsed.stream).lower())
             CLIENT_AUTHORIZATION.set(request.headers.get("Authorization"))  # for summaries this request triggers
-            key = session_key(header_key, parsed.system,
-                              fingerprint_wire(parsed.messages[0]) if parsed.messages else None)
-            model = parsed.body.get("model")
-            if isinstance(model, str):
-                self._models.setdefault(key, model)
             try:
+                key = self.sessions.key_for(request.headers, parsed.system, parsed.messages)
+                model = parsed.body.get("model")
+                if isinstance(model, str):
+                    self._models.setdefault(key, model)
                 async with self.sessions.lock(key):
                     return await self._handle(request, parsed, key, t0)
+            except OSError as e:
+                if not is_storage_error(e):
+                    raise
+                return self._counted(request, await self._pass_through(request, parsed, e))
             finally:  # after the lock is released; also when the client left and the handler is cancelled
                 for evicted in self.sessions.trim():
                     self._models.pop(evicted, None)
@@ -270,11 +311,22 @@ class ProxyApp:
                                        "is safe: messages already stored are not stored twice", kind="server_error",
                                   code="internal_error")
 
+    async def _pass_through(self, request: web.Request, parsed: ParsedRequest, error: OSError) -> web.StreamResponse:
+        """The request as the client sent it, uncompacted, when its session cannot be written: the
+        client gets an answer and a warning, and loses nothing (its next request carries the whole
+        history, which is stored once the data directory takes writes again)."""
+        reason = self.sessions.note_storage_error(error)
+        log.error("request passed through uncompacted: %s", reason)
+        self.metrics.bad_requests.inc("storage_error")
+        request_warnings(request).append(f"not compacted: {reason}")
+        headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
+        return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
+
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
         """Under the conversation's lock: route, compact, forward, record."""
         left = asyncio.Event()  # set when the client leaves: the summaries of this request stop
         CLIENT_LEFT.set(left)
-        out = await uncancelled(self._route_and_compact(parsed, key), left.set)
+        out = await uncancelled(self._route_and_compact(parsed, key, request_warnings(request)), left.set)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = dict(relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS))
         headers["Content-Type"] = "application/json"
@@ -300,11 +352,11 @@ class ProxyApp:
             await uncancelled(record(self.config, out.session, answer))
         return resp
 
-    async def _route_and_compact(self, parsed: ParsedRequest, key: str) -> Outgoing:
+    async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str]) -> Outgoing:
         """The session the request continues (a new one when none), with its new messages stored and
         compacted: what goes upstream. Loading a key's sessions or building one may take a worker
         thread; run to its end even when the client leaves (see :func:`uncancelled`)."""
-        session = await self.sessions.find(key, parsed.system, parsed.messages)
+        session = await self.sessions.find(key, parsed.system, parsed.messages, warnings)
         return await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv))
 
     def _counted(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:

@@ -152,7 +152,7 @@ class CompactionStep:
 
     def _outgoing(self, parsed: ParsedRequest, session: ProxySession, *, recall: bool, own_recall: bool) -> Outgoing:
         c = session.compactor
-        view, origins, originals = c.view, c.view_origins, c.originals
+        view, origins, originals = session.request_view()
         # The view is the originals themselves (the usual case): a list comparison, in C, by identity
         # (a message equal to its original would go out as the client sent it, which is the same).
         untouched = view == originals

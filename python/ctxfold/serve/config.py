@@ -4,6 +4,7 @@ embedders all build one; the CLI only converts its flags)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -14,6 +15,7 @@ from ctxfold.serve import (
     DEFAULT_CLIENT_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_LOADED_BYTES,
     DEFAULT_MAX_LOADED_CONVERSATIONS,
     DEFAULT_MAX_RECALL_CHARS,
     FSYNC_MODES,
@@ -52,6 +54,12 @@ class ProxyConfig:
     # Conversations kept loaded (compactor, open event log); the least recently used beyond are closed
     # and read back from the data directory when they return.
     max_loaded_conversations: int = DEFAULT_MAX_LOADED_CONVERSATIONS
+    # Event-log bytes of the loaded sessions, all together: the memory they hold is about this.
+    max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES
+    # The request header whose value names the tenant (hashed with the tenant key, never kept in clear).
+    tenant_header: str = "Authorization"
+    # The tenant HMAC key's file; None: $CTXFOLD_TENANT_KEY, else <data_dir>/tenant.key (made once).
+    tenant_key_file: Path | None = None
     # fsync of the session logs. "compactions" (default): what the client cannot send again (compactions
     # and their summaries, archives) is fsynced; the session's start and its messages are written (a
     # killed proxy loses nothing) and become durable with the next fsync, since every request carries
@@ -78,7 +86,10 @@ class ProxyConfig:
         if port == -1 or not urlsplit(self.upstream).hostname:
             raise ConfigError(f"upstream: {redact_url(self.upstream)!r} has no host or a port outside 0-65535")
         # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
-        for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_recall_rounds", 0),
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", self.tenant_header):
+            raise ConfigError(f"tenant_header: {self.tenant_header!r} is not an HTTP header name")
+        for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_loaded_bytes", 1),
+                          ("max_recall_rounds", 0),
                           ("max_recall_chars", 1), ("max_connections", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

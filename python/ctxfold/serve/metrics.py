@@ -101,6 +101,10 @@ class ProxyMetrics:
             "ctxfold_summary_fallbacks_total", "Summaries written by the extractive fallback after a failure, by "
             "why the summarizer failed (its reason without the details).", ("reason",))
         self.tokens_saved = Counter("ctxfold_tokens_saved_total", "Tokens removed from requests by compaction.")
+        self.sessions_quarantined = Gauge("ctxfold_sessions_quarantined",
+                                          "Sessions set aside since start because their event log could not be read.")
+        self.sessions_forked = Gauge("ctxfold_sessions_forked",
+                                     "Sessions forked from another since start (a history edited or answered anew).")
         self.recall_calls = Counter("ctxfold_recall_calls_total", "read_archive calls answered by the proxy.")
         self.sessions = Gauge("ctxfold_sessions", "Sessions held in memory.")
         self.summary_seconds = Histogram(
@@ -114,6 +118,7 @@ class ProxyMetrics:
         lines: list[str] = []
         for m in (self.requests, self.responses, self.bad_requests, self.upstream_errors, self.compactions,
                   self.compaction_failures, self.summary_fallbacks, self.tokens_saved, self.recall_calls,
-                  self.sessions, self.summary_seconds, self.overhead_seconds):
+                  self.sessions, self.sessions_quarantined, self.sessions_forked, self.summary_seconds,
+                  self.overhead_seconds):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"

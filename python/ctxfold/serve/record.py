@@ -50,6 +50,8 @@ async def record(config: ProxyConfig, session: ProxySession, answer: Answer) -> 
 
 async def _record(config: ProxyConfig, session: ProxySession, answer: Answer) -> None:
     c = session.compactor
+    if session.resend_drop:  # a re-sent request: the session holds the answer it got the first time
+        return
     index = len(c.originals)
     m = answer_message(c, answer.message, answer.usage, index)
     if m is None:

@@ -1,44 +1,67 @@
 """The proxy's sessions: which stored conversation a request continues, and its compactor.
 
 A chat.completions client sends the whole history with every request. The proxy keeps each
-conversation as a ctxfold session (event log, history dumps, archive) under its data directory:
+conversation as a ctxfold session (event log, history dumps, archive) under its data directory,
+per tenant:
 
-    <data_dir>/sessions/<key digest>/<n>/     one session directory (see ctxfold.session)
-    <data_dir>/sessions/<key digest>/archive/ the archive the key's sessions share (content-addressed)
+    <data_dir>/sessions/<key>/<n>/                   the anonymous tenant's sessions (no credential)
+    <data_dir>/tenants/<tenant>/sessions/<key>/<n>/  a tenant's sessions
+    .../sessions/<key>/archive/                      the archive the key's sessions share
 
-The key is the ``X-Ctxfold-Session`` header when the client sends one, else a digest of the system
-prompt and the first message. Several sessions can share a key (two conversations that start alike,
-or a client that rewrote its history); a request continues the one whose stored messages are the
-longest prefix of the messages it carries, and starts a new one when none is. Messages are compared
-by what the model sees (role, content, tool calls, the call a result answers), not by their JSON
-bytes, so a client may drop a field or reorder keys; reasoning is left out because clients are told
-to drop it when they send history back. The common case, a client that sends its history back as it
-sent it before, costs one comparison of dicts (in C): each session keeps the dict each of its
-messages last came in, and falls back to :func:`fingerprint_wire` only where a dict differs.
+The tenant is a keyed hash (HMAC-SHA256) of the credential the client presents (the Authorization
+header, or the header the operator names), never the credential itself: two API keys never share a
+directory, an archive or a lock, and nothing on disk gives a key away. The HMAC key comes from the
+operator (a file, or ``CTXFOLD_TENANT_KEY``), else it is generated once into ``<data_dir>/tenant.key``
+(0600), so tenants keep their directories across restarts.
+
+Within a tenant, the key is the ``X-Ctxfold-Session`` header when the client sends one, else a digest
+of the system prompt and the first message. Several sessions can share a key (two conversations that
+start alike, or a client that rewrote its history). A request continues the one whose stored messages
+are the longest prefix of the messages it carries; re-sends an answered request (a retry, a
+regeneration: its messages are a session's minus the answers the proxy recorded) by continuing that
+session without recording a second answer; and when its history diverges from every session (an
+edited message, different tool calls sent back), forks the session it shares the longest prefix with:
+the new session's log is the parent's up to that prefix (its counts, archive references and
+summaries kept), then the request's own messages.
+
+Messages are compared by what the model sees (role, content, tool calls, the call a result answers),
+not by their JSON bytes, so a client may drop a field or reorder keys; reasoning is left out because
+clients are told to drop it when they send history back. The common case, a client that sends its
+history back as it sent it before, costs one comparison of dicts (in C): each session keeps the dict
+each of its messages last came in, and falls back to :func:`fingerprint_wire` only where a dict differs.
 
 Everything is durable in the session directory, so a restarted proxy finds every conversation again
-and resumes it on its next request.
+and resumes it on its next request. A session whose log cannot be read is set aside (quarantined, see
+:meth:`SessionStore.find`): it affects no other session, and its conversation continues in a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
+import hmac
 import json
+import logging
 import os
+import secrets
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from ctxfold.archive.store import refuse_symlink
+from ctxfold import fastjson
+from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compactor import Compactor
 from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Conversation, Message
-from ctxfold.serve import DEFAULT_MAX_LOADED_CONVERSATIONS
+from ctxfold.serve import DEFAULT_MAX_LOADED_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS
+from ctxfold.session import EVENTS_FILE
+
+log = logging.getLogger("ctxfold.serve")
 
 SESSION_HEADER = "X-Ctxfold-Session"
 MAX_SESSION_KEY_CHARS = 200
@@ -106,7 +129,7 @@ def session_key(header_value: str | None, system: str | None, first: bytes | Non
 class ProxySession:
     """One stored conversation and its compactor. Used only under its key's lock."""
 
-    key: str  # the key digest
+    key: str  # the store's key: tenant and key digest (scope_of)
     path: Path  # the session directory
     compactor: Compactor
     # The wire form of each of compactor.originals, in order: the dict the message last came in (from a
@@ -116,6 +139,11 @@ class ProxySession:
     inject_recall: bool = False  # sticky: once the tool was offered, keep offering it (stable prompt prefix)
     recall_scanned: bool = False  # the view was searched for archive markers once since loading
     tools_wire: Any = None  # the last request's "tools" as it sent them: counted again only when they change
+    # Answers at the end of the session that the current request does not carry: it re-sends a request
+    # answered before (a retry, a regeneration). Its view goes without them and its answer is not
+    # recorded (the session holds one). Set by SessionStore.find for each request.
+    resend_drop: int = 0
+    log_nbytes: int = 0  # size of the event log when last looked at: what loading it costs, roughly
 
     @property
     def num_known(self) -> int:
@@ -130,36 +158,152 @@ class ProxySession:
         self.wire.extend(dicts[len(self.wire) - first:len(originals) - first])
         self.wire.extend(message_to_openai(m, api=True) for m in originals[len(self.wire):])
 
-    def matches(self, system: str | None, messages: Sequence[Mapping[str, Any]]) -> bool:
-        """Whether the request (its system prompt and messages) continues this session: its messages
-        start with the stored ones, by what the model sees. Where only the form differs (a dropped
-        field, reordered keys), the request's dicts are kept, so its next request compares as dicts."""
+    def common_prefix(self, system: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
+        """How many of the stored messages the request carries first, by what the model sees; -1 when
+        its system prompt differs. Where only the form differs (a dropped field, reordered keys), the
+        request's dicts are kept, so its next request compares as dicts."""
+        if self.compactor.header.system != system:
+            return -1
         n = len(self.wire)
-        if self.compactor.header.system != system or n > len(messages):
-            return False
         if messages[:n] == self.wire:
-            return True
+            return min(n, len(messages))
+        common = 0
         for sent, known in zip(messages, self.wire):
             if sent != known and fingerprint_wire(sent) != fingerprint_wire(known):
-                return False
-        self.wire[:] = messages[:n]
-        return True
+                break
+            common += 1
+        self.wire[:common] = messages[:common]
+        return common
+
+    def matches(self, system: str | None, messages: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether the request (its system prompt and messages) continues this session: its messages
+        start with the stored ones, by what the model sees."""
+        return len(self.wire) <= len(messages) and self.common_prefix(system, messages) == len(self.wire)
+
+    def is_resend(self, num_sent: int) -> bool:
+        """Whether a request that carries the first ``num_sent`` stored messages and nothing else
+        re-sends an answered request: what the session holds beyond them is answers."""
+        return 0 < num_sent < len(self.wire) and all(m.get("role") == "assistant" for m in self.wire[num_sent:])
+
+    def request_view(self) -> tuple[list[Message], list[int], list[Message]]:
+        """(view, view origins, originals) the current request goes out with: the compactor's, less
+        the answers a re-sent request does not carry (:attr:`resend_drop`), which show last in the
+        view when they show at all (the tail keeps the latest messages in order)."""
+        c = self.compactor
+        if not self.resend_drop:
+            return c.view, c.view_origins, c.originals
+        keep = len(c.originals) - self.resend_drop
+        end = len(c.view)
+        while end > 0 and c.view_origins[end - 1] >= keep:
+            end -= 1
+        return c.view[:end], c.view_origins[:end], c.originals[:keep]
 
 
 CompactorFactory = Callable[[Conversation, Path], Compactor]
 
+# -- tenants ------------------------------------------------------------------------------------------
+
+TENANT_KEY_FILE = "tenant.key"  # in the data directory: the HMAC key, when the operator gives none
+TENANT_KEY_ENV = "CTXFOLD_TENANT_KEY"
+TENANT_KEY_BYTES = 32
+ANONYMOUS_TENANT = ""  # requests without a credential: one tenant, whose sessions keep the old layout
+
+
+def load_tenant_key(data_dir: Path, key_file: Path | None = None) -> bytes:
+    """The HMAC key tenants are derived with: ``key_file``'s bytes, else ``$CTXFOLD_TENANT_KEY``, else
+    ``<data_dir>/tenant.key``, created (0600, never through a link) with random bytes the first time,
+    so a restarted proxy derives the same tenants. OSError or ValueError with a plain message."""
+    if key_file is not None:
+        key = Path(key_file).read_bytes().strip()
+        if len(key) < 16:
+            raise ValueError(f"{key_file}: a tenant key must be at least 16 bytes, got {len(key)}")
+        return key
+    env = os.environ.get(TENANT_KEY_ENV)
+    if env:
+        if len(env) < 16:
+            raise ValueError(f"{TENANT_KEY_ENV}: a tenant key must be at least 16 characters, got {len(env)}")
+        return env.encode("utf-8", "surrogatepass")
+    make_private_dir(data_dir)
+    path = Path(data_dir) / TENANT_KEY_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        refuse_symlink(path)
+        key = path.read_bytes()
+        if len(key) < 16:
+            raise ValueError(f"{path}: holds {len(key)} bytes, not a tenant key; remove it to make a new "
+                             "one (every tenant then starts afresh)") from None
+        return key
+    key = secrets.token_bytes(TENANT_KEY_BYTES)
+    try:
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return key
+
+
+def tenant_of(hmac_key: bytes, credential: str | None) -> str:
+    """The tenant a credential belongs to: 32 hex characters of HMAC-SHA256 over it, or
+    :data:`ANONYMOUS_TENANT` when there is none. The credential itself is never kept."""
+    if not credential:
+        return ANONYMOUS_TENANT
+    # hmac.digest: the one-shot C path, a microsecond (hmac.new builds Python objects: several).
+    return hmac.digest(hmac_key, credential.encode("utf-8", "surrogatepass"), "sha256").hex()[:32]
+
+
+def scope_of(tenant: str, key: str) -> str:
+    """Where a tenant's key lives under the data directory (a relative path, also the store's key)."""
+    return f"sessions/{key}" if tenant == ANONYMOUS_TENANT else f"tenants/{tenant}/sessions/{key}"
+
+
+WARNING_HEADER = "X-Ctxfold-Warning"  # what the proxy could not do for a request, one header each
+# OSError numbers that mean the data directory cannot take a write: the request then passes through
+# uncompacted (the client sends its history again with the next request, so nothing is lost).
+# (Not EIO: a read can fail with it too, after an answer has begun, where passing through is too late.)
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
+STORAGE_ERROR_HOLD_S = 60.0
+MIN_FREE_BYTES = 1 << 20  # below this, /health calls the data directory full  # /health reports a failed write for this long after it
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """Whether ``error`` is the data directory refusing a write (full, read-only, no permission)."""
+    return (isinstance(error, OSError) and not isinstance(error, ConnectionError)
+            and error.errno in STORAGE_ERRNOS)
+
+
+QUARANTINE_FILE = "QUARANTINED"  # in a session directory set aside: why
+
+
+@dataclass(slots=True)
+class _Key:
+    """The loaded sessions of one key, least recently used first."""
+
+    sessions: list[ProxySession]
+    nbytes: int = 0
+
 
 class SessionStore:
-    """The sessions of one data directory, loaded lazily, one asyncio lock per key; at most
-    ``max_loaded_keys`` keys stay loaded (least recently used first out, see :meth:`trim`)."""
+    """The sessions of one data directory, loaded lazily, one asyncio lock per (tenant, key). At most
+    ``max_loaded_sessions`` sessions, and event logs of ``max_loaded_bytes`` in all, stay loaded:
+    whole keys go, least recently used first (see :meth:`trim`), closing their files. A session's
+    log is open only once it was written to since it was loaded, so open files stay within the
+    bound too."""
 
     def __init__(self, data_dir: Path, make_compactor: CompactorFactory, *,
-                 max_loaded_keys: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = True) -> None:
-        if max_loaded_keys < 1:
-            raise ValueError(f"max_loaded_keys: must be >= 1, got {max_loaded_keys}")
-        self.root = Path(data_dir) / "sessions"
+                 max_loaded_sessions: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = True,
+                 max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES, tenant_header: str = "Authorization",
+                 tenant_key: bytes | None = None, durable: bool = True) -> None:
+        if max_loaded_sessions < 1:
+            raise ValueError(f"max_loaded_sessions: must be >= 1, got {max_loaded_sessions}")
+        self.data_dir = Path(data_dir)
+        self.root = self.data_dir / "sessions"  # the anonymous tenant's
         self.make_compactor = make_compactor
-        self.max_loaded_keys = max_loaded_keys
+        self.max_loaded_sessions = max_loaded_sessions
+        self.max_loaded_bytes = max_loaded_bytes
+        self.tenant_header = tenant_header
+        self._tenant_key = tenant_key
+        self.durable = durable
         # Building a compactor blocks (an fsync, object storage) or not (mkdir and a write): only then is
         # a worker thread worth its two context switches (Python work in it holds the loop anyway).
         self.create_in_thread = create_in_thread
@@ -168,7 +312,40 @@ class SessionStore:
         # never has two locks.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._loaded_locks: dict[str, asyncio.Lock] = {}  # the locks of the keys in _sessions
-        self._sessions: OrderedDict[str, list[ProxySession]] = OrderedDict()  # least recently used first
+        self._sessions: OrderedDict[str, _Key] = OrderedDict()  # least recently used first
+        self._num_sessions = 0
+        self._num_bytes = 0
+        self.num_quarantined = 0  # sessions set aside since start (metric)
+        self.num_forks = 0  # sessions forked from another since start (metric)
+        # The last failure to write the data directory: (monotonic time, reason), for /health.
+        self.storage_error: tuple[float, str] | None = None
+
+    # -- keys -------------------------------------------------------------------------------------
+    def tenant_key(self) -> bytes:
+        if self._tenant_key is None:
+            self._tenant_key = load_tenant_key(self.data_dir)
+        return self._tenant_key
+
+    def key_for(self, headers: Mapping[str, str], system: str | None,
+                messages: Sequence[Mapping[str, Any]]) -> str:
+        """The store's key of a request: its tenant (from the credential header) and, within it, the
+        ``X-Ctxfold-Session`` header's value or the digest of its opening. Checked by the caller:
+        the session header's length."""
+        credential = headers.get(self.tenant_header)
+        tenant = tenant_of(self.tenant_key(), credential) if credential else ANONYMOUS_TENANT
+        key = session_key(headers.get(SESSION_HEADER), system,
+                          fingerprint_wire(messages[0]) if messages else None)
+        return scope_of(tenant, key)
+
+    def key_of(self, session_dir: Path) -> str:
+        """The store's key of a session directory (inverse of where :meth:`create` puts it)."""
+        return Path(session_dir).parent.relative_to(self.data_dir).as_posix()
+
+    def archive_prefix(self, session_dir: Path) -> str:
+        """The archive's place in shared object storage: the key digest for the anonymous tenant (as
+        before tenants), ``tenants/<tenant>/<key>`` for the others."""
+        parts = self.key_of(session_dir).split("/")
+        return parts[1] if parts[0] == "sessions" else f"tenants/{parts[1]}/{parts[3]}"
 
     def lock(self, key: str) -> asyncio.Lock:
         lock = self._loaded_locks.get(key) or self._locks.get(key)
@@ -177,23 +354,42 @@ class SessionStore:
             self._locks[key] = lock
         return lock
 
+    # -- bounds -----------------------------------------------------------------------------------
     def trim(self) -> list[str]:
-        """Close and forget the least recently used keys beyond ``max_loaded_keys``; returns them.
-        A key whose lock is held stays (its sessions are in use). Everything is on disk: the next
-        request of an evicted conversation loads it again and continues the same session."""
-        excess = len(self._sessions) - self.max_loaded_keys
-        if excess <= 0:
-            return []
+        """Close and forget the least recently used keys while more than ``max_loaded_sessions``
+        sessions or ``max_loaded_bytes`` of logs are loaded; returns them. A key whose lock is held
+        stays (its sessions are in use). Everything is on disk: the next request of an evicted
+        conversation loads it again and continues the same session."""
+        if self._sessions:  # the key just used: its log grew by the request and its answer
+            entry = self._sessions[next(reversed(self._sessions))]
+            self._remeasure(entry)
         evicted: list[str] = []
-        for key in list(islice(self._sessions, excess)):  # the oldest only: not a list of every key
+        if self._num_sessions <= self.max_loaded_sessions and self._num_bytes <= self.max_loaded_bytes:
+            return evicted
+        for key in list(self._sessions):
+            if self._num_sessions <= self.max_loaded_sessions and self._num_bytes <= self.max_loaded_bytes:
+                break
             lock = self._locks.get(key)
             if lock is not None and lock.locked():
                 continue
-            for s in self._sessions.pop(key):
-                s.compactor.close()
-            self._loaded_locks.pop(key, None)
+            self._unload(key)
             evicted.append(key)
         return evicted
+
+    def _remeasure(self, entry: _Key) -> None:
+        before = entry.nbytes
+        for s in entry.sessions[-1:]:  # the session the request used is last
+            s.log_nbytes = _log_size(s.path)
+        entry.nbytes = sum(s.log_nbytes for s in entry.sessions)
+        self._num_bytes += entry.nbytes - before
+
+    def _unload(self, key: str) -> None:
+        entry = self._sessions.pop(key)
+        for s in entry.sessions:
+            s.compactor.close()
+        self._num_sessions -= len(entry.sessions)
+        self._num_bytes -= entry.nbytes
+        self._loaded_locks.pop(key, None)
 
     @property
     def num_locked(self) -> int:
@@ -202,39 +398,83 @@ class SessionStore:
 
     @property
     def num_sessions(self) -> int:
-        return sum(len(v) for v in self._sessions.values())
+        return self._num_sessions
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Event-log bytes of the loaded sessions, as last measured."""
+        return self._num_bytes
 
     def loaded(self) -> list[ProxySession]:
-        return [s for v in self._sessions.values() for s in v]
+        return [s for v in self._sessions.values() for s in v.sessions]
 
-    async def find(self, key: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> ProxySession | None:
-        """The stored session whose messages are the longest prefix of ``messages`` (a request's, after
-        its system prompt), or None. Under ``lock(key)``."""
-        candidates = self._sessions.get(key)
-        if candidates is None:
+    # -- routing ----------------------------------------------------------------------------------
+    async def find(self, key: str, system: str | None, messages: Sequence[Mapping[str, Any]],
+                   warnings: list[str] | None = None) -> ProxySession | None:
+        """The session a request (its system prompt and messages) continues, or None for a new
+        conversation. Under ``lock(key)``. In order: the session whose stored messages are the longest
+        prefix of ``messages``; one that the request re-sends an answered request of (its
+        :attr:`ProxySession.resend_drop` set); a fork of the one it shares the longest prefix with.
+
+        A session whose log cannot be read is set aside (a ``QUARANTINED`` file says why), counted,
+        logged, and said in ``warnings``: the request goes on as if it were not there."""
+        entry = self._sessions.get(key)
+        if entry is None:
             # A key never seen has no directory: no thread hop to find that out.
-            candidates = await asyncio.to_thread(self._load_key, key) if (self.root / key).is_dir() else []
-            self._sessions[key] = candidates
+            loaded: list[ProxySession] = []
+            if (self.data_dir / key).is_dir():
+                loaded = await asyncio.to_thread(self._load_key, key, warnings)
+            entry = _Key(loaded, sum(s.log_nbytes for s in loaded))
+            self._sessions[key] = entry
             self._loaded_locks[key] = self.lock(key)
+            self._num_sessions += len(loaded)
+            self._num_bytes += entry.nbytes
         else:
             self._sessions.move_to_end(key)
         best: ProxySession | None = None
-        for s in candidates:
-            if s.matches(system, messages) and (best is None or s.num_known > best.num_known):
-                best = s
-        return best
+        resent: ProxySession | None = None
+        parent: ProxySession | None = None
+        parent_common = 0
+        for s in entry.sessions:
+            s.resend_drop = 0
+            common = s.common_prefix(system, messages)
+            if common == s.num_known:
+                if best is None or common > best.num_known:
+                    best = s
+            elif common == len(messages) and s.is_resend(common):
+                if resent is None or common > resent.num_known - resent.resend_drop:
+                    if resent is not None:
+                        resent.resend_drop = 0
+                    resent = s
+                    s.resend_drop = s.num_known - common
+            elif common > parent_common:
+                parent, parent_common = s, common
+        if best is not None:
+            if resent is not None:
+                resent.resend_drop = 0
+            chosen: ProxySession | None = best
+        elif resent is not None:
+            chosen = resent
+        elif parent is not None:
+            chosen = await asyncio.to_thread(self._fork, key, parent, parent_common)
+            entry.sessions.append(chosen)
+            self._num_sessions += 1
+            entry.nbytes += chosen.log_nbytes
+            self._num_bytes += chosen.log_nbytes
+        else:
+            chosen = None
+        if chosen is not None and entry.sessions[-1] is not chosen:  # least recently used first
+            entry.sessions.remove(chosen)
+            entry.sessions.append(chosen)
+        return chosen
 
     async def create(self, key: str, conversation: Conversation) -> ProxySession:
         """A new session holding ``conversation`` (system prompt, tools, messages). Under ``lock(key)``,
         after :meth:`find`."""
-        candidates = self._sessions[key]
-        self._refuse_links(key)
-        n = len(candidates)
-        while os.path.lexists(self.root / key / f"{n:04d}"):  # a directory left without a log by a crash
-            n += 1
-        path = self.root / key / f"{n:04d}"
+        entry = self._sessions[key]
+        path = self._new_path(key)
         # The whole history goes in at construction: a conversation first seen long (a proxy put in front
-        # of a running agent, a fork) is compacted once by the next pass, not by a hard trigger per tool
+        # of a running agent) is compacted once by the next pass, not by a hard trigger per tool
         # result while it is read in.
         conv = Conversation(messages=list(conversation.messages), id=f"{key}/{path.name}",
                             system=conversation.system, tools=conversation.tools, source_format="openai",
@@ -244,34 +484,163 @@ class SessionStore:
         else:
             compactor = self.make_compactor(conv, path)
         s = ProxySession(key, path, compactor)
-        candidates.append(s)
+        entry.sessions.append(s)
+        self._num_sessions += 1
+        return s
+
+    def _new_path(self, key: str) -> Path:
+        self._refuse_links(key)
+        folder = self.data_dir / key
+        # After the highest number in use: set aside, left on disk by the bounds, or without a log
+        # after a crash. One listing, not a probe per number.
+        taken = [int(e) for e in os.listdir(folder) if e.isdigit()] if folder.is_dir() else []
+        return folder / f"{max(taken, default=-1) + 1:04d}"
+
+    def _fork(self, key: str, parent: ProxySession, num_common: int) -> ProxySession:
+        """A new session continuing ``parent``'s first ``num_common`` messages: its log is the parent's
+        up to the event that appended the first message after them (every compaction of that prefix
+        and its state kept), with the history dumps those compactions wrote. The archive is the
+        key's, shared. Written whole under a temporary name and renamed into place: a crash leaves
+        the fork or nothing."""
+        path = self._new_path(key)
+        kept: list[bytes] = []
+        dumps: list[str] = []
+        with open(parent.path / EVENTS_FILE, "rb") as f:
+            for raw in f.read().split(b"\n"):
+                try:
+                    event = fastjson.loads(raw)
+                except ValueError:  # a torn last line (the parent was read whole when loaded)
+                    break
+                if event.get("type") == "append" and int(event.get("index", 0)) >= num_common:
+                    break
+                if event.get("type") == "view" and event.get("dump"):
+                    dumps.append(str(event["dump"]))
+                if event.get("type") == "header" and isinstance(event.get("conversation"), dict):
+                    # The fork's own name; the rest of the header (system prompt, tools) is the parent's.
+                    event["conversation"]["id"] = f"{key}/{path.name}"
+                    raw = fastjson.dumps_record(event)
+                kept.append(raw + b"\n")
+        make_private_dir(path)
+        for dump in dumps:
+            src = parent.path / dump
+            dst = path / dump
+            make_private_dir(dst.parent)
+            LocalBackend(dst.parent).write_atomic(dst.name, src.read_bytes())
+        LocalBackend(path).write_atomic(EVENTS_FILE, b"".join(kept))
+        compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
+        s = ProxySession(key, path, compactor, calibration=parent.calibration,
+                         inject_recall=parent.inject_recall)
+        if len(compactor.originals) == num_common:
+            s.wire = list(parent.wire[:num_common])  # as the client sent them: the next compare is of dicts
+        else:
+            s.note_wire([])
+        s.log_nbytes = _log_size(path)
+        self.num_forks += 1
         return s
 
     def _refuse_links(self, key: str) -> None:
-        """OSError when the sessions folder or the key's folder is a symbolic link: the proxy writes
-        only into directories of its data directory, never where a link planted there points. (The
-        data directory itself may be a link: the operator chose it.)"""
-        refuse_symlink(self.root)
-        refuse_symlink(self.root / key)
+        """OSError when a folder between the data directory and the key's is a symbolic link: the
+        proxy writes only into directories of its data directory, never where a link planted there
+        points. (The data directory itself may be a link: the operator chose it.)"""
+        folder = self.data_dir
+        for part in key.split("/"):
+            folder = folder / part
+            refuse_symlink(folder)
 
-    def _load_key(self, key: str) -> list[ProxySession]:
-        folder = self.root / key
+    def _load_key(self, key: str, warnings: list[str] | None) -> list[ProxySession]:
+        """The key's sessions, least recently used first: the most recently written ones that fit the
+        bounds (a key with more sessions than ``max_loaded_sessions``, or logs beyond
+        ``max_loaded_bytes``, leaves its oldest on disk, where ``ctxfold restore`` reads them; a
+        request that would continue one of those forks or starts anew instead)."""
+        folder = self.data_dir / key
         self._refuse_links(key)
         if not folder.is_dir():
             return []
-        out = []
-        for entry in sorted(os.listdir(folder)):
+        found: list[tuple[float, int, Path]] = []
+        for entry in os.listdir(folder):
             path = folder / entry
             if entry != "archive":
                 refuse_symlink(path)
-            if not (path / "events.jsonl").is_file():
+            try:
+                st = os.stat(path / EVENTS_FILE)
+            except OSError:
                 continue
-            compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
+            if not os.path.lexists(path / QUARANTINE_FILE):
+                found.append((st.st_mtime, st.st_size, path))
+        found.sort(key=lambda f: (f[0], f[2].name), reverse=True)  # newest first
+        chosen: list[tuple[int, Path]] = []
+        total = 0
+        for _, size, path in found:
+            if chosen and (len(chosen) >= self.max_loaded_sessions or total + size > self.max_loaded_bytes):
+                break
+            chosen.append((size, path))
+            total += size
+        out = []
+        for size, path in reversed(chosen):
+            try:
+                compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
+            except Exception as e:  # noqa: BLE001 - whatever is wrong with this log concerns this session alone
+                self._quarantine(path, e, warnings)
+                continue
             s = ProxySession(key, path, compactor)
             s.note_wire([])
+            s.log_nbytes = size
             out.append(s)
         return out
+
+    def _quarantine(self, path: Path, error: Exception, warnings: list[str] | None) -> None:
+        reason = _one_line(error)
+        self.num_quarantined += 1
+        log.error("session %s set aside: its event log cannot be read (%s); its conversation continues in a "
+                  "new session; `ctxfold restore` salvages what is readable", path, reason)
+        try:
+            LocalBackend(path).write_atomic(QUARANTINE_FILE, (reason + "\n").encode())
+        except OSError as e:  # a read-only data directory: set aside for this process only
+            log.error("cannot mark %s as set aside: %s", path, e)
+        if warnings is not None:
+            warnings.append(f"a stored session of this conversation could not be read ({reason}); it was set "
+                            "aside and the conversation continues in a new session")
+
+    # -- storage ----------------------------------------------------------------------------------
+    def note_storage_error(self, error: BaseException) -> str:
+        """Remember a failed write for /health; returns the reason, one line."""
+        reason = f"the data directory cannot be written: {_one_line(error)}"
+        self.storage_error = (time.monotonic(), reason)
+        return reason
+
+    def storage_problem(self) -> str | None:
+        """Why the data directory cannot take the sessions' writes now, or None: a probe file written
+        and removed, the space left, and a failed write of a request in the last minute."""
+        probe = self.data_dir / f".health-probe-{os.getpid()}"
+        try:
+            make_private_dir(self.data_dir)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, b"ok\n")
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+            st = os.statvfs(self.data_dir)
+        except OSError as e:
+            return f"the data directory cannot be written: {_one_line(e)}"
+        if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
+            return f"the data directory's file system has {st.f_bavail * st.f_frsize} bytes left"
+        if self.storage_error is not None and time.monotonic() - self.storage_error[0] < STORAGE_ERROR_HOLD_S:
+            return self.storage_error[1]
+        return None
 
     def close(self) -> None:
         for s in self.loaded():
             s.compactor.close()
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return os.stat(path / EVENTS_FILE).st_size
+    except OSError:
+        return 0
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text[:300]
