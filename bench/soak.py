@@ -159,6 +159,7 @@ class Stats:
     resends: int = 0  # answered requests sent again on purpose
     duplicates: int = 0  # requests sent twice at once
     disconnects: int = 0  # streams the client left mid-way
+    compacted_answers: int = 0  # answers to a compacted history (with --context-tokens)
     problems: list[str] = field(default_factory=list)
 
     def retry(self, why: str) -> None:
@@ -269,6 +270,12 @@ class Generator:
 
     def check(self, conv: Conversation, messages: list[dict[str, Any]], text: str) -> None:
         want = f"echo: {messages[-1]['content']} [seen {len(messages)} messages {history_digest(messages)}]"
+        compacted = (f"echo: {messages[-1]['content']} [seen ", "echo: [ctxfold] ")
+        if text != want and self.args.context_tokens and text.startswith(compacted):
+            # Compacted: the upstream saw a summary and the tail, not the history the client sent (and
+            # after a compaction under way, the proxy's notice as the last message).
+            self.stats.compacted_answers += 1
+            return
         if text != want:
             self.stats.problem(f"{conv.name} turn {conv.turns_done}: answer {text[:160]!r}, expected {want[:160]!r}")
 
@@ -405,35 +412,48 @@ def restored(session_dir: Path, cli: bool) -> list[dict[str, Any]]:
     return list(json.loads(dumps(Session(session_dir).restore(), "openai"))["messages"])
 
 
-def check_restores(data_dir: Path, convs: list[Conversation], stats: Stats, cli_sample: int) -> int:
-    checked = 0
+def check_restores(data_dir: Path, convs: list[Conversation], stats: Stats, cli_sample: int,
+                   forks_allowed: bool) -> tuple[int, int]:
+    """Restores checked, and forks found. Without compaction, a conversation has one session, and its
+    restore is what the client sent and received. With it, the answers to a duplicate or a re-sent
+    request may differ (one was asked before a compaction, one after); the client keeps one and the
+    proxy recorded the other, so the client's next request forks the session (docs/serve.md, *Forks*):
+    then one of the key's sessions restores to the client's history."""
+    checked = forks = 0
     for n, conv in enumerate(convs):
         kdir = key_dir(data_dir, conv)
         sessions = sorted(d for d in kdir.iterdir() if (d / "events.jsonl").is_file()) if kdir.is_dir() else []
-        if len(sessions) != 1:
+        forks += max(0, len(sessions) - 1)
+        if not sessions or (len(sessions) > 1 and not forks_allowed):
             stats.problem(f"{conv.name}: {len(sessions)} sessions in {kdir.relative_to(data_dir)} (expected one)")
             if not sessions:
                 continue
-        try:
-            got = restored(sessions[-1], cli=n < cli_sample)
-        except Exception as e:  # noqa: BLE001 - reported as a problem of the run
-            stats.problem(f"{conv.name}: restore failed: {e}")
-            continue
-        got_pairs = [(m.get("role"), m.get("content")) for m in got]
         want_pairs = [(m["role"], m["content"]) for m in conv.messages]
-        if got_pairs != want_pairs:
+        mismatches = []
+        for session_dir in reversed(sessions):  # a fork is newer than its parent
+            try:
+                got = restored(session_dir, cli=n < cli_sample)
+            except Exception as e:  # noqa: BLE001 - reported as a problem of the run
+                mismatches.append(f"restore of {session_dir.name} failed: {e}")
+                continue
+            got_pairs = [(m.get("role"), m.get("content")) for m in got]
+            if got_pairs == want_pairs:
+                mismatches = []
+                break
             first_diff = next((i for i, (a, b) in enumerate(zip(got_pairs, want_pairs, strict=False)) if a != b),
                               min(len(got_pairs), len(want_pairs)))
-            stats.problem(f"{conv.name}: restore has {len(got)} messages, the client {len(conv.messages)}; first "
-                          f"difference at {first_diff}: {got_pairs[first_diff:first_diff + 1]} vs "
-                          f"{want_pairs[first_diff:first_diff + 1]}")
+            mismatches.append(f"restore of {session_dir.name} has {len(got)} messages, the client "
+                              f"{len(conv.messages)}; first difference at {first_diff}: "
+                              f"{got_pairs[first_diff:first_diff + 1]} vs {want_pairs[first_diff:first_diff + 1]}")
+        for m in mismatches:
+            stats.problem(f"{conv.name}: {m}")
         checked += 1
     # Nothing of a tenant in another's directory: every session directory is some conversation's own.
     known = {key_dir(data_dir, c) for c in convs}
     for kdir in (data_dir / "tenants").glob("*/sessions/*"):
         if kdir not in known:
             stats.problem(f"a key directory no conversation of its tenant owns: {kdir.relative_to(data_dir)}")
-    return checked
+    return checked, forks
 
 
 def bounds(samples: list[dict[str, Any]], at_start: dict[int, tuple[int, int]], args: argparse.Namespace,
@@ -481,7 +501,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     up = subprocess.Popen(up_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
     up_log: list[str] = []
     with tempfile.TemporaryDirectory(prefix="ctxfold-soak-") as tmp:
-        data_dir = Path(tmp) / "data"
+        data_dir = args.keep_data if args.keep_data is not None else Path(tmp) / "data"
         proxy: Proxy | None = None
         try:
             up_url = wait_for_line(up, "listening on ", "stdout")
@@ -491,7 +511,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "--max-loaded-sessions", str(args.max_loaded_sessions),
                            "--max-connections", str(args.max_connections),
                            "--max-loaded-bytes", str(args.max_loaded_bytes), "--client-timeout-s", "10",
-                           "--read-timeout-s", "30"])
+                           "--read-timeout-s", "30",
+                           *(["--context-tokens", str(args.context_tokens), "--reply-reserve-tokens", "256"]
+                             if args.context_tokens else [])])
             proxy.start()
             stats = Stats()
             gen = Generator(args, proxy, stats)
@@ -509,7 +531,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 stats.problem(f"{len(lost)} conversations did not reach their end: {lost[:10]}")
             report_bounds = bounds(sampler.samples, proxy.at_start, args, stats)
             proxy.stop()
-            checked = check_restores(data_dir, gen.convs, stats, args.cli_restores)
+            checked, forks = check_restores(data_dir, gen.convs, stats, args.cli_restores,
+                                            forks_allowed=bool(args.context_tokens))
         finally:
             if proxy is not None:
                 proxy.stop()
@@ -519,7 +542,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "conversations": len(gen.convs), "tenants": args.tenants, "seconds": round(elapsed, 1),
         "turns": sum(c.turns_done for c in gen.convs), "requests_sent": stats.requests,
         "answered": stats.answered, "retried": stats.retried, "resends": stats.resends,
-        "duplicates": stats.duplicates, "disconnects": stats.disconnects, "restores_checked": checked,
+        "duplicates": stats.duplicates, "compacted_answers": stats.compacted_answers, "disconnects": stats.disconnects, "restores_checked": checked, "forks": forks,
         "sessions_loaded_after": quiet_loaded,
         "proxy_pids": proxy.pids, "bounds": report_bounds, "problems": stats.problems,
         "load_average": os.getloadavg(),
@@ -549,11 +572,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-loaded-sessions", type=int, default=16)
     ap.add_argument("--max-connections", type=int, default=24)
     ap.add_argument("--max-loaded-bytes", type=int, default=1 << 20)
+    ap.add_argument("--context-tokens", type=int, default=0,
+                    help="the proxy's window: small, compactions fire (answers then checked by their echo alone)")
     ap.add_argument("--rss-allowance-mb", type=float, default=64.0,
                     help="resident memory a proxy may add to its size at its first sample (default 64)")
     ap.add_argument("--sample-s", type=float, default=0.25)
     ap.add_argument("--cli-restores", type=int, default=4, help="restores checked through the ctxfold restore command")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep-data", type=Path, metavar="DIR", help="the proxy's data directory (kept; default: a "
+                    "temporary one)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="also write the result there")
     args = ap.parse_args(argv)
     if args.conversations % args.tenants:
