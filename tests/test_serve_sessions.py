@@ -303,6 +303,23 @@ def test_loaded_bytes_are_bounded(upstream: tuple[ScriptedUpstream, str], tmp_pa
     assert len(session_dirs(tmp_path / "data")) == 8
 
 
+def test_loaded_bytes_are_the_logs_sizes(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    """The byte bound's figure (counted as the logs are written, not measured) is what the disk holds."""
+    _, url = upstream
+    app, srv = start_proxy(url, tmp_path / "data")
+    try:
+        for k in range(3):
+            history: list[tuple[str, str]] = []
+            for turn in range(3):
+                history.append(("user", f"conversation {k} turn {turn} " + "text " * 50))
+                history.append(("assistant", answer(post(srv.url, chat(*history)))))
+            settle(app)
+        on_disk = sum((d / "events.jsonl").stat().st_size for d in session_dirs(tmp_path / "data"))
+        assert eventually(lambda: app.sessions.loaded_bytes == on_disk), (app.sessions.loaded_bytes, on_disk)
+    finally:
+        srv.close()
+
+
 # -- forks ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("summarizer", ["extractive", "upstream"])
