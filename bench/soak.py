@@ -481,7 +481,10 @@ def bounds(samples: list[dict[str, Any]], at_start: dict[int, tuple[int, int]], 
                                                                / 2**20, 1),
                             "rss_median_last_third_mb": round(sorted(s["rss"] for s in mine[-third:])[third // 2]
                                                               / 2**20, 1),
-                            "sessions_loaded_peak": max(loaded, default=None)}
+                            "sessions_loaded_peak": max(loaded, default=None),
+                            # (seconds since the run began, MiB), every tenth sample: growth shows as a slope
+                            "rss_mb_series": [(round(s["t"] - samples[0]["t"], 1), round(s["rss"] / 2**20, 1))
+                                              for s in mine[::10]]}
         if peak_fds > fd_bound:
             stats.problem(f"proxy {pid}: {peak_fds} open descriptors, over the bound {fd_bound}")
         if peak_rss > rss_bound:
