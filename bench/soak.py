@@ -420,6 +420,11 @@ def check_restores(data_dir: Path, convs: list[Conversation], stats: Stats, cli_
     proxy recorded the other, so the client's next request forks the session (docs/serve.md, *Forks*):
     then one of the key's sessions restores to the client's history."""
     checked = forks = 0
+    try:
+        (data_dir / "tenant.key").read_bytes()
+    except OSError as e:
+        stats.problem(f"no tenant key in the data directory ({e}): no tenant directory can be found")
+        return 0, 0
     for n, conv in enumerate(convs):
         kdir = key_dir(data_dir, conv)
         sessions = sorted(d for d in kdir.iterdir() if (d / "events.jsonl").is_file()) if kdir.is_dir() else []
