@@ -114,7 +114,7 @@ def test_events_read_back_in_order_and_a_replayed_batch_writes_nothing_twice(sto
 
 def test_session_ids_and_blob_names_are_checked(store_url: str) -> None:
     async def body(store: Store) -> None:
-        for bad in ("../x", "a/../b", "", "a b", "a/b/c/d/e"):
+        for bad in ("../x", "a/../b", "", "a b", "a/b/c/d/e/f"):
             with pytest.raises(ValueError, match="session id"):
                 await store.acquire(bad, owner="a")
         with pytest.raises(ValueError, match="blob name"):
