@@ -1,0 +1,280 @@
+"""Proxy replicas sharing one Redis (``ctxfold serve --store redis://...``): any replica serves any request.
+
+Real processes on loopback: a redis-server (the ``redis_server`` fixture: AOF, appendfsync always), the
+scripted upstream (in this process, so a test sees what went upstream and can slow it down), and
+``ctxfold serve`` processes. A conversation's requests alternate between replicas; what one replica
+compacted, the next one continues from; tenants stay apart; restore from Redis gives back exactly what
+the client sent and was answered. A replica paused (SIGSTOP) in the middle of a slow summary past its
+lease loses the conversation to another, and its late write is refused by the fencing token; Redis
+killed and restarted (AOF) loses nothing a client was answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import RedisServer
+from subprocess_env import ctxfold_env
+
+pytest.importorskip("redis")
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="pauses processes with SIGSTOP (POSIX)")
+
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream  # noqa: E402
+from ctxfold.store import restore_from_store  # noqa: E402
+from ctxfold.store.redis_store import RedisStore  # noqa: E402
+
+TENANT_KEY = "replica-test-tenant-key-0123456789"
+FILLER = "lorem ipsum dolor sit amet " * 25  # ~170 tokens a message by chars4: a compaction every few turns
+SUMMARY_MARK = "Goals: finish the user's task"  # the scripted upstream's summary text
+
+
+@contextmanager
+def replicas(tmp_path: Path, redis: RedisServer, upstream: str, n: int, *extra: str,
+             lease_ms: int = 1000) -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
+    procs: list[tuple[subprocess.Popen[str], str]] = []
+    env = ctxfold_env(CTXFOLD_TENANT_KEY=TENANT_KEY)
+    try:
+        for i in range(n):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ctxfold", "serve", "--upstream", upstream, "--store", redis.url,
+                 "--data-dir", str(tmp_path / f"replica{i}"), "--port", "0", "--context-tokens", "3000",
+                 "--template", "none", "--tokenizer", "chars4", "--fsync", "never",
+                 "--store-lease-ms", str(lease_ms), *extra],
+                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert "listening on " in line, line + proc.stderr.read()[-3000:]
+            procs.append((proc, line.split("listening on ", 1)[1].split(",", 1)[0]))
+        yield procs
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+        for proc, _ in procs:
+            try:
+                proc.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture()
+def upstream() -> Iterator[tuple[ScriptedUpstream, str]]:
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as srv:
+        yield up, srv.url + "/v1"
+
+
+def ask(url: str, messages: list[dict[str, Any]], key: str | None = None, timeout_s: float = 30) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/v1/chat/completions", json={"model": "m", "messages": messages}, headers=headers,
+                      timeout=timeout_s)
+
+
+def turn(url: str, messages: list[dict[str, Any]], text: str, key: str | None = None) -> httpx.Response:
+    """One user turn: the message joins the history, the answer too (as the client keeps it)."""
+    messages.append({"role": "user", "content": f"{text} {FILLER}"})
+    resp = ask(url, messages, key)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()["choices"][0]["message"]
+    assert answer["content"].startswith(f"echo: {text} ")  # its own answer: nothing mixed up
+    messages.append({"role": "assistant", "content": answer["content"]})
+    return resp
+
+
+def stored(redis: RedisServer) -> dict[str, list[tuple[str, str]]]:
+    """Every session in the store, restored: id -> (role, text) of each original message."""
+    async def ids() -> list[str]:
+        store = RedisStore(redis.url)
+        try:
+            return await store.sessions()
+        finally:
+            await store.close()
+
+    out = {}
+    for sid in asyncio.run(ids()):
+        conv = restore_from_store(redis.url, sid)
+        out[sid] = [(m.role.value, m.text) for m in conv.messages]
+    return out
+
+
+def as_pairs(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in messages]
+
+
+def has_summary(body: dict[str, Any]) -> bool:
+    return any(SUMMARY_MARK in str(m.get("content")) for m in body["messages"][:-1])
+
+
+def test_round_robin_across_two_replicas_continues_each_others_compactions(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with replicas(tmp_path, redis_server, url, 2) as procs:
+        urls = [u for _, u in procs]
+        messages: list[dict[str, Any]] = []
+        summarized_by: list[int] = []
+        for k in range(14):
+            served = k % 2
+            turn(urls[served], messages, f"turn {k}")
+            sent = [b for b in up.received if not b["messages"][-1]["content"].startswith("Internal context")][-1]
+            if has_summary(sent):
+                summarized_by.append(served)
+        # Compactions happened, and requests of both replicas went out with a summary: each continued
+        # from the other's compacted view (a replica that had not read the store would send it all).
+        assert 0 in summarized_by and 1 in summarized_by, summarized_by
+        sent = [b for b in up.received if not b["messages"][-1]["content"].startswith("Internal context")]
+        assert len(sent[-1]["messages"]) < len(messages)
+        assert stored(redis_server) == {f"sessions/{sid}": as_pairs(messages) for sid in _ids(redis_server)}
+        for _, u in procs:
+            assert httpx.get(u + "/health", timeout=10).json()["status"] == "ok"
+
+
+def _ids(redis: RedisServer) -> list[str]:
+    async def ids() -> list[str]:
+        store = RedisStore(redis.url)
+        try:
+            return [i.removeprefix("sessions/") for i in await store.sessions()]
+        finally:
+            await store.close()
+
+    return asyncio.run(ids())
+
+
+def test_tenants_stay_apart_through_every_replica(tmp_path: Path, redis_server: RedisServer,
+                                                  upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with replicas(tmp_path, redis_server, url, 2) as procs:
+        urls = [u for _, u in procs]
+        conversations: dict[str, list[dict[str, Any]]] = {"key-a": [], "key-b": []}
+        for k in range(6):
+            for n, (key, messages) in enumerate(conversations.items()):
+                # The same opening in both tenants: only the credential tells them apart.
+                turn(urls[(k + n) % 2], messages, f"turn {k} of {key if k else 'the same start'}", key=key)
+        found = stored(redis_server)
+        assert all(sid.startswith("tenants/") for sid in found)
+        assert len(found) == 2 and len({sid.split("/")[1] for sid in found}) == 2
+        assert sorted(found.values()) == sorted(as_pairs(m) for m in conversations.values())
+
+
+def test_a_replica_stalled_past_its_lease_loses_the_conversation_and_its_write_is_refused(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with replicas(tmp_path, redis_server, url, 2, lease_ms=1000) as procs:
+        (stalled, url_a), (_, url_b) = procs
+        messages: list[dict[str, Any]] = []
+        k = 0
+        while not any(has_summary(b) for b in up.received):  # until the conversation is compacted once
+            turn(url_a if k % 2 else url_b, messages, f"turn {k}")
+            k += 1
+        before = len(up.summary_authorizations)
+        # The next compaction: its summary is slow, and replica A is paused while it waits for it.
+        up.summary_delay_s = 4.0
+        for _ in range(12):
+            probe = [*messages, {"role": "user", "content": f"turn {k} {FILLER}"}]
+            messages.append(probe[-1])
+            result: dict[str, httpx.Response] = {}
+            thread = threading.Thread(target=lambda: result.__setitem__("a", ask(url_a, messages, timeout_s=60)))
+            thread.start()
+            deadline = time.monotonic() + 10
+            while thread.is_alive() and len(up.summary_authorizations) == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if len(up.summary_authorizations) > before:
+                break
+            thread.join()
+            assert result["a"].status_code == 200
+            messages.append({"role": "assistant", "content": result["a"].json()["choices"][0]["message"]["content"]})
+            k += 1
+        else:
+            pytest.fail("no compaction on replica A")
+        os.kill(stalled.pid, signal.SIGSTOP)
+        try:
+            time.sleep(1.5)  # past A's lease
+            up.summary_delay_s = 0.0
+            # The client gives up on A and sends the same request to B, which takes the conversation over.
+            resp = ask(url_b, messages)
+            assert resp.status_code == 200, resp.text
+            assert not resp.headers.get_list("X-Ctxfold-Warning")
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+        thread.join(60)
+        late = result["a"]
+        # A's summary came back after B's takeover: its write was refused by the fencing token, and its
+        # client still got an answer (uncompacted), with a warning.
+        assert late.status_code == 200
+        warnings = " ".join(late.headers.get_list("X-Ctxfold-Warning"))
+        assert "fencing token" in warnings or "lease" in warnings, warnings
+        messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+        for n in range(3):  # the conversation goes on, through both
+            turn(url_a if n % 2 == 0 else url_b, messages, f"after {n}")
+        assert list(stored(redis_server).values()) == [as_pairs(messages)]
+
+
+def test_redis_killed_and_restarted_loses_nothing_acknowledged(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with replicas(tmp_path, redis_server, url, 2) as procs:
+        urls = [u for _, u in procs]
+        messages: list[dict[str, Any]] = []
+        for k in range(4):
+            turn(urls[k % 2], messages, f"turn {k}")
+        # Killed while an answer is on its way: the answer's write finds no store and goes to the spool.
+        up.delay_s = 1.0
+        killer = threading.Timer(0.5, redis_server.kill)
+        killer.start()
+        turn(urls[0], messages, "turn 4")
+        killer.join()
+        up.delay_s = 0.0
+        # Without Redis: requests pass through uncompacted, with a warning, and /health says why.
+        resp = turn(urls[1], messages, "turn 5")
+        assert any("session store" in w for w in resp.headers.get_list("X-Ctxfold-Warning")), resp.headers
+        health = httpx.get(urls[0] + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+        redis_server.start()  # reads its append-only file back
+        deadline = time.monotonic() + 20
+        while any(httpx.get(u + "/health", timeout=30).status_code != 200 for u in urls):
+            assert time.monotonic() < deadline, httpx.get(urls[0] + "/health", timeout=30).text
+            time.sleep(0.2)
+        # The spooled answer of turn 4 reached the store before the next request needed it.
+        assert list(stored(redis_server).values())[0][: len(messages) - 2] == as_pairs(messages)[:-2]
+        for k in range(6, 10):
+            resp = turn(urls[k % 2], messages, f"turn {k}")
+            assert not resp.headers.get_list("X-Ctxfold-Warning")
+        assert list(stored(redis_server).values()) == [as_pairs(messages)]
+
+
+def test_workers_share_the_store(tmp_path: Path, redis_server: RedisServer,
+                                 upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    env = ctxfold_env(CTXFOLD_TENANT_KEY=TENANT_KEY)
+    with subprocess.Popen(
+            [sys.executable, "-m", "ctxfold", "serve", "--upstream", url, "--store", redis_server.url, "--data-dir",
+             str(tmp_path / "data"), "--port", "0", "--context-tokens", "3000", "--template", "none", "--tokenizer",
+             "chars4", "--fsync", "never", "--workers", "3"],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env) as proc:
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            assert "listening on " in line, line
+            base = line.split("listening on ", 1)[1].split(" ", 1)[0].rstrip(",")
+            messages: list[dict[str, Any]] = []
+            for k in range(10):  # each request on a connection of its own: the kernel picks the worker
+                turn(base, messages, f"turn {k}")
+            assert any(has_summary(b) for b in up.received)
+            assert list(stored(redis_server).values()) == [as_pairs(messages)]
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=30)
