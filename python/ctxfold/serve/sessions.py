@@ -975,6 +975,10 @@ class SessionStore:
         if not isinstance(error, Spooled):
             for s in self._sessions[key].sessions if key in self._sessions else []:
                 s.broken = True
+        if isinstance(error, LeaseLost):
+            return f"another proxy process took this conversation over: {_one_line(error)}"
+        if isinstance(error, SessionBusy):
+            return f"the conversation is busy on another proxy process: {_one_line(error)}"
         return f"the session store failed: {_one_line(error)}"
 
     @property
