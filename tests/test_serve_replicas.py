@@ -27,15 +27,20 @@ import httpx
 import pytest
 
 from conftest import RedisServer
+from proxy_helpers import start_proxy
 from subprocess_env import ctxfold_env
 
 pytest.importorskip("redis")
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="pauses processes with SIGSTOP (POSIX)")
 
+from ctxfold.config import CompactConfig
+from ctxfold.errors import ConfigError, FormatError
+from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.store import restore_from_store
 from ctxfold.store.redis_store import RedisStore
 
+WARNING_HEADER = "X-Ctxfold-Warning"
 TENANT_KEY = "replica-test-tenant-key-0123456789"
 FILLER = "lorem ipsum dolor sit amet " * 25  # ~170 tokens a message by chars4: a compaction every few turns
 SUMMARY_MARK = "Goals: finish the user's task"  # the scripted upstream's summary text
@@ -121,7 +126,9 @@ def as_pairs(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def has_summary(body: dict[str, Any]) -> bool:
-    return any(SUMMARY_MARK in str(m.get("content")) for m in body["messages"][:-1])
+    """Whether a request went out compacted: the upstream's summary, or the extractive one's mark."""
+    return any(SUMMARY_MARK in str(m.get("content")) or "[ctxfold compacted" in str(m.get("content"))
+               for m in body["messages"][:-1])
 
 
 def test_round_robin_across_two_replicas_continues_each_others_compactions(
@@ -283,3 +290,132 @@ def test_workers_share_the_store(tmp_path: Path, redis_server: RedisServer,
         finally:
             proc.terminate()
             proc.communicate(timeout=30)
+
+
+# -- routing through the store, in-process replicas --------------------------------------------------------
+
+@contextmanager
+def two_apps(tmp_path: Path, redis: RedisServer, upstream_url: str,
+             **kw: Any) -> Iterator[list[tuple[ProxyApp, str]]]:
+    """Two proxies in this process (each its own event loop and thread), sharing one Redis."""
+    out: list[tuple[ProxyApp, str]] = []
+    servers = []
+    try:
+        for i in range(2):
+            app, srv = start_proxy(upstream_url, tmp_path / f"app{i}", store_url=redis.url, lease_ms=2000,
+                                   tenant_key_file=_key_file(tmp_path), **kw)
+            servers.append(srv)
+            out.append((app, srv.url))
+        yield out
+    finally:
+        for srv in servers:
+            srv.close()
+
+
+def _key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tenant.key"
+    if not path.exists():
+        path.write_text(TENANT_KEY)
+    return path
+
+
+def _settled(app: ProxyApp) -> None:
+    deadline = time.monotonic() + 10
+    while app.sessions.num_locked:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_an_edited_request_forks_through_the_store_on_another_replica(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with two_apps(tmp_path, redis_server, url, compact=CompactConfig(context_tokens=3000)) as apps:
+        messages: list[dict[str, Any]] = []
+        for k in range(10):
+            turn(apps[k % 2][1], messages, f"turn {k}")
+            _settled(apps[k % 2][0])
+        assert any(has_summary(b) for b in up.received)
+        parent_sent = up.received[-1]["messages"]
+        assert has_summary(up.received[-1])
+        # The last user message edited, sent to the other replica: a fork at the common prefix.
+        edited = [*messages[:-2], {"role": "user", "content": f"turn 9 (edited) {FILLER}"}]
+        resp = ask(apps[0][1], edited)
+        assert resp.status_code == 200, resp.text
+        fork_sent = up.received[-1]["messages"]
+        assert fork_sent[:-1] == parent_sent[:-1]  # the parent's compacted view, its summary included
+        assert fork_sent[-1]["content"].startswith("turn 9 (edited)")
+        _settled(apps[0][0])
+        assert apps[0][0].sessions.num_forks == 1
+        edited.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+        assert sorted(stored(redis_server).values()) == sorted([as_pairs(messages), as_pairs(edited)])
+        # Each goes on, on either replica.
+        turn(apps[1][1], edited, "after the fork")
+        turn(apps[0][1], messages, "after the parent")
+        assert sorted(stored(redis_server).values()) == sorted([as_pairs(messages), as_pairs(edited)])
+
+
+def test_a_retry_on_another_replica_continues_the_session(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with two_apps(tmp_path, redis_server, url) as apps:
+        messages: list[dict[str, Any]] = []
+        turn(apps[0][1], messages, "first")
+        request = [*messages, {"role": "user", "content": "second"}]
+        answer = ask(apps[1][1], request).json()["choices"][0]["message"]["content"]
+        first_sent = up.received[-1]["messages"]
+        for k in range(4):  # the same request again, on both replicas: nothing recorded twice
+            _settled(apps[k % 2][0])
+            resp = ask(apps[k % 2][1], request)
+            assert resp.status_code == 200
+            assert up.received[-1]["messages"] == first_sent
+        messages = [*request, {"role": "assistant", "content": answer}]
+        assert list(stored(redis_server).values()) == [as_pairs(messages)]
+
+
+def test_a_corrupt_stored_session_is_set_aside_and_the_conversation_continues(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    import redis as redis_py
+
+    _, url = upstream
+    with two_apps(tmp_path, redis_server, url) as apps:
+        messages: list[dict[str, Any]] = []
+        turn(apps[0][1], messages, "first")
+        (sid,) = stored(redis_server)
+        client = redis_py.Redis.from_url(redis_server.url)
+        try:  # a record no reader knows, after the good ones
+            n = int(client.get(f"ctxfold:{{{sid}}}:next") or 0)
+            client.xadd(f"ctxfold:{{{sid}}}:ev", {"e": b'{"seq": %d, "type": "bogus"}' % n}, id=f"0-{n + 1}")
+            client.set(f"ctxfold:{{{sid}}}:next", n + 1)
+        finally:
+            client.close()
+        resp = turn(apps[1][1], messages, "second")
+        assert any("set aside" in w for w in resp.headers.get_list(WARNING_HEADER))
+        assert apps[1][0].sessions.num_quarantined == 1
+        turn(apps[0][1], messages, "third")
+        turn(apps[1][1], messages, "fourth")
+        sessions = stored_or_none(redis_server)
+        assert sessions[sid] is None and [v for k, v in sessions.items() if k != sid] == [as_pairs(messages)]
+
+
+def stored_or_none(redis: RedisServer) -> dict[str, list[tuple[str, str]] | None]:
+    async def ids() -> list[str]:
+        store = RedisStore(redis.url)
+        try:
+            return await store.sessions()
+        finally:
+            await store.close()
+
+    out: dict[str, list[tuple[str, str]] | None] = {}
+    for sid in asyncio.run(ids()):
+        try:
+            out[sid] = [(m.role.value, m.text) for m in restore_from_store(redis.url, sid).messages]
+        except FormatError:
+            out[sid] = None
+    return out
+
+
+def test_a_store_url_must_name_a_shared_store(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="store:"):
+        ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path, store_url=str(tmp_path))
+    with pytest.raises(ConfigError, match="lease_ms"):
+        ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path, store_url="redis://127.0.0.1:1/0", lease_ms=5)
