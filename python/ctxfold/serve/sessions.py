@@ -871,8 +871,10 @@ class SessionStore:
         events name. A parent read back as its checkpoint keeps its last compaction only when that
         compaction lies within the prefix (else the fork starts uncompacted and compacts again)."""
         store = self._store()
-        assert parent.store_id is not None
-        stored = await store.read(parent.store_id)
+        parent_id = parent.store_id
+        if parent_id is None:
+            raise RuntimeError("a session in the data directory forked through the store")
+        stored = await store.read(parent_id)
         lease = await self._new_store_id(key)
         session_id = lease.session_id
         try:
@@ -884,7 +886,7 @@ class SessionStore:
                 event = dict(event)
                 if event.get("type") == "view" and event.get("dump"):
                     name = str(event["dump"])
-                    blobs.append((name, await store.get_blob(parent.store_id, name)))
+                    blobs.append((name, await store.get_blob(parent_id, name)))
                 if event.get("type") == "header" and isinstance(event.get("conversation"), dict):
                     event["conversation"] = {**event["conversation"], "id": session_id}
                 event["seq"] = len(kept)
