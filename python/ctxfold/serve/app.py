@@ -409,8 +409,9 @@ class ProxyApp:
         thread; run to its end even when the client leaves (see :func:`uncancelled`)."""
         session = await self.sessions.find(key, parsed.system, parsed.messages, warnings)
         out = await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv))
-        # With a shared store: what the step logged is stored (or spooled) before anything goes upstream.
-        await self.sessions.commit(out.session)
+        # With a shared store: what the step compacted is stored (or spooled) before anything goes upstream
+        # (a summary is costly to write again); messages alone go with the answer's commit.
+        await self.sessions.commit(out.session, unless_only_appends=True)
         return out
 
     async def _lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,

@@ -908,14 +908,21 @@ class SessionStore:
         self.num_forks += 1
         return s
 
-    async def commit(self, session: ProxySession) -> None:
+    async def commit(self, session: ProxySession, *, unless_only_appends: bool = False) -> None:
         """Write what the session's compactor logged since the last commit, under its lease: the
         archive's blobs to the key's archive, then the rest as one batch; a checkpoint after a
         compaction. Nothing for a session in the data directory. Raises StoreUnavailable (Spooled:
         the batch waits in the local spool, memory and store+spool agree) or LeaseLost; after any
-        failure but Spooled the session is marked broken and its key unloaded (read again next time)."""
+        failure but Spooled the session is marked broken and its key unloaded (read again next time).
+
+        ``unless_only_appends``: nothing when only messages wait (the step before forwarding, when
+        nothing fired): they go with the answer's commit, one write (and one fsync of Redis's
+        append-only file) fewer per request. Nothing is acknowledged to the client before the
+        answer, and a request that gets none is sent again with those messages."""
         blog, lease = session.log, session.lease
         if self.store is None or blog is None or session.broken:
+            return
+        if unless_only_appends and blog.only_appends_pending:
             return
         batch = blog.take()
         if not batch:
