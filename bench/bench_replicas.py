@@ -75,6 +75,16 @@ class Redis:
                 time.sleep(0.02)
         raise RuntimeError("redis-server did not start")
 
+    def commands(self) -> dict[str, int]:
+        """Calls so far, by command (INFO commandstats; scripts count as evalsha)."""
+        import redis
+
+        client = redis.Redis(port=self.port)
+        try:
+            return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in client.info("commandstats").items()}
+        finally:
+            client.close()
+
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
@@ -274,7 +284,13 @@ def run_latency(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                       redis.url() + ("?durability=everysec" if policy == "everysec" else "")])
             procs.append(proxy)
             urls[f"redis_{policy}"] = f"{url}/v1/chat/completions"
+        before = [r.commands() for r in servers]
         result = interleaved(urls, 1, args.latency_s, False, args.slice_s)
+        for policy, r, calls0 in zip(("always", "everysec"), servers, before, strict=True):
+            side = result[f"redis_{policy}"]
+            n = max(1, side["requests"] + 4)  # and the warm-up requests
+            side["redis_calls_per_request"] = {k: round((v - calls0.get(k, 0)) / n, 2)
+                                               for k, v in sorted(r.commands().items()) if v > calls0.get(k, 0)}
         result["compactions"] = sum(_metric(u.removesuffix("/v1/chat/completions"), "ctxfold_compactions_total{")
                                     for k, u in urls.items() if k not in ("direct", "passthrough"))
         return result
