@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -419,3 +420,23 @@ def test_a_store_url_must_name_a_shared_store(tmp_path: Path) -> None:
         ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path, store_url=str(tmp_path))
     with pytest.raises(ConfigError, match="lease_ms"):
         ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path, store_url="redis://127.0.0.1:1/0", lease_ms=5)
+
+
+def test_an_unreachable_store_passes_requests_through_and_health_says_why(
+        tmp_path: Path, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, srv = start_proxy(url, tmp_path / "data", store_url=f"redis://127.0.0.1:{port}/0?socket_connect_timeout=0.5",
+                           tenant_key_file=_key_file(tmp_path))
+    try:
+        messages: list[dict[str, Any]] = []
+        resp = turn(srv.url, messages, "first")
+        assert any(w.startswith("not compacted: the session store failed") for w in resp.headers.get_list(WARNING_HEADER))
+        assert up.received[-1]["messages"] == messages[:-1]  # the client's own request, as it sent it
+        health = httpx.get(srv.url + "/health", timeout=30)
+        assert health.status_code == 503 and "session store is unreachable" in health.json()["reason"]
+        assert 'ctxfold_bad_requests_total{reason="store_unavailable"} 1' in httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.close()

@@ -302,6 +302,10 @@ def is_storage_error(error: BaseException) -> bool:
 QUARANTINE_FILE = "QUARANTINED"  # in a session directory set aside: why
 
 
+# With a shared store, the sessions of one key leased (and so routed among) per request: the most recent.
+MAX_LEASED_SESSIONS_PER_KEY = 16
+
+
 class SessionBusy(StoreError):
     """Another replica holds a session's lease for longer than a request waits: the request passes
     through uncompacted."""
@@ -677,6 +681,13 @@ class SessionStore:
     # replica. Leases are renewed while a request works (a long summary): a replica that stalls past
     # its lease loses the session, and its writes are refused by the fencing token.
 
+    @staticmethod
+    def _numbered(key: str, ids: list[str]) -> list[str]:
+        """The ids of ``key``'s sessions among ``ids`` (not its archive, nor a longer key's), oldest first."""
+        depth = key.count("/") + 1
+        found = [i for i in ids if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
+        return sorted(found, key=lambda i: int(i.rsplit("/", 1)[1]))
+
     def _archive_id(self, key: str) -> str:
         return f"{key}/archive"
 
@@ -800,10 +811,11 @@ class SessionStore:
             self._loaded_locks[key] = self.lock(key)
         else:
             self._sessions.move_to_end(key)
-        depth = key.count("/") + 1
-        ids = [i for i in await store.sessions(key + "/")
-               if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit() and i not in self._set_aside]
-        ids = ids[-self.max_loaded_sessions:]  # the most recent ones: the others stay in the store
+        ids = [i for i in self._numbered(key, await store.sessions(key + "/")) if i not in self._set_aside]
+        # The most recent ones: the others stay in the store (restore reads them), as a data directory
+        # leaves its oldest on disk. Each costs a lease per request, so a client that edits its history
+        # at every request (a fork each time) costs a bounded number of round trips.
+        ids = ids[-min(self.max_loaded_sessions, MAX_LEASED_SESSIONS_PER_KEY):]
         self._start_renewing(key)
         loaded = {s.store_id: s for s in entry.sessions}
         kept: list[ProxySession] = []
@@ -839,9 +851,7 @@ class SessionStore:
         """A lease on a new session id of ``key``: the first grant ever for that id (token 1), so two
         replicas creating a session at once never get the same one."""
         store = self._store()
-        depth = key.count("/") + 1
-        taken = [int(i.rsplit("/", 1)[1]) for i in await store.sessions(key + "/")
-                 if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
+        taken = [int(i.rsplit("/", 1)[1]) for i in self._numbered(key, await store.sessions(key + "/"))]
         n = max(taken, default=-1) + 1
         while True:
             lease = await store.acquire(f"{key}/{n:04d}", owner=self.owner, ttl_ms=self.lease_ms)
