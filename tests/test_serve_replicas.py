@@ -12,6 +12,8 @@ killed and restarted (AOF) loses nothing a client was answered.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import signal
 import socket
@@ -440,3 +442,33 @@ def test_an_unreachable_store_passes_requests_through_and_health_says_why(
         assert 'ctxfold_bad_requests_total{reason="store_unavailable"} 1' in httpx.get(srv.url + "/metrics").text
     finally:
         srv.close()
+
+
+def test_read_archive_is_answered_from_the_store_on_any_replica(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with two_apps(tmp_path, redis_server, url) as apps:
+        start = [{"role": "user", "content": "shared start"}]
+        assert ask(apps[0][1], start).status_code == 200
+        (sid,) = stored(redis_server)
+        text = "archived by replica a\n" * 20
+        aid = hashlib.sha256(text.encode()).hexdigest()
+
+        async def put() -> None:  # what replica A's archive pass commits: a blob of the key's archive
+            store = RedisStore(redis_server.url)
+            try:
+                await store.put_blob(sid.rsplit("/", 1)[0] + "/archive", f"archive/{aid}.txt", text.encode())
+            finally:
+                await store.close()
+
+        asyncio.run(put())
+        call = {"id": "c9", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
+        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "assistant", "content": "done"}])
+        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+        body = {"model": "m", "messages": [*start, {"role": "assistant", "content": "echo: shared start"},
+                                           {"role": "user", "content": "recall it"}],
+                "tools": [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]}
+        resp = httpx.post(apps[1][1] + "/v1/chat/completions", json=body, timeout=30)
+        assert resp.json()["choices"][0]["message"]["content"] == "done"
+        assert up.received[-1]["messages"][-1]["content"].startswith(f"[read_archive id={aid} chars 0-440 of 440")
