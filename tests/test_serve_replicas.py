@@ -472,3 +472,42 @@ def test_read_archive_is_answered_from_the_store_on_any_replica(
         resp = httpx.post(apps[1][1] + "/v1/chat/completions", json=body, timeout=30)
         assert resp.json()["choices"][0]["message"]["content"] == "done"
         assert up.received[-1]["messages"][-1]["content"].startswith(f"[read_archive id={aid} chars 0-440 of 440")
+
+
+def test_an_output_archived_by_one_replica_is_recalled_through_the_other(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    compact = CompactConfig.from_mapping({"minor": {"keep_recent_user_turns": 1, "archive_threshold": 100}})
+    big = "output line that is long enough to archive\n" * 50
+    with two_apps(tmp_path, redis_server, url, compact=compact) as apps:
+        (a, url_a), (_, url_b) = apps
+        history: list[dict[str, Any]] = [{"role": "user", "content": "start"}]
+        assert ask(url_a, history).status_code == 200
+        history += [{"role": "assistant", "content": "echo: start"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "t0", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "t0", "content": big}]
+        assert ask(url_b, history).status_code == 200
+        history += [{"role": "assistant", "content": "echo: start"}, {"role": "user", "content": "next"}]
+        assert ask(url_a, history).status_code == 200
+        assert _compactions(a) == 1  # the archive pass, on replica A
+        history += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "more"}]
+        assert ask(url_b, history).status_code == 200
+        marker = up.received[-1]["messages"][3]["content"]
+        assert marker.startswith("[ctxfold archived")  # B continued A's compacted view
+        aid = hashlib.sha256(big.encode()).hexdigest()
+        assert aid in marker
+        call = {"id": "c9", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
+        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "assistant", "content": "done"}])
+        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+        history += [{"role": "assistant", "content": "echo: more"}, {"role": "user", "content": "recall it"}]
+        assert ask(url_b, history).json()["choices"][0]["message"]["content"] == "done"
+        assert big[:200] in up.received[-1]["messages"][-1]["content"]
+        history.append({"role": "assistant", "content": "done"})
+        restored = restore_from_store(redis_server.url, next(iter(stored_or_none(redis_server))))
+        assert [m.text for m in restored.messages] == [m["content"] or "" for m in history]
+
+
+def _compactions(app: ProxyApp) -> float:
+    return sum(app.metrics.compactions.values.values())
