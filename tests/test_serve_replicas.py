@@ -94,7 +94,11 @@ def ask(url: str, messages: list[dict[str, Any]], key: str | None = None, timeou
 
 
 def ask_into(into: dict[str, httpx.Response], url: str, messages: list[dict[str, Any]]) -> None:
-    into["a"] = ask(url, messages, timeout_s=60)
+    """``ask`` from a thread of its own; a connection cut by a killed proxy leaves ``into`` empty."""
+    try:
+        into["a"] = ask(url, messages, timeout_s=60)
+    except httpx.HTTPError:
+        pass
 
 
 def turn(url: str, messages: list[dict[str, Any]], text: str, key: str | None = None) -> httpx.Response:
@@ -182,6 +186,37 @@ def test_tenants_stay_apart_through_every_replica(tmp_path: Path, redis_server: 
         assert all(sid.startswith("tenants/") for sid in found)
         assert len(found) == 2 and len({sid.split("/")[1] for sid in found}) == 2
         assert sorted(found.values()) == sorted(as_pairs(m) for m in conversations.values())
+        sid = next(iter(found))  # and `ctxfold restore --store` prints it
+        out = subprocess.run([sys.executable, "-m", "ctxfold", "restore", "--store", redis_server.url, sid, "-o", "-"],
+                             capture_output=True, text=True, env=ctxfold_env(), timeout=60, check=True)
+        assert [(m["role"], m["content"]) for m in json.loads(out.stdout)["messages"]] == found[sid]
+
+
+def into_a_slow_summary(up: ScriptedUpstream, url_a: str, url_b: str, messages: list[dict[str, Any]]
+                        ) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    """Turns through both replicas until the conversation is compacted once, then turns on A until one
+    of its requests waits for a (slow) summary: that request's thread and where its answer goes."""
+    k = 0
+    while not any(has_summary(b) for b in up.received):
+        turn(url_a if k % 2 else url_b, messages, f"turn {k}")
+        k += 1
+    before = len(up.summary_authorizations)
+    up.summary_delay_s = 4.0
+    for _ in range(12):
+        messages.append({"role": "user", "content": f"turn {k} {FILLER}"})
+        result: dict[str, httpx.Response] = {}
+        thread = threading.Thread(target=ask_into, args=(result, url_a, list(messages)))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while thread.is_alive() and len(up.summary_authorizations) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if len(up.summary_authorizations) > before:
+            return thread, result
+        thread.join()
+        assert result["a"].status_code == 200
+        messages.append({"role": "assistant", "content": result["a"].json()["choices"][0]["message"]["content"]})
+        k += 1
+    pytest.fail("no compaction on replica A")
 
 
 def test_a_replica_stalled_past_its_lease_loses_the_conversation_and_its_write_is_refused(
@@ -190,30 +225,7 @@ def test_a_replica_stalled_past_its_lease_loses_the_conversation_and_its_write_i
     with replicas(tmp_path, redis_server, url, 2, lease_ms=1000) as procs:
         (stalled, url_a), (_, url_b) = procs
         messages: list[dict[str, Any]] = []
-        k = 0
-        while not any(has_summary(b) for b in up.received):  # until the conversation is compacted once
-            turn(url_a if k % 2 else url_b, messages, f"turn {k}")
-            k += 1
-        before = len(up.summary_authorizations)
-        # The next compaction: its summary is slow, and replica A is paused while it waits for it.
-        up.summary_delay_s = 4.0
-        for _ in range(12):
-            probe = [*messages, {"role": "user", "content": f"turn {k} {FILLER}"}]
-            messages.append(probe[-1])
-            result: dict[str, httpx.Response] = {}
-            thread = threading.Thread(target=ask_into, args=(result, url_a, list(messages)))
-            thread.start()
-            deadline = time.monotonic() + 10
-            while thread.is_alive() and len(up.summary_authorizations) == before and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if len(up.summary_authorizations) > before:
-                break
-            thread.join()
-            assert result["a"].status_code == 200
-            messages.append({"role": "assistant", "content": result["a"].json()["choices"][0]["message"]["content"]})
-            k += 1
-        else:
-            pytest.fail("no compaction on replica A")
+        thread, result = into_a_slow_summary(up, url_a, url_b, messages)
         os.kill(stalled.pid, signal.SIGSTOP)
         try:
             time.sleep(1.5)  # past A's lease
@@ -234,6 +246,28 @@ def test_a_replica_stalled_past_its_lease_loses_the_conversation_and_its_write_i
         messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
         for n in range(3):  # the conversation goes on, through both
             turn(url_a if n % 2 == 0 else url_b, messages, f"after {n}")
+        assert list(stored(redis_server).values()) == [as_pairs(messages)]
+
+
+def test_a_replica_killed_in_a_compaction_is_taken_over_after_its_lease(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    up, url = upstream
+    with replicas(tmp_path, redis_server, url, 3, lease_ms=1000) as procs:
+        (killed, url_a), (_, url_b), (_, url_c) = procs
+        messages: list[dict[str, Any]] = []
+        thread, result = into_a_slow_summary(up, url_a, url_b, messages)
+        killed.kill()
+        killed.wait(20)
+        thread.join(60)
+        assert "a" not in result  # its client saw the connection go: no answer
+        up.summary_delay_s = 0.0
+        t0 = time.monotonic()
+        resp = ask(url_b, messages)  # waits for the dead replica's lease to run out, then takes over
+        assert resp.status_code == 200 and not resp.headers.get_list("X-Ctxfold-Warning"), resp.headers
+        assert time.monotonic() - t0 < 5
+        messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+        for n in range(3):
+            turn(url_c if n % 2 == 0 else url_b, messages, f"after {n}")
         assert list(stored(redis_server).values()) == [as_pairs(messages)]
 
 
