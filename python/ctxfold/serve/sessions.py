@@ -367,6 +367,9 @@ class SessionStore:
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the app: archive reads from worker threads
         self._set_aside: set[str] = set()  # store sessions whose log cannot be read (this process's view)
         self._renewers: dict[str, asyncio.Task[None]] = {}  # key -> the task renewing its leases
+        # Leases this process could not release (the store was down): still its own until they run out,
+        # so the next request renews one rather than waiting up to its whole time for itself.
+        self._unreleased: dict[str, tuple[Lease, float]] = {}  # session id -> (lease, monotonic s when held)
         self.num_store_errors = 0  # requests passed through because the store failed (metric)
         self.num_lease_waits = 0  # requests that waited for another replica's lease (metric)
 
@@ -700,6 +703,14 @@ class SessionStore:
         """The session's lease, waiting while another replica holds it (it releases it when its request
         ends, or it expires); SessionBusy after twice the lease's time."""
         store = self._store()
+        held = self._unreleased.pop(session_id, None)
+        if held is not None:
+            try:
+                if await store.renew(held[0]):
+                    return held[0]
+            except StoreError:
+                self._unreleased[session_id] = held
+                raise
         deadline = time.monotonic() + 2 * self.lease_ms / 1000
         pause_s = 0.005
         waited = False
@@ -825,7 +836,9 @@ class SessionStore:
                 lease = await self._acquire(session_id)
                 held.append(lease)
                 s = loaded.get(session_id)
-                if s is None or s.broken or lease.token != s.token + 1:
+                # The token after this process's last one, or that one itself (a lease it could not
+                # release, renewed): nobody else wrote since.
+                if s is None or s.broken or lease.token not in (s.token, s.token + 1):
                     s = await self._load_from_store(key, session_id, warnings)
                     if s is None:
                         await self._release_quietly(held.pop())
@@ -984,7 +997,8 @@ class SessionStore:
     async def _release_quietly(self, lease: Lease) -> None:
         try:
             await self._store().release(lease)
-        except StoreError as e:  # it expires on its own
+        except StoreError as e:  # it expires on its own, or this process renews it next time
+            self._unreleased[lease.session_id] = (lease, time.monotonic())
             log.info("cannot release the lease on session %s: %s", lease.session_id, e)
 
     def note_store_error(self, key: str, error: BaseException) -> str:
@@ -1006,6 +1020,10 @@ class SessionStore:
 
     async def replay_spool(self) -> None:
         """Write what the spool holds (oldest first) if the store is back."""
+        now = time.monotonic()
+        for session_id, (lease, since) in list(self._unreleased.items()):
+            if now - since > lease.ttl_ms / 1000:  # ran out: the next grant is anyone's
+                del self._unreleased[session_id]
         spool = self.spool
         if spool is not None and spool.num_pending:
             await spool.replay()
