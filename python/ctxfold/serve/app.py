@@ -65,6 +65,7 @@ from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
     WARNING_HEADER,
+    ProxySession,
     SessionStore,
     is_storage_error,
     load_tenant_key,
@@ -400,7 +401,7 @@ class ProxyApp:
                                                         too_long_raises=False)
         self._counted(request, resp)
         if answer is not None:
-            await uncancelled(record(self.config, out.session, answer, commit=self.sessions.commit))
+            await uncancelled(record(self.config, out.session, answer, commit=self._commit_answer))
         return resp
 
     async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str]) -> Outgoing:
@@ -413,6 +414,10 @@ class ProxyApp:
         # (a summary is costly to write again); messages alone go with the answer's commit.
         await self.sessions.commit(out.session, unless_only_appends=True)
         return out
+
+    async def _commit_answer(self, session: ProxySession) -> None:
+        """The request's last write to a shared store: its messages and the answer, and the lease."""
+        await self.sessions.commit(session, release=True)
 
     async def _lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
                      limit_tokens: int | None) -> Outgoing | None:

@@ -931,7 +931,8 @@ class SessionStore:
         self.num_forks += 1
         return s
 
-    async def commit(self, session: ProxySession, *, unless_only_appends: bool = False) -> None:
+    async def commit(self, session: ProxySession, *, unless_only_appends: bool = False,
+                     release: bool = False) -> None:
         """Write what the session's compactor logged since the last commit, under its lease: the
         archive's blobs to the key's archive, then the rest as one batch; a checkpoint after a
         compaction. Nothing for a session in the data directory. Raises StoreUnavailable (Spooled:
@@ -941,7 +942,9 @@ class SessionStore:
         ``unless_only_appends``: nothing when only messages wait (the step before forwarding, when
         nothing fired): they go with the answer's commit, one write (and one fsync of Redis's
         append-only file) fewer per request. Nothing is acknowledged to the client before the
-        answer, and a request that gets none is sent again with those messages."""
+        answer, and a request that gets none is sent again with those messages. ``release``: the
+        request's last write: the lease goes in the same call (when there was something to write;
+        else :meth:`finish` releases it)."""
         blog, lease = session.log, session.lease
         if self.store is None or blog is None or session.broken:
             return
@@ -964,7 +967,7 @@ class SessionStore:
                     rest = Batch(tuple((n, d) for n, d in batch.blobs if not n.startswith("archive/")), batch.events)
                 except StoreUnavailable:
                     pass  # all of it under the session's own name: spooled with its events
-            await store.append(lease, rest)
+            await store.append(lease, rest, release=release)
         except Spooled:
             session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
             raise
@@ -972,6 +975,8 @@ class SessionStore:
             session.broken = True
             raise
         session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
+        if release and batch.events:
+            session.lease = None  # released by the append
         if any(e.get("type") == "view" for e in batch.events):
             try:
                 await store.checkpoint(lease)

@@ -134,11 +134,12 @@ class Store(Protocol):
         reads as no events."""
         ...
 
-    async def append(self, lease: Lease, batch: Batch) -> None:
+    async def append(self, lease: Lease, batch: Batch, *, release: bool = False) -> None:
         """Write ``batch``'s blobs, then its events, in order, one record per event. Events whose seq is
         already stored are skipped (a batch replayed from the spool after a lost reply writes nothing
         twice); a seq past the next one expected is refused (ValueError: a gap). LeaseLost when a later
-        token was granted."""
+        token was granted. ``release``: give the lease up once written, in the same call (the last
+        write of a request: one round trip, and one fsync of the store, fewer)."""
         ...
 
     async def checkpoint(self, lease: Lease) -> int:
