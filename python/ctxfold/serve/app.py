@@ -34,6 +34,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -64,6 +65,8 @@ from ctxfold.serve.request import (
 from ctxfold.serve.sessions import (
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
+    TENANT_KEY_ENV,
+    TENANT_KEY_FILE,
     WARNING_HEADER,
     ProxySession,
     SessionStore,
@@ -137,6 +140,10 @@ class ProxyApp:
             # Each process its own spool (a worker keeps its number across restarts, and with it its spool).
             spool = config.data_dir / "spool" / (f"worker-{worker}" if worker is not None else "main")
             store = open_store(config.store_url, spool_dir=spool, spool_max_bytes=config.spool_max_bytes)
+            if config.tenant_key_file is None and not os.environ.get(TENANT_KEY_ENV):
+                log.warning("tenants are keyed with %s/%s: replicas on other machines must use the same key "
+                            "(--tenant-key-file or %s), else their tenants differ and share no conversation",
+                            config.data_dir, TENANT_KEY_FILE, TENANT_KEY_ENV)
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
                                      max_loaded_sessions=config.max_loaded_conversations,
                                      max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
