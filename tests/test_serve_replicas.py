@@ -455,7 +455,13 @@ def stored_or_none(redis: RedisServer) -> dict[str, list[tuple[str, str]] | None
     return out
 
 
-def test_a_store_url_must_name_a_shared_store(tmp_path: Path) -> None:
+def test_a_store_url_must_name_a_shared_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ctxfold.cli import main
+
+    assert main(["serve", "--upstream", "http://127.0.0.1:1", "--store", str(tmp_path), "--data-dir",
+                 str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a redis://, rediss://, unix:// or valkey:// URL" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(ConfigError, match="store:"):
         ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path, store_url=str(tmp_path))
     with pytest.raises(ConfigError, match="lease_ms"):
