@@ -31,7 +31,10 @@ history back as it sent it before, costs one comparison of dicts (in C): each se
 each of its messages last came in, and falls back to :func:`fingerprint_wire` only where a dict differs.
 
 Everything is durable in the session directory, so a restarted proxy finds every conversation again
-and resumes it on its next request. A session whose log cannot be read is set aside (quarantined, see
+and resumes it on its next request. With a shared store (``ctxfold serve --store redis://...``) the
+same sessions, under the same relative names, live in Redis instead, and any number of proxy
+processes serve any request of any conversation (see "a shared store" in :class:`SessionStore`, and
+docs/store.md). A session whose log cannot be read is set aside (quarantined, see
 :meth:`SessionStore.find`): it affects no other session, and its conversation continues in a new one.
 """
 
