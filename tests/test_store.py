@@ -83,6 +83,24 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield server.url
 
 
+def test_an_append_that_releases_frees_the_lease_in_the_same_call(store_url: str) -> None:
+    async def body(store: Store) -> None:
+        lease = await store.acquire(SID, owner="a")
+        assert lease is not None
+        await store.append(lease, Batch(events=(header_event(),)), release=True)
+        taken = await store.acquire(SID, owner="b")  # at once: no waiting for the lease to run out
+        assert taken is not None and taken.token == lease.token + 1
+        with pytest.raises(LeaseLost):  # the first holder's later writes are fenced out
+            await store.append(lease, Batch(events=events_for(["late"])), release=True)
+        await store.append(taken, Batch(events=events_for(["b"])))
+        assert await store.acquire(SID, owner="c") is None  # "b" still holds it: not released by "a"
+        await store.append(taken, Batch(), release=True)  # nothing to write: released all the same
+        assert await store.acquire(SID, owner="c") is not None
+        assert [e.get("message", {}).get("content") for e in (await store.read(SID)).events] == [None, "b"]
+
+    with_store(store_url, body)
+
+
 # -- events: order, replays, gaps -------------------------------------------------------------------------
 
 def test_events_read_back_in_order_and_a_replayed_batch_writes_nothing_twice(store_url: str) -> None:
@@ -114,7 +132,7 @@ def test_events_read_back_in_order_and_a_replayed_batch_writes_nothing_twice(sto
 
 def test_session_ids_and_blob_names_are_checked(store_url: str) -> None:
     async def body(store: Store) -> None:
-        for bad in ("../x", "a/../b", "", "a b", "a/b/c/d/e"):
+        for bad in ("../x", "a/../b", "", "a b", "a/b/c/d/e/f"):
             with pytest.raises(ValueError, match="session id"):
                 await store.acquire(bad, owner="a")
         with pytest.raises(ValueError, match="blob name"):

@@ -20,6 +20,7 @@ EPILOG = """examples:
   ctxfold serve --upstream https://api.deepseek.com/v1 --context-tokens 128k --max-output-tokens 8192
   ctxfold serve --upstream http://127.0.0.1:8000/v1 --config agent.yml --summarizer config
   ctxfold serve --upstream http://vllm:8000/v1 --context-tokens 64k --archive-url s3://bucket/ctxfold
+  ctxfold serve --upstream http://vllm:8000/v1 --context-tokens 64k --store redis://redis:6379/0 --workers 4
 
 Point the client's OpenAI base URL at http://HOST:PORT/v1. A conversation is named by the
 X-Ctxfold-Session header, else by its system prompt and first message. Sessions, history dumps
@@ -48,6 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         DEFAULT_MAX_RECALL_CHARS,
         FSYNC_MODES,
     )
+    from ctxfold.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -125,6 +127,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tenant-key-file", type=Path, metavar="FILE",
                    help="the secret the tenant hash is keyed with (default: $CTXFOLD_TENANT_KEY, else "
                    "<data-dir>/tenant.key, made once)")
+    p.add_argument("--store", metavar="URL",
+                   help="a session store shared by several proxy processes or machines: redis://HOST:PORT/DB, "
+                   "rediss://, unix://, valkey:// (options: ?prefix=, durability=always|everysec, blobs=<fsspec "
+                   "URL>; see docs/store.md); default: --data-dir, for one process")
+    p.add_argument("--spool-max-bytes", type=positive_int, default=DEFAULT_SPOOL_MAX_BYTES, metavar="N",
+                   help="with --store: the local spool (in --data-dir) that keeps session writes while the store "
+                   f"is unreachable, per process (default {DEFAULT_SPOOL_MAX_BYTES})")
+    p.add_argument("--store-lease-ms", type=positive_int, default=DEFAULT_LEASE_MS, metavar="MS",
+                   help="with --store: how long a process's lease on a conversation lasts unrenewed; one that "
+                   f"stalls longer loses it to another (default {DEFAULT_LEASE_MS})")
     p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="worker processes accepting on one listening socket (default 1); more than one needs "
                    "a shared session store, since each worker's sessions must be every worker's")
@@ -182,7 +194,8 @@ def build_config(args: argparse.Namespace) -> Any:
         max_recall_chars=args.max_recall_chars, client_timeout_s=args.client_timeout_s,
         max_connections=args.max_connections, max_loaded_bytes=args.max_loaded_bytes,
         tenant_header=args.tenant_header, tenant_key_file=args.tenant_key_file,
-        fsync=args.fsync, tokenizer=args.tokenizer,
+        fsync=args.fsync, tokenizer=args.tokenizer, store_url=args.store, spool_max_bytes=args.spool_max_bytes,
+        lease_ms=args.store_lease_ms,
         template=None if args.template == "none" else args.template,
     )
 
@@ -202,8 +215,9 @@ def run(args: argparse.Namespace) -> int:
     from ctxfold.serve.app import redact_url
 
     def ready(url: str) -> None:
-        print(f"ctxfold serve: listening on {url}, forwarding to {redact_url(config.completions_url)}, data in "
-              f"{config.data_dir}", file=sys.stderr, flush=True)
+        where = f"sessions in {redact_url(config.store_url)}" if config.store_url else f"data in {config.data_dir}"
+        print(f"ctxfold serve: listening on {url}, forwarding to {redact_url(config.completions_url)}, {where}",
+              file=sys.stderr, flush=True)
 
     loop_factory = event_loop_factory(args.event_loop)
     try:
@@ -238,17 +252,22 @@ def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Cal
 
     from ctxfold.serve.app import serve
 
+    if config.tenant_key_file is None and not os.environ.get("CTXFOLD_TENANT_KEY"):
+        # Made once here, before the fork: workers that made it at once could read it half written.
+        from ctxfold.serve.sessions import load_tenant_key
+
+        load_tenant_key(config.data_dir)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=1024)
     bound = sock.getsockname()[1]
     pids: list[int] = []
-    for _ in range(workers):
+    for worker in range(workers):
         pid = os.fork()
         if pid == 0:  # the worker: serve until told to stop, and never return into the parent's code
             code = 0
             try:
                 with asyncio.Runner(loop_factory=loop_factory) as runner:
-                    runner.run(serve(config, host, port, stop_on_signals=True, sock=sock))
+                    runner.run(serve(config, host, port, stop_on_signals=True, sock=sock, worker=worker))
             except KeyboardInterrupt:
                 pass
             except BaseException:  # noqa: BLE001 - the worker's last word, then its exit code

@@ -34,6 +34,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -65,7 +66,10 @@ from ctxfold.serve.sessions import (
     ANONYMOUS_TENANT,
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
+    TENANT_KEY_ENV,
+    TENANT_KEY_FILE,
     WARNING_HEADER,
+    ProxySession,
     SessionStore,
     is_storage_error,
     load_tenant_key,
@@ -73,6 +77,7 @@ from ctxfold.serve.sessions import (
 )
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION, CLIENT_LEFT
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
+from ctxfold.store import BufferedLog, Store, StoreError, open_store
 
 # Re-exported: the names the proxy's users and tests have imported from here.
 __all__ = ["BadRequest", "BoundedSite", "ProxyApp", "ProxyConfig", "failure_kind", "make_runner", "parse_request",
@@ -123,8 +128,8 @@ async def uncancelled(work: Awaitable[T], on_cancel: Callable[[], None] | None =
 class ProxyApp:
     """The proxy's state: configuration, sessions, the upstream client and the metrics."""
 
-    def __init__(self, config: ProxyConfig, *, make_compactor: Callable[[Conversation, Path], Compactor] | None = None
-                 ) -> None:
+    def __init__(self, config: ProxyConfig, *, make_compactor: Callable[[Conversation, Path], Compactor] | None = None,
+                 worker: int | None = None) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
         from ctxfold.counting import load_counter
@@ -133,11 +138,23 @@ class ProxyApp:
         # One counter and template for every conversation: both are stateless and thread-safe.
         self.counter = load_counter(config.tokenizer)
         self.template = get_template(config.template) if config.template is not None else None
+        store: Store | None = None
+        if config.store_url is not None:
+            # Each process its own spool (a worker keeps its number across restarts, and with it its spool).
+            spool = config.data_dir / "spool" / (f"worker-{worker}" if worker is not None else "main")
+            store = open_store(config.store_url, spool_dir=spool, spool_max_bytes=config.spool_max_bytes)
+            if config.tenant_key_file is None and not os.environ.get(TENANT_KEY_ENV):
+                log.warning("tenants are keyed with %s/%s: replicas on other machines must use the same key "
+                            "(--tenant-key-file or %s), else their tenants differ and share no conversation",
+                            config.data_dir, TENANT_KEY_FILE, TENANT_KEY_ENV)
         self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
                                      max_loaded_sessions=config.max_loaded_conversations,
                                      max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
                                      tenant_key=self._tenant_key(),
-                                     create_in_thread=config.fsync == "always" or config.archive_url is not None)
+                                     create_in_thread=config.fsync == "always" or config.archive_url is not None,
+                                     store=store, make_store_compactor=self._make_store_compactor,
+                                     lease_ms=config.lease_ms)
+        self._replayer: asyncio.Task[None] | None = None  # writes the spool back once the store is back
         self._upstream: UpstreamClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: upstream summaries are asked on it
         self.compaction = CompactionStep(config, self.metrics)
@@ -157,6 +174,27 @@ class ProxyApp:
 
     # -- compactors ----------------------------------------------------------------------------------
     def _make_compactor(self, header: Conversation, path: Path) -> Compactor:
+        # One archive per key, shared by the sessions a key forks into: they share their early history,
+        # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
+        # With archive_url, replicas share it through object storage; event logs stay on local disk.
+        if self.config.archive_url is not None:
+            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
+        else:
+            store = ArchiveStore(path.parent / "archive")
+        return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
+                         summarizer=self._summarizer(path), session_dir=path, store=store,
+                         durable=self.config.fsync != "never", fsync_appends=self.config.fsync == "always")
+
+    def _make_store_compactor(self, header: Conversation, path: Path, session_log: BufferedLog) -> Compactor:
+        """A compactor whose log goes to the shared store, through ``session_log`` (the proxy commits
+        it); its archive is the store's (the key's), or ``archive_url``'s when one is given."""
+        store = None
+        if self.config.archive_url is not None:
+            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
+        return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
+                         summarizer=self._summarizer(path), session_log=session_log, store=store)
+
+    def _summarizer(self, path: Path) -> Any:
         summarizer = None
         if self.config.summarizer == "config":
             from ctxfold.summarize import make_summarizer
@@ -169,17 +207,7 @@ class ProxyApp:
             summarizer = UpstreamSummarizer(self.config.base_url, model, loop=lambda: self._loop, client=self._client,
                                             api_key=self.config.summary_api_key,
                                             timeout_s=self.config.compact.summary.timeout_s)
-        # One archive per key, shared by the sessions a key forks into: they share their early history,
-        # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
-        # With archive_url, replicas share it through object storage; event logs stay on local disk.
-        if self.config.archive_url is not None:
-            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
-        else:
-            store = ArchiveStore(path.parent / "archive")
-        c = Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
-                      summarizer=summarizer, session_dir=path, store=store, durable=self.config.fsync != "never",
-                      fsync_appends=self.config.fsync == "always")
-        return c
+        return summarizer
 
     # -- app -----------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -204,14 +232,31 @@ class ProxyApp:
         self._loop = asyncio.get_running_loop()
         self._upstream = UpstreamClient(self.config.completions_url, connect_timeout_s=self.config.connect_timeout_s,
                                         read_timeout_s=self.config.read_timeout_s)
+        self.sessions.loop = self._loop
+        if self.sessions.spool is not None:
+            self._replayer = self._loop.create_task(self._replay_spool())
+
+    async def _replay_spool(self) -> None:
+        """Write the spooled batches back as soon as the store answers again, whether requests come or not."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.sessions.replay_spool()
+            except Exception:
+                log.exception("replaying the local spool failed")
 
     async def _cleanup(self, app: web.Application) -> None:
+        if self._replayer is not None:
+            self._replayer.cancel()
         if self._upstream is not None:
             await self._upstream.close()
         await asyncio.to_thread(self.sessions.close)
+        await self.sessions.aclose()
 
     async def health(self, request: web.Request) -> web.Response:
         problem = await asyncio.to_thread(self.sessions.storage_problem)
+        if problem is None:
+            problem = await self.sessions.store_problem()
         report: dict[str, Any] = {"status": "ok" if problem is None else "degraded",
                                   "upstream": redact_url(self.config.completions_url),
                                   "sessions_loaded": self.sessions.num_sessions}
@@ -223,6 +268,9 @@ class ProxyApp:
         self.metrics.sessions.set(self.sessions.num_sessions)
         self.metrics.sessions_quarantined.set(self.sessions.num_quarantined)
         self.metrics.sessions_forked.set(self.sessions.num_forks)
+        spool = self.sessions.spool
+        if spool is not None:
+            self.metrics.spool_batches.set(spool.num_pending)
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
@@ -283,13 +331,24 @@ class ProxyApp:
                 if isinstance(model, str):
                     self._models.setdefault(key, model)
                 async with self.sessions.lock(key):
-                    return await self._handle(request, parsed, key, t0)
+                    try:
+                        return await self._handle(request, parsed, key, t0)
+                    finally:  # the conversation's leases: the next request may go to any replica
+                        if self.sessions.store is not None:
+                            await uncancelled(self.sessions.finish(key))
             except OSError as e:
                 if not is_storage_error(e):
                     raise
                 if _TENANT not in request:  # no key: the tenant key could not be read or written
                     self._count_request(request, parsed.stream, None)
-                return self._counted(request, await self._pass_through(request, parsed, e))
+                reason = self.sessions.note_storage_error(e)
+                return self._counted(request, await self._pass_through(request, parsed, reason, "storage_error"))
+            except StoreError as e:
+                # Redis unreachable or failing, a write refused by its fencing token, a lease held too
+                # long elsewhere: the client gets its answer, uncompacted; what was written waits in the
+                # spool, and the client's next request carries the rest.
+                reason = self.sessions.note_store_error(key, e)
+                return self._counted(request, await self._pass_through(request, parsed, reason, "store_unavailable"))
             finally:  # after the lock is released; also when the client left and the handler is cancelled
                 for evicted in self.sessions.trim():
                     self._models.pop(evicted, None)
@@ -316,13 +375,13 @@ class ProxyApp:
                                        "is safe: messages already stored are not stored twice", kind="server_error",
                                   code="internal_error")
 
-    async def _pass_through(self, request: web.Request, parsed: ParsedRequest, error: OSError) -> web.StreamResponse:
+    async def _pass_through(self, request: web.Request, parsed: ParsedRequest, reason: str,
+                            label: str) -> web.StreamResponse:
         """The request as the client sent it, uncompacted, when its session cannot be written: the
         client gets an answer and a warning, and loses nothing (its next request carries the whole
-        history, which is stored once the data directory takes writes again)."""
-        reason = self.sessions.note_storage_error(error)
+        history, which is stored once the data directory, or the store, takes writes again)."""
         log.error("request passed through uncompacted: %s", reason)
-        self.metrics.bad_requests.inc("storage_error")
+        self.metrics.bad_requests.inc(label)
         request_warnings(request).append(f"not compacted: {reason}")
         headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
         return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
@@ -344,7 +403,7 @@ class ProxyApp:
             # compact to a lower window and ask once more; the client sees that one answer.
             self.metrics.upstream_errors.inc("context_length_exceeded")
             log.warning("the upstream refused a prompt as too long (%s); compacting further and retrying once", e)
-            lowered = await uncancelled(self.compaction.lower(parsed, out, e.prompt_tokens, e.limit_tokens), left.set)
+            lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens), left.set)
             if lowered is None:  # no window known to aim lower at: the client gets the refusal
                 refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)
@@ -354,7 +413,7 @@ class ProxyApp:
                                                         too_long_raises=False)
         self._counted(request, resp)
         if answer is not None:
-            await uncancelled(record(self.config, out.session, answer))
+            await uncancelled(record(self.config, out.session, answer, commit=self._commit_answer))
         return resp
 
     async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str]) -> Outgoing:
@@ -362,7 +421,21 @@ class ProxyApp:
         compacted: what goes upstream. Loading a key's sessions or building one may take a worker
         thread; run to its end even when the client leaves (see :func:`uncancelled`)."""
         session = await self.sessions.find(key, parsed.system, parsed.messages, warnings)
-        return await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv))
+        out = await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv))
+        # With a shared store: what the step compacted is stored (or spooled) before anything goes upstream
+        # (a summary is costly to write again); messages alone go with the answer's commit.
+        await self.sessions.commit(out.session, unless_only_appends=True)
+        return out
+
+    async def _commit_answer(self, session: ProxySession) -> None:
+        """The request's last write to a shared store: its messages and the answer, and the lease."""
+        await self.sessions.commit(session, release=True)
+
+    async def _lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
+                     limit_tokens: int | None) -> Outgoing | None:
+        lowered = await self.compaction.lower(parsed, out, prompt_tokens, limit_tokens)
+        await self.sessions.commit(out.session)
+        return lowered
 
     def _count_request(self, request: web.Request, stream: bool, key: str | None) -> None:
         """Count a request under its tenant's label, taken from its store key (no second HMAC), else
@@ -492,7 +565,7 @@ class BoundedSite(web.TCPSite):
 
 
 async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,
-                stop_on_signals: bool = False, sock: socket.socket | None = None) -> None:
+                stop_on_signals: bool = False, sock: socket.socket | None = None, worker: int | None = None) -> None:
     """Run the proxy until cancelled (or SIGTERM/SIGINT with ``stop_on_signals``, from the main thread).
     ``ready`` gets the URL once the port accepts connections. Stopping closes the session logs. With
     ``sock`` (a bound socket), accept on it instead of binding ``host``:``port`` (``ctxfold serve
@@ -504,7 +577,7 @@ async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[s
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    proxy = ProxyApp(config)
+    proxy = ProxyApp(config, worker=worker)
     runner = make_runner(proxy)
     await runner.setup()
     try:

@@ -20,6 +20,7 @@ from ctxfold.serve import (
     DEFAULT_MAX_RECALL_CHARS,
     FSYNC_MODES,
 )
+from ctxfold.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES, is_shared_url
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,15 @@ class ProxyConfig:
     # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
     # The template's control tokens also bound the accounting's work per append.
     template: str | None = "deepseek-v4"
+    # The shared session store (redis://, rediss://, unix://, valkey://): every replica reads and writes
+    # its sessions there (ctxfold.store); None: the data directory, one process's. Never shown with its
+    # password (redact_url).
+    store_url: str | None = field(default=None, repr=False)
+    # The local spool keeping the shared store's writes that failed, until it is back (bytes, per process).
+    spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    # How long a replica's lease on a session lasts without renewal: a replica that stalls longer loses
+    # the session to the next one that asks (its later writes are refused by the fencing token).
+    lease_ms: int = DEFAULT_LEASE_MS
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_MODES:
@@ -88,7 +98,10 @@ class ProxyConfig:
         # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
         if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", self.tenant_header):
             raise ConfigError(f"tenant_header: {self.tenant_header!r} is not an HTTP header name")
-        for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_loaded_bytes", 1),
+        if self.store_url is not None and not is_shared_url(self.store_url):
+            raise ConfigError(f"store: {redact_url(self.store_url)!r} is not a redis://, rediss://, unix:// or "
+                              "valkey:// URL; the local data directory is --data-dir (the default store)")
+        for name, low in (("max_body_bytes", 1), ("spool_max_bytes", 1), ("lease_ms", 100), ("max_loaded_conversations", 1), ("max_loaded_bytes", 1),
                           ("max_recall_rounds", 0),
                           ("max_recall_chars", 1), ("max_connections", 1)):
             value = getattr(self, name)

@@ -139,6 +139,8 @@ class ProxyMetrics:
         self.sessions_forked = Gauge("ctxfold_sessions_forked",
                                      "Sessions forked from another since start (a history edited or answered anew).")
         self.recall_calls = Counter("ctxfold_recall_calls_total", "read_archive calls answered by the proxy.")
+        self.spool_batches = Gauge("ctxfold_store_spool_batches",
+                                   "Session writes waiting in the local spool for the shared store to come back.")
         self.sessions = Gauge("ctxfold_sessions", "Sessions held in memory.")
         self.summary_seconds = Histogram(
             "ctxfold_summary_seconds", "Wall time of summary generation.", SUMMARY_BUCKETS_S)
@@ -152,6 +154,6 @@ class ProxyMetrics:
         for m in (self.requests, self.responses, self.bad_requests, self.upstream_errors, self.compactions,
                   self.compaction_failures, self.summary_fallbacks, self.tokens_saved, self.recall_calls,
                   self.sessions, self.sessions_quarantined, self.sessions_forked, self.summary_seconds,
-                  self.overhead_seconds):
+                  self.overhead_seconds, self.spool_batches):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"

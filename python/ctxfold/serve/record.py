@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ctxfold.compactor import Compactor
@@ -21,6 +22,7 @@ from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.forward import Answer
 from ctxfold.serve.sessions import ProxySession
 from ctxfold.serve.window import calibrate
+from ctxfold.store import Spooled, StoreError
 
 log = logging.getLogger("ctxfold.serve")
 
@@ -38,12 +40,20 @@ def answer_message(c: Compactor, message: dict[str, Any], usage: Any, index: int
         return None
 
 
-async def record(config: ProxyConfig, session: ProxySession, answer: Answer) -> None:
+async def record(config: ProxyConfig, session: ProxySession, answer: Answer,
+                 commit: Callable[[ProxySession], Awaitable[None]] | None = None) -> None:
     """Keep the answer in the session and, when it answers the request as the view was sent (no
-    recall round in between), calibrate the estimate with the upstream's count. Never raises: the
-    response is out, a failure here can only be logged."""
+    recall round in between), calibrate the estimate with the upstream's count; then ``commit``
+    (a shared store: the answer written under the session's lease). Never raises: the response is
+    out, a failure here can only be logged."""
     try:
         await _record(config, session, answer)
+        if commit is not None:
+            await commit(session)
+    except Spooled as e:
+        log.warning("answer kept in the local spool: %s", e)
+    except StoreError as e:
+        log.warning("answer not stored (%s); the conversation's next request will bring it", e)
     except Exception:
         log.exception("answer not recorded; the conversation's next request will bring it")
 

@@ -36,10 +36,11 @@ from typing import Protocol
 from ctxfold.errors import CtxfoldError
 from ctxfold.store.events import Event
 
-# A session id: path-like segments of safe characters. The local store makes directories of them and
+# A session id: path-like segments of safe characters (the proxy's are its data directory's relative
+# paths, ``tenants/<tenant>/sessions/<key>/<n>``: five). The local store makes directories of them and
 # Redis puts them inside key names, so nothing else may appear (no "..", no separators of other kinds).
 _SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}"
-SESSION_ID_PATTERN = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT}){{0,3}}")
+SESSION_ID_PATTERN = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT}){{0,4}}")
 # Blob names: a history dump or an archived output, each named by (a prefix of) its content digest.
 BLOB_NAME_PATTERN = re.compile(r"(?:history/[0-9]{6}-[0-9a-f]{16}\.jsonl|archive/[0-9a-f]{64}\.txt)")
 
@@ -70,7 +71,7 @@ class LeaseLost(StoreError):
 
 def check_session_id(session_id: str) -> str:
     if not isinstance(session_id, str) or SESSION_ID_PATTERN.fullmatch(session_id) is None or ".." in session_id:
-        raise ValueError(f"session id {session_id!r}: expected up to 4 '/'-separated names of letters, digits, "
+        raise ValueError(f"session id {session_id!r}: expected up to 5 '/'-separated names of letters, digits, "
                          "'.', '_' and '-'")
     return session_id
 
@@ -133,11 +134,12 @@ class Store(Protocol):
         reads as no events."""
         ...
 
-    async def append(self, lease: Lease, batch: Batch) -> None:
+    async def append(self, lease: Lease, batch: Batch, *, release: bool = False) -> None:
         """Write ``batch``'s blobs, then its events, in order, one record per event. Events whose seq is
         already stored are skipped (a batch replayed from the spool after a lost reply writes nothing
         twice); a seq past the next one expected is refused (ValueError: a gap). LeaseLost when a later
-        token was granted."""
+        token was granted. ``release``: give the lease up once written, in the same call (the last
+        write of a request: one round trip, and one fsync of the store, fewer)."""
         ...
 
     async def checkpoint(self, lease: Lease) -> int:

@@ -130,6 +130,12 @@ class BufferedLog:
     def num_pending(self) -> int:
         return len(self._events) + len(self._blobs)
 
+    @property
+    def only_appends_pending(self) -> bool:
+        """Whether what waits is messages alone (no header, view, state or blob): what a client sends
+        again with its next request anyway."""
+        return not self._blobs and all(e.get("type") == "append" for e in self._events)
+
     def archive_backend(self) -> BufferedArchive:
         """An archive backend (:class:`ctxfold.archive.store.Backend`) for this session's compactor:
         writes join the pending batch as ``archive/<sha256>.txt`` blobs; reads come from them, else

@@ -103,10 +103,12 @@ class LocalStore:
         _append_lines(self._dir(sid), events)
         self._next[sid] = event_seq(events[-1]) + 1
 
-    async def append(self, lease: Lease, batch: Batch) -> None:
+    async def append(self, lease: Lease, batch: Batch, *, release: bool = False) -> None:
         # In this thread: an append is one write and an fsync, which the proxy's loop has waited for
         # until now too; a thread hop would cost more than it frees for small batches.
         self._guard("appending events", self._append, lease, batch)
+        if release:
+            await self.release(lease)
 
     def _checkpoint(self, lease: Lease) -> int:
         self._check_fence(lease)

@@ -83,14 +83,15 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-# KEYS: fence, next, stream. ARGV: token, then (seq, record) pairs, contiguous. Returns events written.
+# KEYS: fence, next, stream, lease. ARGV: token, "<owner>|<token>" to release the lease after the
+# write ("": keep it), then (seq, record) pairs, contiguous. Returns events written.
 _APPEND = """
 local fence = tonumber(redis.call('GET', KEYS[1]) or '0')
 if fence > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. fence) end
 local nxt = tonumber(redis.call('GET', KEYS[2]) or '0')
-if #ARGV > 1 and tonumber(ARGV[2]) > nxt then return redis.error_reply('GAP ' .. nxt) end
+if #ARGV > 2 and tonumber(ARGV[3]) > nxt then return redis.error_reply('GAP ' .. nxt) end
 local written = 0
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   local seq = tonumber(ARGV[i])
   if seq == nxt then
     redis.call('XADD', KEYS[3], '0-' .. (seq + 1), 'e', ARGV[i + 1])
@@ -99,6 +100,7 @@ for i = 2, #ARGV, 2 do
   end
 end
 redis.call('SET', KEYS[2], nxt)
+if ARGV[2] ~= '' and redis.call('GET', KEYS[4]) == ARGV[2] then redis.call('DEL', KEYS[4]) end
 return written
 """
 # KEYS: fence, next, stream, ckpt. ARGV: token, through seq, checkpoint bytes.
@@ -270,7 +272,7 @@ class RedisStore:
         return out
 
     # -- writing ----------------------------------------------------------------------------------
-    async def append(self, lease: Lease, batch: Batch) -> None:
+    async def append(self, lease: Lease, batch: Batch, *, release: bool = False) -> None:
         sid = lease.session_id
         batch_seqs_contiguous(batch.events)
         if self.blobs_url is not None:
@@ -290,11 +292,13 @@ class RedisStore:
             await self._call("writing blobs", first)
             self._listed.add(sid)
         if not batch.events:
+            if release:
+                await self.release(lease)
             return
-        args: list[Any] = [lease.token]
+        args: list[Any] = [lease.token, f"{lease.owner}|{lease.token}" if release else ""]
         for e in batch.events:
             args += [event_seq(e), encode_event(e)]
-        keys = [self._key(sid, "fence"), self._key(sid, "next"), self._key(sid, "ev")]
+        keys = [self._key(sid, "fence"), self._key(sid, "next"), self._key(sid, "ev"), self._key(sid, "lease")]
         await self._call("appending events", lambda: self._append(keys=keys, args=args))
 
     async def checkpoint(self, lease: Lease) -> int:

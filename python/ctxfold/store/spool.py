@@ -166,7 +166,7 @@ class SpoolingStore:
     def _pending_for(self, session_id: str) -> list[_Entry]:
         return [e for e in self._entries if e.lease.session_id == session_id]
 
-    async def append(self, lease: Lease, batch: Batch) -> None:
+    async def append(self, lease: Lease, batch: Batch, *, release: bool = False) -> None:
         """:meth:`Store.append`; :class:`Spooled` when the batch went to the spool instead (the store is
         down, or earlier batches of the session wait there), :class:`SpoolFull` when it could not."""
         await self.replay()
@@ -174,7 +174,8 @@ class SpoolingStore:
             raise self._spool(lease, batch, StoreUnavailable(
                 f"store {self.url}: earlier writes of session {lease.session_id} are not written yet"))
         try:
-            await self.inner.append(lease, batch)
+            # Spooled, the lease is kept (the spool replays under it) and runs out on its own.
+            await self.inner.append(lease, batch, release=release)
         except StoreUnavailable as e:
             self._next_try = time.monotonic() + RETRY_INTERVAL_S
             raise self._spool(lease, batch, e) from e
