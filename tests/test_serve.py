@@ -471,7 +471,8 @@ def test_health_and_metrics(upstream: tuple[ScriptedUpstream, str], proxy: tuple
     h = httpx.get(f"{proxy[1]}/health").json()
     assert h["status"] == "ok" and h["sessions_loaded"] == 1
     text = httpx.get(f"{proxy[1]}/metrics").text
-    assert 'ctxfold_requests_total{stream="false"} 1' in text
+    assert 'ctxfold_requests_total{stream="false",tenant="anonymous"} 1' in text
+    assert 'ctxfold_responses_total{status="400",tenant="anonymous"} 1' in text
     assert 'ctxfold_bad_requests_total{reason="invalid_json"} 1' in text
     assert "# TYPE ctxfold_summary_seconds histogram" in text
     assert "ctxfold_proxy_overhead_seconds_count 1" in text

@@ -211,6 +211,35 @@ def test_a_configured_tenant_header(upstream: tuple[ScriptedUpstream, str], tmp_
     assert len(list((tmp_path / "data" / "tenants").iterdir())) == 2
 
 
+def test_request_metrics_are_labelled_by_tenant_within_a_bound(upstream: tuple[ScriptedUpstream, str],
+                                                               tmp_path: Path) -> None:
+    """requests_total and responses_total carry the tenant: a short prefix of its HMAC name (never the
+    credential) for the first tenants seen, "other" beyond (a label per credential would grow the
+    metrics without bound), "anonymous" without a credential."""
+    from ctxfold.serve.sessions import tenant_of
+
+    _, url = upstream
+    app, srv = start_proxy(url, tmp_path / "data")
+    app.metrics.tenants.max_labels = 2
+    try:
+        for k in (1, 2, 3, 1):
+            answer(post(srv.url, chat(("user", f"hi {k}")), headers={"Authorization": f"Bearer sk-{k}"}))
+        answer(post(srv.url, chat(("user", "hi"))))
+        assert post(srv.url, None, raw=b"{", headers={"Authorization": "Bearer sk-2"}).status_code == 400
+        text = httpx.get(f"{srv.url}/metrics").text
+    finally:
+        srv.close()
+    t1, t2 = (tenant_of(app.sessions.tenant_key(), f"Bearer sk-{k}")[:12] for k in (1, 2))
+    assert f'ctxfold_requests_total{{stream="false",tenant="{t1}"}} 2' in text
+    assert f'ctxfold_requests_total{{stream="false",tenant="{t2}"}} 1' in text
+    assert 'ctxfold_requests_total{stream="false",tenant="other"} 1' in text  # the third tenant
+    assert 'ctxfold_requests_total{stream="false",tenant="anonymous"} 1' in text
+    assert f'ctxfold_responses_total{{status="200",tenant="{t1}"}} 2' in text
+    assert f'ctxfold_responses_total{{status="400",tenant="{t2}"}} 1' in text  # a bad body, still its tenant's
+    assert len(set(re.findall(r'tenant="([^"]*)"', text))) == 4
+    assert "sk-" not in text
+
+
 # -- bounds, retries, duplicates --------------------------------------------------------------------------
 
 def test_retries_of_an_answered_request_continue_its_session(
@@ -301,6 +330,23 @@ def test_loaded_bytes_are_bounded(upstream: tuple[ScriptedUpstream, str], tmp_pa
     finally:
         srv.close()
     assert len(session_dirs(tmp_path / "data")) == 8
+
+
+def test_loaded_bytes_are_the_logs_sizes(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    """The byte bound's figure (counted as the logs are written, not measured) is what the disk holds."""
+    _, url = upstream
+    app, srv = start_proxy(url, tmp_path / "data")
+    try:
+        for k in range(3):
+            history: list[tuple[str, str]] = []
+            for turn in range(3):
+                history.append(("user", f"conversation {k} turn {turn} " + "text " * 50))
+                history.append(("assistant", answer(post(srv.url, chat(*history)))))
+            settle(app)
+        on_disk = sum((d / "events.jsonl").stat().st_size for d in session_dirs(tmp_path / "data"))
+        assert eventually(lambda: app.sessions.loaded_bytes == on_disk), (app.sessions.loaded_bytes, on_disk)
+    finally:
+        srv.close()
 
 
 # -- forks ---------------------------------------------------------------------------------------------------

@@ -148,6 +148,26 @@ def test_history_dumps_never_collide(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "history").iterdir()) == sorted(p.name for p in paths)
 
 
+def test_log_nbytes_counts_the_open_log_without_a_stat(tmp_path: Path) -> None:
+    conv = _conversation()
+    s = Session(tmp_path, durable=False)
+    assert s.log_nbytes is None  # not open
+    s.create(conv)
+    assert s.log_nbytes == s.events_path.stat().st_size > 0
+    s.append_messages(conv.messages[:2])
+    s.log_state({"turn": 1})
+    assert s.log_nbytes == s.events_path.stat().st_size
+    s.close()
+    assert s.log_nbytes is None  # closed: someone else may write
+    with open(s.events_path, "ab") as f:
+        f.write(b'{"seq": 9, "type": "append", "mess')  # a torn tail, cut when the log is opened again
+    s2 = Session(tmp_path, durable=False)
+    s2.load()
+    s2.append_messages(conv.messages[2:])
+    assert s2.log_nbytes == s2.events_path.stat().st_size
+    s2.close()
+
+
 def test_torn_last_line_is_ignored_and_cut(tmp_path: Path) -> None:
     conv = _conversation()
     s = Session(tmp_path, durable=False)

@@ -109,6 +109,10 @@ class Session:
         self._fd: int | None = None
         self._num_originals = 0
         self._seq = 0
+        # The log's size in bytes while this object holds it open for writing (measured once at the
+        # opening, then counted write by write); None otherwise. The proxy's memory bound reads it
+        # after every request: counting spares a stat system call per request.
+        self.log_nbytes: int | None = None
 
     # -- paths ------------------------------------------------------------------------------------
     @property
@@ -128,6 +132,7 @@ class Session:
         make_private_dir(self.root)
         try:  # O_EXCL: a new log, so no torn tail to cut (see _open), and no race with another creator
             self._fd = _open_log(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL)
+            self.log_nbytes = 0
         except FileExistsError:
             raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with "
                                   "Session.load()") from None
@@ -185,6 +190,7 @@ class Session:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self.log_nbytes = None
 
     def __enter__(self) -> Self:
         return self
@@ -197,6 +203,7 @@ class Session:
             make_private_dir(self.root)
             self._cut_torn_tail()
             self._fd = _open_log(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            self.log_nbytes = os.fstat(self._fd).st_size
         return self._fd
 
     def _cut_torn_tail(self) -> None:
@@ -239,6 +246,8 @@ class Session:
             self.close()
             raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes); disk full?",
                           str(self.events_path))
+        if self.log_nbytes is not None:
+            self.log_nbytes += written
         if self.durable and sync:
             os.fsync(fd)
         self._seq += len(events)

@@ -63,6 +63,7 @@ from ctxfold.serve.request import (
     relayed_headers,
 )
 from ctxfold.serve.sessions import (
+    ANONYMOUS_TENANT,
     MAX_SESSION_KEY_CHARS,
     SESSION_HEADER,
     TENANT_KEY_ENV,
@@ -72,6 +73,7 @@ from ctxfold.serve.sessions import (
     SessionStore,
     is_storage_error,
     load_tenant_key,
+    tenant_of,
 )
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION, CLIENT_LEFT
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
@@ -85,6 +87,7 @@ log = logging.getLogger("ctxfold.serve")
 
 T = TypeVar("T")
 _COUNTED = web.RequestKey("ctxfold_response_counted", bool)  # the response was counted in the metrics
+_TENANT = web.RequestKey("ctxfold_tenant_label", str)  # the request's tenant, as the metrics label it
 _WARNINGS = web.RequestKey("ctxfold_warnings", list[str])  # what the proxy could not do for a request
 
 
@@ -320,10 +323,10 @@ class ProxyApp:
             if header_key is not None and not (0 < len(header_key) <= MAX_SESSION_KEY_CHARS):
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
                                  code="invalid_session", param=SESSION_HEADER)
-            self.metrics.requests.inc(str(parsed.stream).lower())
             CLIENT_AUTHORIZATION.set(request.headers.get("Authorization"))  # for summaries this request triggers
             try:
                 key = self.sessions.key_for(request.headers, parsed.system, parsed.messages)
+                self._count_request(request, parsed.stream, key)
                 model = parsed.body.get("model")
                 if isinstance(model, str):
                     self._models.setdefault(key, model)
@@ -336,6 +339,8 @@ class ProxyApp:
             except OSError as e:
                 if not is_storage_error(e):
                     raise
+                if _TENANT not in request:  # no key: the tenant key could not be read or written
+                    self._count_request(request, parsed.stream, None)
                 reason = self.sessions.note_storage_error(e)
                 return self._counted(request, await self._pass_through(request, parsed, reason, "storage_error"))
             except StoreError as e:
@@ -349,23 +354,23 @@ class ProxyApp:
                     self._models.pop(evicted, None)
         except asyncio.CancelledError:
             if _COUNTED not in request:
-                self.metrics.responses.inc("499")  # nginx's "client closed request"
+                self.metrics.responses.inc("499", self._tenant_label(request))  # nginx's "client closed request"
             raise
         except NoFitError as e:
             # Said before the request, never after: nothing goes upstream (what the client sent is stored).
             self.metrics.bad_requests.inc("context_length_exceeded")
-            self.metrics.responses.inc("400")
+            self.metrics.responses.inc("400", self._tenant_label(request))
             return error_response(400, str(e), code="context_length_exceeded", param="messages")
         except BadRequest as e:
             self.metrics.bad_requests.inc(e.code)
-            self.metrics.responses.inc(str(e.status))
+            self.metrics.responses.inc(str(e.status), self._tenant_label(request))
             resp = error_response(e.status, e.message, code=e.code, param=e.param)
             if e.status in (408, 413):
                 resp.force_close()  # the rest of the body is not read: the connection cannot be reused
             return resp
         except Exception as e:  # a bug must cost one request, not the server
             log.exception("internal error while handling a request")
-            self.metrics.responses.inc("500")
+            self.metrics.responses.inc("500", self._tenant_label(request))
             return error_response(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); retrying "
                                        "is safe: messages already stored are not stored twice", kind="server_error",
                                   code="internal_error")
@@ -432,9 +437,31 @@ class ProxyApp:
         await self.sessions.commit(out.session)
         return lowered
 
+    def _count_request(self, request: web.Request, stream: bool, key: str | None) -> None:
+        """Count a request under its tenant's label, taken from its store key (no second HMAC), else
+        from its credential."""
+        tenant = (key.split("/", 2)[1] if key.startswith("tenants/") else ANONYMOUS_TENANT) if key is not None \
+            else self._tenant_of(request)
+        label = request[_TENANT] = self.metrics.tenants.label(tenant)
+        self.metrics.requests.inc("true" if stream else "false", label)
+
+    def _tenant_label(self, request: web.Request) -> str:
+        """The metrics label of a request's tenant (see :class:`~ctxfold.serve.metrics.TenantLabels`)."""
+        label = request.get(_TENANT)
+        return label if label is not None else self.metrics.tenants.label(self._tenant_of(request))
+
+    def _tenant_of(self, request: web.Request) -> str | None:
+        credential = request.headers.get(self.config.tenant_header)
+        if not credential:
+            return ANONYMOUS_TENANT
+        try:
+            return tenant_of(self.sessions.tenant_key(), credential)
+        except (OSError, ValueError):  # no tenant key to be had: counted as "other"
+            return None
+
     def _counted(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
         """Count a response once it is decided (the client may leave during the recording after it)."""
-        self.metrics.responses.inc(str(resp.status))
+        self.metrics.responses.inc(str(resp.status), self._tenant_label(request))
         request[_COUNTED] = True
         return resp
 

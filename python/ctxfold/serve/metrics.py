@@ -12,6 +12,13 @@ from collections.abc import Sequence
 SUMMARY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # What the proxy adds before a request leaves for the upstream: well under a millisecond when nothing fires.
 OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 10.0)
+# Tenants given a label of their own in the request and response counters, the first seen first; the
+# rest share "other". A label per credential would grow the metrics without bound (every series is
+# kept, scraped and stored for ever), so the set is capped.
+MAX_TENANT_LABELS = 32
+TENANT_LABEL_CHARS = 12  # of the tenant's name (an HMAC, so its prefix tells nothing of the credential)
+ANONYMOUS_LABEL = "anonymous"
+OTHER_LABEL = "other"
 
 
 def _labels(names: Sequence[str], values: Sequence[str]) -> str:
@@ -85,12 +92,38 @@ class Histogram:
         return out
 
 
+class TenantLabels:
+    """The ``tenant`` label of a tenant: the first :data:`TENANT_LABEL_CHARS` characters of its name for
+    the first ``max_labels`` tenants seen since the start, ``"other"`` for the rest, ``"anonymous"``
+    for requests without a credential."""
+
+    def __init__(self, max_labels: int = MAX_TENANT_LABELS) -> None:
+        self.max_labels = max_labels
+        self._labels: dict[str, str] = {}
+
+    def label(self, tenant: str | None) -> str:
+        if tenant is None:
+            return OTHER_LABEL
+        if not tenant:
+            return ANONYMOUS_LABEL
+        known = self._labels.get(tenant)
+        if known is not None:
+            return known
+        if len(self._labels) >= self.max_labels:
+            return OTHER_LABEL
+        known = self._labels[tenant] = tenant[:TENANT_LABEL_CHARS]
+        return known
+
+
 class ProxyMetrics:
     """Everything ``GET /metrics`` reports."""
 
     def __init__(self) -> None:
-        self.requests = Counter("ctxfold_requests_total", "Chat completion requests received.", ["stream"])
-        self.responses = Counter("ctxfold_responses_total", "Responses sent, by HTTP status.", ["status"])
+        self.tenants = TenantLabels()
+        self.requests = Counter("ctxfold_requests_total", "Chat completion requests received, by tenant (the first "
+                                f"{MAX_TENANT_LABELS} seen; the rest as other).", ["stream", "tenant"])
+        self.responses = Counter("ctxfold_responses_total", "Chat completion responses sent, by HTTP status and "
+                                 "tenant.", ["status", "tenant"])
         self.bad_requests = Counter("ctxfold_bad_requests_total", "Requests rejected before forwarding.", ["reason"])
         self.upstream_errors = Counter(
             "ctxfold_upstream_errors_total", "Upstream failures: connect, timeout, status, cut_stream.", ["kind"])

@@ -436,7 +436,7 @@ class SessionStore:
         before = entry.nbytes
         for s in entry.sessions[-1:]:  # the session the request used is last
             if s.store_id is None:  # a store session counts what it commits (commit)
-                s.log_nbytes = _log_size(s.path)
+                s.log_nbytes = _current_log_size(s)
         entry.nbytes = sum(s.log_nbytes for s in entry.sessions)
         self._num_bytes += entry.nbytes - before
 
@@ -1090,6 +1090,12 @@ class SessionStore:
     def close(self) -> None:
         for s in self.loaded():
             s.compactor.close()
+
+
+def _current_log_size(s: ProxySession) -> int:
+    """The size of a session's log: as its open log counts it (no system call), else from a stat."""
+    counted: int | None = getattr(s.compactor.session, "log_nbytes", None)  # a Session's; None: not open
+    return counted if counted is not None else _log_size(s.path)
 
 
 def _log_size(path: Path) -> int:

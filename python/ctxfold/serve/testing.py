@@ -8,22 +8,31 @@ What it answers, in order:
 1. ``x_replay_answer`` in the request body (an unknown top-level field, passed through by the proxy):
    that message, verbatim. Tests replay recorded conversations this way.
 2. a summary request (its last message starts with the ctxfold compaction contract): ``summary_text``.
-3. otherwise an echo of the last user message: ``"echo: <text>"``.
+3. otherwise an echo of the last user message: ``"echo: <text>"``; with :attr:`ScriptedUpstream.echo_digest`,
+   followed by `` [seen N messages DIGEST]`` (:func:`history_digest` of the messages it received), so a
+   load generator can tell that the upstream saw its conversation's history and no other.
 
-Run as a program: ``python -m ctxfold.serve.testing --port 0 [--context-tokens N] [--delay-s S]``; it
-prints ``listening on http://127.0.0.1:PORT`` once it accepts connections.
+Faults drawn at random (:class:`RandomFaults`, seeded): a delay before each answer, 500s, 429s (with
+``Retry-After``) and streams cut part-way, each at its own rate.
+
+Run as a program: ``python -m ctxfold.serve.testing --port 0 [--context-tokens N] [--delay-s S]
+[--delay-max-s S --fail-rate P --rate-limit-rate P --cut-rate P --seed N --echo-digest]``; it prints
+``listening on http://127.0.0.1:PORT`` once it accepts connections.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import random
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Self
 
 from aiohttp import web
@@ -72,6 +81,35 @@ def deepseek_counter() -> Callable[[dict[str, Any]], int]:
     return count
 
 
+def history_digest(messages: list[dict[str, Any]]) -> str:
+    """12 hex characters over the role and content of every message: what the upstream saw, in short."""
+    h = hashlib.sha256()
+    for m in messages:
+        h.update(json.dumps([m.get("role"), m.get("content")], ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class RandomFaults:
+    """Faults the upstream draws for each completion (summary requests excepted), from its own seeded
+    generator: a delay of up to ``delay_max_s`` before answering, then a 500 (``fail_rate``), a 429
+    with ``Retry-After: 0`` (``rate_limit_rate``), or, streaming, a connection cut after a random
+    number of chunks (``cut_rate``)."""
+
+    delay_max_s: float = 0.0
+    fail_rate: float = 0.0
+    rate_limit_rate: float = 0.0
+    cut_rate: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        rates = (self.fail_rate, self.rate_limit_rate, self.cut_rate)
+        if not all(0.0 <= r <= 1.0 for r in rates) or self.fail_rate + self.rate_limit_rate > 1.0:
+            raise ValueError(f"fault rates must be within 0..1 (500s and 429s together too), got {rates}")
+        if not self.delay_max_s >= 0.0:
+            raise ValueError(f"delay_max_s must be >= 0, got {self.delay_max_s}")
+
+
 def is_summary_request(body: dict[str, Any]) -> bool:
     """A ctxfold summary request: its last message is the compaction contract."""
     messages = body.get("messages") or []
@@ -86,6 +124,9 @@ def _utf8_json(value: Any) -> bytes:
         return json.dumps(value, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         return json.dumps(value).encode()
+
+
+_NO_FAULTS = RandomFaults()
 
 
 class ScriptedUpstream:
@@ -132,6 +173,14 @@ class ScriptedUpstream:
         self.api_keys: set[str] = set()
         self.summary_authorizations: list[str | None] = []
         self.summary_delay_s = 0.0  # wait before answering a summary request
+        self.faults = RandomFaults()  # drawn per completion (see RandomFaults)
+        self._rng = random.Random(0)
+        self.echo_digest = False  # append "[seen N messages DIGEST]" to echoed answers
+        self.faults_drawn: dict[str, int] = {"500": 0, "429": 0, "cut": 0}  # what the random faults did
+
+    def set_faults(self, faults: RandomFaults) -> None:
+        self.faults = faults
+        self._rng = random.Random(faults.seed)
 
     # -- answers -------------------------------------------------------------------------------------
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +193,9 @@ class ScriptedUpstream:
         user: dict[str, Any] = next((m for m in reversed(messages) if m.get("role") == "user"), {})
         content = user.get("content")
         utext = content if isinstance(content, str) else ""
+        if self.echo_digest:
+            return {"role": "assistant",
+                    "content": f"echo: {utext[:200]} [seen {len(messages)} messages {history_digest(messages)}]"}
         return {"role": "assistant", "content": f"echo: {utext[:200]}"}
 
     # -- the app -------------------------------------------------------------------------------------
@@ -195,6 +247,23 @@ class ScriptedUpstream:
             self.fail_count -= 1
             return web.json_response({"error": {"message": "scripted failure", "type": "server_error"}},
                                      status=self.fail_status, headers=self.answer_headers)
+        faults = self.faults
+        cut_after: int | None = None
+        if not is_summary_request(body) and faults != _NO_FAULTS:
+            if faults.delay_max_s and not await self._wait(request, self._rng.uniform(0, faults.delay_max_s)):
+                return web.Response(status=499)
+            draw = self._rng.random()
+            if draw < faults.fail_rate:
+                self.faults_drawn["500"] += 1
+                return web.json_response({"error": {"message": "scripted random failure", "type": "server_error"}},
+                                         status=500, headers=self.answer_headers)
+            if draw < faults.fail_rate + faults.rate_limit_rate:
+                self.faults_drawn["429"] += 1
+                return web.json_response({"error": {"message": "Rate limit reached (scripted)", "type": "requests",
+                                                    "code": "rate_limit_exceeded"}},
+                                         status=429, headers=[("Retry-After", "0"), *self.answer_headers])
+            if body.get("stream") and self._rng.random() < faults.cut_rate:
+                cut_after = self._rng.randint(1, 4)
         if self.fail_summaries and is_summary_request(body):
             return web.json_response({"error": {"message": "scripted summary failure", "type": "server_error"}},
                                      status=500)
@@ -217,7 +286,7 @@ class ScriptedUpstream:
             })
             self.sent.append(raw)
             return web.Response(body=raw, content_type="application/json", headers=self.answer_headers)
-        return await self._stream(request, body, answer, cid, created, finish, usage)
+        return await self._stream(request, body, answer, cid, created, finish, usage, cut_after)
 
     def _too_long(self, prompt_tokens: int, context_tokens: int) -> dict[str, Any]:
         """The refusal of a prompt over the window, as :attr:`too_long_style` says engines word it."""
@@ -246,7 +315,9 @@ class ScriptedUpstream:
         return True
 
     async def _stream(self, request: web.Request, body: dict[str, Any], answer: dict[str, Any], cid: str,
-                      created: int, finish: str, usage: dict[str, Any]) -> web.StreamResponse:
+                      created: int, finish: str, usage: dict[str, Any], cut_after: int | None = None
+                      ) -> web.StreamResponse:
+        """The answer as an event stream; ``cut_after``: a random fault's cut, after that many chunks."""
         resp = web.StreamResponse(headers=[("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
                                            *self.answer_headers])
         await resp.prepare(request)
@@ -279,6 +350,11 @@ class ScriptedUpstream:
         self.sent.append(b"".join(chunks))
         try:
             for n, data in enumerate(chunks):
+                if cut_after is not None and n >= min(cut_after, len(chunks) - 1):
+                    self.faults_drawn["cut"] += 1
+                    if request.transport is not None:
+                        request.transport.close()
+                    return resp
                 if self.cut_after_chunks is not None and n >= self.cut_after_chunks:
                     self.cut_after_chunks = None
                     # Drop the connection mid-body: the client sees an incomplete chunked transfer.
@@ -374,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-tokens", type=int, default=None)
     ap.add_argument("--count", choices=("chars", "deepseek"), default="chars")
     ap.add_argument("--delay-s", type=float, default=0.0)
+    ap.add_argument("--delay-max-s", type=float, default=0.0, help="random delay before each answer, up to this")
+    ap.add_argument("--fail-rate", type=float, default=0.0, help="share of completions answered 500")
+    ap.add_argument("--rate-limit-rate", type=float, default=0.0, help="share answered 429 (Retry-After: 0)")
+    ap.add_argument("--cut-rate", type=float, default=0.0, help="share of streams cut part-way")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random faults")
+    ap.add_argument("--echo-digest", action="store_true", help="echoes name the history the upstream saw")
     # A process of its own is driven from outside (a benchmark): nothing reads what it saw, and
     # thousands of kept request bodies would make its garbage collector scan them all.
     ap.add_argument("--keep-requests", type=int, default=100, help="request bodies kept (default 100)")
@@ -382,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
                           count_tokens=deepseek_counter() if args.count == "deepseek" else chars_estimate,
                           keep_requests=args.keep_requests)
     up.delay_s = args.delay_s
+    up.echo_digest = args.echo_digest
+    try:
+        up.set_faults(RandomFaults(delay_max_s=args.delay_max_s, fail_rate=args.fail_rate,
+                                   rate_limit_rate=args.rate_limit_rate, cut_rate=args.cut_rate, seed=args.seed))
+    except ValueError as e:
+        ap.error(str(e))
     try:
         asyncio.run(_serve(up, args.host, args.port))
     except KeyboardInterrupt:
