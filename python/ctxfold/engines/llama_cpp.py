@@ -25,6 +25,9 @@ evaluated on a scratch sequence that shares the prefix's cells (``llama_memory_s
 a unified cache) and then handed to the live sequence. And a sliding-window model (Gemma 3) keeps only the
 last window of positions in a default cache: a kept prefix would lack the positions its window needs, and
 the cache could not shift at all (``llama_memory_can_shift`` is false); a full-size window cache keeps them.
+Even then llama.cpp hands out again a cell whose position has left the window of its sequence's newest token,
+so each sequence has a pin sequence holding the same cells (a cell two sequences hold is never handed out).
+Flash attention is off by default: on the CPU it computes a token differently depending on its batch.
 """
 
 from __future__ import annotations
