@@ -24,13 +24,16 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from ctxfold import _core
 from ctxfold.errors import TokenizerError
+
+if TYPE_CHECKING:
+    from ctxfold.engines.llama_cpp import LlamaCppModel
 
 Text = str | bytes
 
@@ -241,6 +244,54 @@ class SentencePieceCounter:
 
     def __repr__(self) -> str:
         return f"SentencePieceCounter({self.name!r}, path={str(self.path)!r})"
+
+
+class GgufCounter:
+    """The tokenizer inside a GGUF model file, run by llama.cpp (llama-cpp-python) with the vocabulary only.
+
+    Counts as the engine tokenizes a rendered chat prompt: special-token text (``<start_of_turn>``) becomes
+    its one id, and nothing is added (no BOS). Thread-safe: llama.cpp's tokenizer only reads the vocabulary,
+    and the GIL is released while it runs, so threads count in parallel.
+    """
+
+    exact = True
+
+    def __init__(self, path: str | os.PathLike[str], name: str | None = None) -> None:
+        from ctxfold.errors import EngineError
+
+        p = Path(path).expanduser()
+        try:
+            from ctxfold.engines.llama_cpp import LlamaCppModel, check_gguf
+
+            check_gguf(p)  # a plain message for a wrong file before the one for a missing package
+            self._model = LlamaCppModel(p, vocab_only=True)
+        except EngineError as exc:
+            raise TokenizerError(f"gguf:{p}: {exc}") from None
+        self.path = p
+        self.name = name or f"gguf:{p.name}"
+
+    @property
+    def model(self) -> LlamaCppModel:
+        """The underlying :class:`ctxfold.engines.llama_cpp.LlamaCppModel` (vocabulary only)."""
+        return self._model
+
+    def encode(self, text: Text) -> npt.NDArray[np.int32]:
+        """int32[n]: the token ids of ``text``, as counted."""
+        return self._model.tokenize(as_text(text))
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token string (a special token), or None when it is not one token."""
+        return self._model.token_id(token)
+
+    def count(self, text: Text) -> int:
+        return self._model.count(as_text(text))
+
+    def count_batch(self, texts: Sequence[Text]) -> npt.NDArray[np.int64]:
+        ts = _texts(texts)
+        return np.fromiter((self._model.count(t) for t in ts), dtype=np.int64, count=len(ts))
+
+    def __repr__(self) -> str:
+        return f"GgufCounter({self.name!r}, path={str(self.path)!r})"
 
 
 # tiktoken reads its vocabularies through read_file_cached(url): the file named sha1(url) in
@@ -583,8 +634,9 @@ def load_counter(spec: str | os.PathLike[str]) -> TokenCounter:
 
     Names: ``deepseek-v4``, ``qwen3``, ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7``
     (the versions mistral-common ships), ``o200k_base``, ``cl100k_base``, ``estimate:<name>`` (a
-    built-in calibration), ``chars4``. Paths: a ``tokenizer.json``, a SentencePiece ``.model`` file
-    or a calibration ``.json`` written by ``ctxfold calibrate``. Loaded counters are shared.
+    built-in calibration), ``chars4``. Paths: a ``tokenizer.json``, a SentencePiece ``.model`` file,
+    a calibration ``.json`` written by ``ctxfold calibrate``, or a GGUF model (``gguf:PATH``, or a path
+    ending in ``.gguf``: its own tokenizer, through llama.cpp). Loaded counters are shared.
     """
     key = os.fspath(spec)
     with _cache_lock:
@@ -621,13 +673,15 @@ def _load(spec: str) -> TokenCounter:
     if low.startswith("estimate:"):
         name = s.split(":", 1)[1]
         return EstimateCounter(builtin_calibration(name), f"estimate:{name}")
+    if low.startswith("gguf:"):
+        return GgufCounter(s.split(":", 1)[1])
     p = Path(s).expanduser()
-    looks_like_path = os.sep in s or p.suffix in (".json", ".model") or ".model." in p.name
+    looks_like_path = os.sep in s or p.suffix in (".json", ".model", ".gguf") or ".model." in p.name
     if not looks_like_path:
         raise TokenizerError(
             f"unknown tokenizer {spec!r}; use one of {', '.join(NAMED_TOKENIZERS)}, estimate:<name> "
-            f"(built in: {', '.join(builtin_calibrations())}), chars4, or a path to a tokenizer.json, "
-            "a SentencePiece .model file or a calibration .json"
+            f"(built in: {', '.join(builtin_calibrations())}), chars4, gguf:PATH (a GGUF model's own tokenizer), "
+            "or a path to a tokenizer.json, a SentencePiece .model file or a calibration .json"
         )
     if not p.exists():
         raise TokenizerError(f"tokenizer file not found: {p}")
@@ -635,6 +689,8 @@ def _load(spec: str) -> TokenCounter:
         if (p / "tokenizer.json").is_file():
             return HFTokenizerCounter(p / "tokenizer.json")
         raise TokenizerError(f"{p} is a directory without a tokenizer.json; pass the file itself")
+    if p.suffix.lower() == ".gguf":
+        return GgufCounter(p)
     if p.suffix == ".json":
         try:
             head = json.loads(p.read_text(encoding="utf-8"))

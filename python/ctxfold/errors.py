@@ -55,3 +55,8 @@ class NoFitError(CtxfoldError):
         self.context_tokens = context_tokens
         self.parts_tokens = dict(parts_tokens)
         self.needed_tokens = needed
+
+
+class EngineError(CtxfoldError):
+    """An inference engine could not do what ctxfold asked of it (load a model, evaluate tokens, edit its
+    KV cache): names the operation and what to change."""
