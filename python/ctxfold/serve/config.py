@@ -12,10 +12,12 @@ from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import (
     DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_ENGINE_CHECK_EVERY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_LOADED_CONVERSATIONS,
     DEFAULT_MAX_RECALL_CHARS,
+    ENGINE_CHECK_MODES,
     FSYNC_MODES,
 )
 
@@ -62,10 +64,20 @@ class ProxyConfig:
     # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
     # The template's control tokens also bound the accounting's work per append.
     template: str | None = "deepseek-v4"
+    # Whether the engine sees what ctxfold counts (ctxfold.serve.engine_check): "sampled" (a probe at
+    # startup, and one answer in engine_check_every compared when the proxy counted its request anyway),
+    # "startup" (the probe only), "every" (every request counted and compared: tests and benchmarks), "off".
+    engine_check: str = "sampled"
+    engine_check_every: int = DEFAULT_ENGINE_CHECK_EVERY
+    # Ask the upstream for usage in streamed answers (stream_options.include_usage) when the client did not,
+    # so streams calibrate too; the usage event and the "usage": null of every chunk are kept from the client.
+    stream_usage: bool = True
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync: {self.fsync!r} is not one of {', '.join(FSYNC_MODES)}")
+        if self.engine_check not in ENGINE_CHECK_MODES:
+            raise ConfigError(f"engine_check: {self.engine_check!r} is not one of {', '.join(ENGINE_CHECK_MODES)}")
         if self.summarizer not in ("upstream", "config", "extractive"):
             raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
         if not self.upstream.startswith(("http://", "https://")):
@@ -79,7 +91,7 @@ class ProxyConfig:
             raise ConfigError(f"upstream: {redact_url(self.upstream)!r} has no host or a port outside 0-65535")
         # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
         for name, low in (("max_body_bytes", 1), ("max_loaded_conversations", 1), ("max_recall_rounds", 0),
-                          ("max_recall_chars", 1), ("max_connections", 1)):
+                          ("max_recall_chars", 1), ("max_connections", 1), ("engine_check_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name}: must be a whole number >= {low}, got {value!r}")
