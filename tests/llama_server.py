@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,83 @@ def chat_only_turns(conversation: Any, *, max_chars: int) -> list[str]:
     if pending:
         turns.append("\n\n".join(pending)[:max_chars].strip() or "(empty)")
     return turns
+
+
+@dataclass
+class TurnResult:
+    """One request of a replay, as the client saw it (and the engine's log line for it)."""
+
+    conversation: int
+    turn: int  # 1-based, within its conversation
+    status: str  # "ok", "rejected" (the prompt did not fit the engine's window), "error"
+    stream: bool = False
+    predicted: int | None = None  # X-Ctxfold-Prompt-Tokens: ctxfold's count of the prompt it sent
+    reported: int | None = None  # the engine's usage.prompt_tokens
+    compactions: int = 0  # X-Ctxfold-Compactions
+    planned_reuse: int | None = None  # X-Ctxfold-Kv-Reused-Tokens: the KV the compaction's plan keeps
+    engine_reuse: int = 0  # the engine's prefix-match hit (tokens it did not evaluate again)
+    seconds: float = 0.0
+    error: str = ""
+
+
+def replay(base_url: str, conversations: list[list[str]], *, max_tokens: int, engine_log: Path | None = None,
+           stream_every: int = 0, stop_on_rejection: bool = False, on_turn: Any = None) -> list[TurnResult]:
+    """Drive ``conversations`` (the user side of each turn) through ``base_url`` with the ``openai`` client,
+    as a chat-only client does: each answer (the model's own, ``max_tokens`` at most, greedy) goes into the
+    history the next request carries. Every ``stream_every``-th turn is streamed (0: none). A conversation
+    whose request is refused as too long for the window is left there when ``stop_on_rejection``."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=900.0)
+    out: list[TurnResult] = []
+    log_pos = engine_log.stat().st_size if engine_log is not None else 0
+    for ci, turns in enumerate(conversations):
+        history: list[dict[str, Any]] = []
+        for ti, text in enumerate(turns, 1):
+            history.append({"role": "user", "content": text})
+            stream = stream_every > 0 and ti % stream_every == 0
+            r = TurnResult(ci, ti, "ok", stream=stream)
+            t0 = time.perf_counter()
+            try:
+                raw = client.chat.completions.with_raw_response.create(
+                    model="gemma-3-270m", messages=history, max_tokens=max_tokens, temperature=0.0,
+                    seed=0, stream=stream)  # type: ignore[call-overload]
+                h = raw.headers
+                r.predicted = int(h["x-ctxfold-prompt-tokens"]) if "x-ctxfold-prompt-tokens" in h else None
+                r.compactions = int(h.get("x-ctxfold-compactions", "0"))
+                if "x-ctxfold-kv-reused-tokens" in h:
+                    r.planned_reuse = int(h["x-ctxfold-kv-reused-tokens"])
+                parsed = raw.parse()
+                if stream:
+                    parts: list[str] = []
+                    for chunk in parsed:
+                        if chunk.usage is not None:
+                            r.reported = chunk.usage.prompt_tokens
+                        for choice in chunk.choices:
+                            parts.append(choice.delta.content or "")
+                    answer = "".join(parts)
+                else:
+                    answer = parsed.choices[0].message.content or ""
+                    r.reported = parsed.usage.prompt_tokens if parsed.usage is not None else None
+                history.append({"role": "assistant", "content": answer})
+            except openai.BadRequestError as e:
+                text_of_error = str(e)
+                r.status = "rejected" if ("context" in text_of_error and "length" in text_of_error) else "error"
+                r.error = text_of_error[:300]
+                history.pop()
+            except openai.APIError as e:
+                r.status, r.error = "error", str(e)[:300]
+                history.pop()
+            r.seconds = time.perf_counter() - t0
+            if engine_log is not None:
+                hits, log_pos = prefix_hits(engine_log, log_pos)
+                r.engine_reuse = hits[-1] if hits else 0
+            out.append(r)
+            if on_turn is not None:
+                on_turn(r)
+            if r.status != "ok" and stop_on_rejection:
+                break
+    return out
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "counted and compared (for tests); startup: the probe only; off")
     p.add_argument("--engine-check-every", type=positive_int, default=DEFAULT_ENGINE_CHECK_EVERY, metavar="N",
                    help=f"answers per sampled comparison (default {DEFAULT_ENGINE_CHECK_EVERY})")
-    p.add_argument("--no-stream-usage", dest="stream_usage", action="store_false",
+    p.add_argument("--no-stream-usage", dest="stream_usage", action="store_false", default=True,
                    help="do not ask the upstream for usage in streamed answers the client asked none for (by "
                    "default the proxy asks, calibrates with it, and keeps it from the client)")
     p.add_argument("--summary-api-key-env", metavar="NAME",

@@ -67,11 +67,14 @@ class ProxyConfig:
     # Whether the engine sees what ctxfold counts (ctxfold.serve.engine_check): "sampled" (a probe at
     # startup, and one answer in engine_check_every compared when the proxy counted its request anyway),
     # "startup" (the probe only), "every" (every request counted and compared: tests and benchmarks), "off".
-    engine_check: str = "sampled"
+    # The command line's default is "sampled"; an embedder's is "off": the proxy sends nothing upstream
+    # that its clients did not send unless asked to.
+    engine_check: str = "off"
     engine_check_every: int = DEFAULT_ENGINE_CHECK_EVERY
     # Ask the upstream for usage in streamed answers (stream_options.include_usage) when the client did not,
     # so streams calibrate too; the usage event and the "usage": null of every chunk are kept from the client.
-    stream_usage: bool = True
+    # On by default on the command line (--no-stream-usage); off for an embedder unless set.
+    stream_usage: bool = False
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_MODES:

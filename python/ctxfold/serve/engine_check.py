@@ -255,6 +255,12 @@ class EngineCheck:
                 kinds.append(f"{what}_dropped")
                 r.findings.append(f"the engine drops {what} messages: they add {ours_g} tokens for ctxfold and "
                                   f"none for the engine (its chat format ignores them; the model never sees them)")
+            elif theirs_g <= 0 and ours_g <= 0:
+                # ctxfold's template mirrors the engine's chat format: counts agree, the model still never
+                # sees them. Said, counted, but not a divergence of the counts.
+                self.metrics.engine_divergences.inc(f"{what}_dropped")
+                r.findings.append(f"the engine drops {what} messages, and ctxfold's template too: counts agree, "
+                                  f"but the model never sees a {what} message (a client should not rely on them)")
             elif ours_g <= 0 < theirs_g:
                 kinds.append(f"{what}_dropped_by_ctxfold")
                 r.findings.append(f"ctxfold's template drops {what} messages the engine sees ({theirs_g} tokens)")
@@ -270,6 +276,8 @@ class EngineCheck:
                         "the window safe, but counts are off", "; ".join(r.findings))
         else:
             r.state = "agree"
+            if r.findings:
+                log.warning("engine check: the upstream counts what ctxfold counts, but: %s", "; ".join(r.findings))
             log.info("engine check: the upstream counts what ctxfold counts (%s)",
                      ", ".join(f"{k} {v['engine']}" for k, v in r.figures.items()))
 

@@ -117,7 +117,12 @@ def with_stream_usage(body: dict[str, Any]) -> dict[str, Any] | None:
 
 # The "usage": null every chunk carries once usage is asked for (OpenAI's shape), removed from the events of
 # a client that did not ask. A quote inside a JSON string is escaped, so neither pattern matches in one.
-_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null|"usage"\s*:\s*null\s*,?')
+_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null|"usage"\s*:\s*null\s*,?\s*')
+
+
+def strip_null_usage(raw_event: bytes) -> bytes:
+    """An event without the ``"usage": null`` the proxy's asking for usage added to it."""
+    return _NULL_USAGE.sub(b"", raw_event)
 
 
 def _number(text: str) -> int:
@@ -249,7 +254,7 @@ class StreamAnswer(_Source):
                     if self.strip_usage:
                         if parsed is not None and parsed.get("choices") == [] and isinstance(parsed.get("usage"), dict):
                             continue  # the usage event the client did not ask for
-                        raw_event = _NULL_USAGE.sub(b"", raw_event)
+                        raw_event = strip_null_usage(raw_event)
                     if self.recall and hold_event(data, parsed, self.recall_calls):
                         self.held.append(raw_event)
                     else:
