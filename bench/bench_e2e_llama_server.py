@@ -15,6 +15,7 @@ Figures from one run on whatever machine runs it; docs/engines.md has one.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -30,9 +31,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # the server launcher and replay client the test uses
 
-from ctxfold.formats import load  # noqa: E402
-from gemma_gguf import gemma_gguf_path  # noqa: E402
-from llama_server import (  # noqa: E402
+from ctxfold.formats import load
+from gemma_gguf import gemma_gguf_path
+from llama_server import (
     GEMMA_FORMAT_TEMPLATE,
     TurnResult,
     chat_only_turns,
@@ -41,13 +42,13 @@ from llama_server import (  # noqa: E402
     start_llama_server,
     wait_ready,
 )
-from synth import TRACES_DIR  # noqa: E402
+from synth import TRACES_DIR
 
 # Long conversations first: together over a hundred turns, several windows' worth each.
 TRACES = (("openhands/multi_swe_bench_output.jsonl", 2), ("openhands/resolver_mock_output.jsonl", 1),
           ("swe_agent/crypto__katy.traj", 0),
-          ("swe_agent/replay__marshmallow-code__marshmallow-1867__function_calling_replace_from_source__"
-           "marshmallow-code__marshmallow-1867.traj", 0),
+          (("swe_agent/replay__marshmallow-code__marshmallow-1867__function_calling_replace_from_source__"
+            "marshmallow-code__marshmallow-1867.traj"), 0),
           ("openhands/multi_swe_bench_output.jsonl", 0))
 
 
@@ -87,7 +88,7 @@ def summarize(rows: list[TurnResult], control: dict[str, Any], names: list[str])
     gaps: list[int] = []
     for ci in range(len(names)):
         turns = [r.turn for r in ok if r.conversation == ci and r.compactions]
-        gaps += [b - a for a, b in zip(turns, turns[1:], strict=False)]
+        gaps += [b - a for a, b in itertools.pairwise(turns)]
     steady = [r for r in ok if not r.compactions and r.predicted]
     return {
         "requests": len(rows), "answered": len(ok), "rejected": sum(r.status == "rejected" for r in rows),
@@ -112,7 +113,7 @@ def summarize(rows: list[TurnResult], control: dict[str, Any], names: list[str])
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--turns", type=int, default=100)
-    p.add_argument("--turn-chars", type=int, default=1200)
+    p.add_argument("--turn-chars", type=int, default=800)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
@@ -153,6 +154,10 @@ def main() -> int:
             control: dict[str, Any] = {}
             if not args.no_control:
                 for ci, (name, turns) in enumerate(convs):
+                    if not any(r.compactions for r in rows if r.conversation == ci):
+                        # It never outgrew the window through the proxy: the engine alone would not refuse it.
+                        control[name] = {"refused_at_turn": None, "of": len(turns), "skipped": "no compaction"}
+                        continue
                     c = replay(engine_url, [turns], max_tokens=args.max_tokens, stop_on_rejection=True)
                     last = c[-1]
                     control[name] = ({"refused_at_turn": last.turn, "of": len(turns), "error": last.error[:200]}

@@ -87,7 +87,7 @@ def test_a_stream_asks_for_usage_and_the_client_that_did_not_ask_gets_none(
 
 def test_without_stream_usage_the_stream_is_left_alone(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     up, url = upstream
-    app, srv = start_proxy(url, tmp_path / "data")
+    _, srv = start_proxy(url, tmp_path / "data")
     try:
         got = stream(srv.url, chat(("user", "stream me an answer " * 5), stream=True))
         assert "stream_options" not in up.received[-1]
