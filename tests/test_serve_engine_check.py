@@ -179,3 +179,42 @@ def test_the_cli_turns_the_check_and_stream_usage_on(tmp_path: Path) -> None:
                                       str(tmp_path / "d"), "--engine-check", "off", "--no-stream-usage"])
     cfg = build_config(args)
     assert cfg.engine_check == "off" and not cfg.stream_usage
+
+
+def test_a_summary_past_its_budget_is_the_extractive_one_and_says_why(upstream: tuple[ScriptedUpstream, str],
+                                                                      tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """``--summary-timeout-s``: the model's summary is given that long; the request then goes on with the
+    extractive summary, and the log and the fallback metric name the timeout."""
+    from dataclasses import replace
+
+    from ctxfold.serve import ProxyConfig
+    from proxy_helpers import serve_in_background
+
+    up, url = upstream
+    up.summary_delay_s = 30.0
+    compact = CompactConfig(context_tokens=4096)
+    compact = replace(compact, summary=replace(compact.summary, timeout_s=0.5))
+    app = ProxyApp(ProxyConfig(upstream=url, data_dir=tmp_path / "data", compact=compact, summarizer="upstream",
+                               fsync="never"))
+    srv = serve_in_background(app).__enter__()
+    try:
+        turns: list[tuple[str, str]] = []
+        slowest_s = 0.0
+        for k in range(40):
+            turns.append(("user", f"question {k}: " + "tell me more about the build " * 40))
+            t0 = time.monotonic()
+            r = post(srv.url, chat(*turns), timeout=20)
+            slowest_s = max(slowest_s, time.monotonic() - t0)
+            assert r.status_code == 200
+            turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
+            if app.metrics.summary_fallbacks.values:
+                break
+        else:
+            raise AssertionError("no summary was asked for")
+    finally:
+        srv.close()
+    assert app.metrics.summary_fallbacks.values == {("timeout after 0.5 s",): 1}
+    assert slowest_s < 10.0  # the budget, not the model's 30 s
+    assert any("extractive fallback" in r.getMessage() and "timeout after 0.5 s" in r.getMessage()
+               for r in caplog.records)
