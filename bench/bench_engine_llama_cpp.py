@@ -13,7 +13,9 @@ at ``--summary-tokens``), and the same rebuilt ids are brought into three llama.
   engine whose prefix cache misses does).
 
 Per compaction: tokens evaluated and seconds for each, the next token's max |logit difference| against cold
-for prefix and shift, and whether their top-1 token agrees with cold's. The prefix and shift sequences run in
+for prefix and shift, and whether their top-1 token agrees with cold's. llama.cpp computes a token slightly
+differently depending on the size of the batch it is in, so prefix reuse is also compared with a cold
+prefill split where its own batches were (the system turn, the rest of the kept prefix, then the rest). The prefix and shift sequences run in
 lockstep on the same ids, so every comparison is on the same rebuilt sequence; the shift one carries its
 approximation from compaction to compaction, as an engine would.
 
@@ -25,6 +27,7 @@ Run: ``PYTHONPATH=python python bench/bench_engine_llama_cpp.py [--n-ctx 2048 40
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -40,7 +43,13 @@ sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # the Gemma rendering and G
 
 from ctxfold import formats
 from ctxfold.engine import Decision
-from gemma_gguf import framed_summary_ids, gemma_gguf_path, render_message, summary_request_ids
+from gemma_gguf import (
+    EXTRA_BUFFER_TYPES,
+    framed_summary_ids,
+    gemma_gguf_path,
+    render_message,
+    summary_request_ids,
+)
 from synth import TRACES_DIR
 
 DEFAULT_TRACES = ("deepseek_sample/deepseek_chat/pydicom__pydicom-1256.traj.json",
@@ -84,6 +93,14 @@ def replay(model: Any, messages: list[dict[str, Any]], n_ctx: int, summary_token
             cold_s = time.perf_counter() - t0
             assert want is not None
             top = int(np.argmax(want))
+            # The same cold prefill split where the prefix sequence's batches were: llama.cpp's kernels depend
+            # on the batch size, so this is the reference prefix reuse must equal bit for bit.
+            cold.clear(0)
+            cuts = sorted({0, min(a.rebuild.system_tokens, a.kept_tokens), a.kept_tokens, len(ids)})
+            same = None
+            for begin, end in itertools.pairwise(cuts):
+                same = cold.decode(ids[begin:end], pos=begin, seq_id=0)
+            assert same is not None
             compactions.append({
                 "message": i,
                 "tokens_before": a.rebuild.tokens_before,
@@ -99,6 +116,7 @@ def replay(model: Any, messages: list[dict[str, Any]], n_ctx: int, summary_token
                 "prefix_tokens": a.prefilled_tokens,
                 "prefix_s": round(a.seconds, 4),
                 "prefix_max_abs_diff": float(np.abs(a.logits - want).max()),
+                "prefix_same_batches_max_abs_diff": float(np.abs(a.logits - same).max()),
                 "prefix_top1_same": int(np.argmax(a.logits)) == top,
                 "shift_tokens": b.prefilled_tokens,
                 "shift_moved_tokens": b.moved_tokens,
@@ -135,6 +153,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "median_s_saved": float(statistics.median(c["cold_s"] - c[f"{mode}_s"] for c in cs)),
             "median_speedup_vs_cold": float(statistics.median(c["cold_s"] / c[f"{mode}_s"] for c in cs)),
             "max_abs_logit_diff": max(c[f"{mode}_max_abs_diff"] for c in cs),
+            **({"max_abs_logit_diff_same_batches": max(c["prefix_same_batches_max_abs_diff"] for c in cs)}
+               if mode == "prefix" else {}),
             "median_abs_logit_diff": med(f"{mode}_max_abs_diff"),
             "top1_agreement": sum(c[f"{mode}_top1_same"] for c in cs) / len(cs),
         }
@@ -158,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ctxfold.engines.llama_cpp import LlamaCppModel
 
-        model = LlamaCppModel(gemma_gguf_path())
+        model = LlamaCppModel(gemma_gguf_path(), extra_buffer_types=EXTRA_BUFFER_TYPES)
     except Exception as exc:  # noqa: BLE001 - a missing package or file: one line
         print(f"bench_engine_llama_cpp: error: {exc}", file=sys.stderr)
         return 2

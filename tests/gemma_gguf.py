@@ -21,6 +21,10 @@ import pytest
 from ctxfold.engine import SegmentKind
 
 REQUIRE_LLAMA = os.environ.get("CTXFOLD_REQUIRE_LLAMA", "") not in ("", "0")
+# llama.cpp's repacked CPU weight layouts (AMX) are off: on a host that reports AMX without letting a
+# process use it (the development machine's sandbox), the first evaluation dies with SIGILL. The tests check
+# mechanics and logits, not speed; CTXFOLD_LLAMA_EXTRA_BUFFERS=1 turns them on.
+EXTRA_BUFFER_TYPES = os.environ.get("CTXFOLD_LLAMA_EXTRA_BUFFERS", "") not in ("", "0")
 _lock = threading.Lock()
 _path: list[Path] = []
 

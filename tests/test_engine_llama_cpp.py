@@ -1,17 +1,23 @@
 """The llama.cpp adapter on a real model: Gemma 3 270M (Q4_K_M GGUF) through llama-cpp-python, on the CPU.
 
 After a compaction's KV plan is executed on llama.cpp's own cache, the next token's logits must be a cold
-prefill's of the rebuilt ids: to float tolerance when the prefix alone is kept; when the tail's KV is moved
-instead (approximate: it attended to tokens that are gone), the difference and the top-1 agreement are
-printed and the moved KV must sit where the plan says. The summary written as a suffix of the live KV must
-leave the cache as it found it. The conversation is the built-in demo one in Gemma's chat format, at a
-1,024-token window, so a few compactions happen in seconds.
+prefill's of the rebuilt ids. llama.cpp itself computes a token slightly differently depending on the batch
+it is evaluated in (its CPU kernels are chosen by batch size): two cold prefills of the same ids, split at
+another place, differ by up to about 1 in a logit on this model. So the plan is checked against a cold
+prefill split where the live sequence's batches were (the system turn, the rest of the kept prefix, then the
+rest): measured bit-identical; and against a one-call cold prefill, within llama.cpp's batching differences
+and with the same top-1 token. Moving the tail's KV instead is approximate
+(it attended to tokens that are gone): the difference and the top-1 agreement are printed, and the moved KV
+must sit where the plan says. The summary written as a suffix of the live KV must leave the cache exactly as
+it found it. The conversation is the built-in demo one in Gemma's chat format at a 1,024-token window, so a
+few compactions take seconds.
 
 Skipped with the reason without llama-cpp-python (the ``llama`` extra) or the GGUF wheels (the test extra).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +29,7 @@ from ctxfold.demo import demo_conversation
 from ctxfold.engine import Decision, SegmentKind
 from ctxfold.errors import EngineError
 from gemma_gguf import (
+    EXTRA_BUFFER_TYPES,
     framed_summary_ids,
     gemma_gguf_path,
     render_message,
@@ -32,9 +39,12 @@ from gemma_gguf import (
 
 N_CTX = 1024
 MAX_MESSAGE_CHARS = 600  # demo tool outputs cut to this, so a window holds several turns
-# Logit agreement of prefix reuse with a cold prefill. Not 0: llama.cpp sums attention over the cache's
-# cells in their order, which differs between the two runs (measured: about 1e-5 on logits of size ~20).
-PREFIX_TOLERANCE = 1e-3
+# Against a cold prefill split where the live batches were: measured 0 (bit-identical). The margin is for a
+# llama.cpp whose kernels round differently, not for a plan that keeps the wrong KV (that is > 0.1, below).
+EXACT_TOLERANCE = 1e-4
+# Against a one-call cold prefill: llama.cpp's own batching differences (two cold prefills of the same ids
+# split elsewhere differ by up to ~1.2 on this model); measured 0 on this conversation.
+BATCHING_TOLERANCE = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +52,7 @@ def model() -> Iterator[Any]:
     require_llama_cpp()
     from ctxfold.engines.llama_cpp import LlamaCppModel
 
-    m = LlamaCppModel(gemma_gguf_path())
+    m = LlamaCppModel(gemma_gguf_path(), extra_buffer_types=EXTRA_BUFFER_TYPES)
     yield m
     m.close()
 
@@ -57,11 +67,20 @@ def cold(model: Any) -> Iterator[Any]:
     ctx.close()
 
 
-def cold_logits(cold: Any, ids: np.ndarray) -> np.ndarray:
+def cold_logits(cold: Any, ids: np.ndarray, cuts: tuple[int, ...] = ()) -> np.ndarray:
+    """The next token's logits after ``ids`` evaluated in a fresh cache, in batches split at ``cuts``."""
     cold.clear(0)
-    out = cold.decode(ids, pos=0, seq_id=0)
+    bounds = [0, *cuts, len(ids)]
+    out = None
+    for begin, end in itertools.pairwise(bounds):
+        if end > begin:
+            out = cold.decode(ids[begin:end], pos=begin, seq_id=0)
     assert out is not None
     return np.asarray(out)
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max())
 
 
 def demo_messages() -> list[dict[str, Any]]:
@@ -106,31 +125,34 @@ def test_prefix_reuse_equals_a_cold_prefill_over_several_compactions(model: Any,
     seq = new_sequence(model)
     assert seq.context.can_shift  # Gemma 3 is RoPE; the full-size window cache lets it shift
     feed = Feeder(seq, demo_messages())
-    diffs = []
+    one_call = []
     for k in range(3):
         assert feed.until_due()
         before = seq.num_tokens
         summary = framed_summary_ids(seq.model.tokenize, f"Compaction {k}: the agent is fixing the inventory service.")
         c = seq.compact(summary, shift=False)
         plan = c.rebuild.kv
+        ids = c.rebuild.ids
         assert not c.shifted and c.moved_tokens == 0
+        # The prefix kept: the system turn, and the summary's opening tokens where they match what followed.
         assert c.kept_tokens == plan.reuse_tokens >= c.rebuild.system_tokens > 0
-        assert c.prefilled_tokens == len(c.rebuild.ids) - plan.reuse_tokens < before
-        assert seq.context.positions(0) == (0, len(c.rebuild.ids) - 1)
-        want = cold_logits(cold, c.rebuild.ids)
-        diff = float(np.abs(c.logits - want).max())
-        diffs.append(diff)
-        assert diff <= PREFIX_TOLERANCE
-        assert int(np.argmax(c.logits)) == int(np.argmax(want))
+        assert c.prefilled_tokens == len(ids) - plan.reuse_tokens < before
+        assert seq.context.positions(0) == (0, len(ids) - 1)
+        cuts = (c.rebuild.system_tokens, c.kept_tokens)
+        assert max_diff(c.logits, cold_logits(cold, ids, cuts)) <= EXACT_TOLERANCE
+        d = max_diff(c.logits, cold_logits(cold, ids))
+        one_call.append(d)
+        assert d <= BATCHING_TOLERANCE and int(np.argmax(c.logits)) == int(np.argmax(cold_logits(cold, ids)))
         # The sequence goes on from the re-synced KV as from a cold one.
         seq.append(model.tokenize("<start_of_turn>user\nGo on.<end_of_turn>\n"), SegmentKind.USER)
-        want = cold_logits(cold, seq.sequence.ids())
-        assert float(np.abs(seq.next_logits - want).max()) <= PREFIX_TOLERANCE
-    print(f"\nprefix reuse vs cold prefill, max |logit diff| per compaction: {[f'{d:.2e}' for d in diffs]}")
+        want = cold_logits(cold, seq.sequence.ids(), (*cuts, len(ids)))
+        assert max_diff(seq.next_logits, want) <= EXACT_TOLERANCE
+    print(f"\nprefix reuse against a one-call cold prefill, max |logit diff| per compaction: "
+          f"{[f'{d:.2e}' for d in one_call]}")
 
 
 def test_the_comparison_can_fail(model: Any, cold: Any) -> None:
-    """Keeping one token more than the plan's prefix (a wrong plan) gives logits the tolerance rejects."""
+    """Keeping one token more than the plan's prefix (a wrong plan) gives other logits."""
     seq = new_sequence(model)
     assert Feeder(seq, demo_messages()).until_due()
     old = seq.sequence.ids()
@@ -140,7 +162,7 @@ def test_the_comparison_can_fail(model: Any, cold: Any) -> None:
     cold.decode(old, pos=0, seq_id=0)
     cold.remove(0, keep)
     wrong = cold.decode(c.rebuild.ids[keep:], pos=keep, seq_id=0)
-    assert float(np.abs(wrong - cold_logits(cold, c.rebuild.ids)).max()) > 100 * PREFIX_TOLERANCE
+    assert max_diff(wrong, cold_logits(cold, c.rebuild.ids, (keep,))) > 0.1 > 1000 * EXACT_TOLERANCE
 
 
 def test_shift_reuse_moves_the_tail_and_is_reported(model: Any, cold: Any) -> None:
@@ -156,25 +178,25 @@ def test_shift_reuse_moves_the_tail_and_is_reported(model: Any, cold: Any) -> No
     assert c.kept_tokens + c.moved_tokens + c.prefilled_tokens == n
     assert seq.context.positions(0) == (0, n - 1)
     want = cold_logits(cold, c.rebuild.ids)
-    diff = float(np.abs(c.logits - want).max())
+    diff = max_diff(c.logits, want)
     top_same = int(np.argmax(c.logits)) == int(np.argmax(want))
     top5 = set(np.argsort(want)[-5:].tolist())
     print(f"\nshift reuse of {c.moved_tokens} tokens (delta {plan.shifts[0].delta}): max |logit diff| {diff:.3e} "
-          f"(logit scale {float(np.abs(want).max()):.1f}), same top-1: {top_same}; prefilled {c.prefilled_tokens} "
-          f"of {plan.prefill_tokens}")
-    assert diff > PREFIX_TOLERANCE  # approximate, as the plan says
+          f"against a one-call cold prefill (logit scale {float(np.abs(want).max()):.1f}), same top-1: {top_same}; "
+          f"prefilled {c.prefilled_tokens} of {plan.prefill_tokens}")
+    assert diff > EXACT_TOLERANCE  # approximate, as the plan says
     assert int(np.argmax(c.logits)) in top5
     # Appending goes on after the moved tail, at the right positions.
     seq.append(model.tokenize("<start_of_turn>user\nGo on.<end_of_turn>\n"), SegmentKind.USER)
     assert seq.context.positions(0) == (0, seq.num_tokens - 1)
 
 
-def test_the_summary_is_written_after_the_live_kv_and_rolled_back(model: Any, cold: Any) -> None:
-    seq = new_sequence(model)
-    msgs = demo_messages()
-    for m in msgs[:6]:
+def test_the_summary_is_written_after_the_live_kv_and_rolled_back(model: Any) -> None:
+    seq, twin = new_sequence(model), new_sequence(model)  # the twin never writes a summary
+    for m in demo_messages()[:6]:
         for kind, ids in render_message(m, model.tokenize):
             seq.append(ids, kind)
+            twin.append(ids, kind)
     n = seq.num_tokens
     before = seq.next_logits.copy()
     request = summary_request_ids(model.tokenize, "soft limit before user turn")
@@ -182,13 +204,15 @@ def test_the_summary_is_written_after_the_live_kv_and_rolled_back(model: Any, co
     assert draft.finish in ("stop", "length") and 0 < len(draft.ids) <= 12
     assert draft.bottom == n and draft.request_tokens == len(request)
     assert draft.text == model.detokenize(draft.ids, special=True)
-    # Rolled back: the cache holds the sequence again, and goes on exactly as a cold one does.
+    # Rolled back: the cache holds the sequence again, and goes on exactly as one that never wrote a summary.
     assert seq.num_tokens == n and seq.context.positions(0) == (0, n - 1)
     assert np.array_equal(seq.next_logits, before)
     # The same request again writes the same answer (greedy decoding over the same KV).
     assert np.array_equal(seq.write_summary(request, max_tokens=12).ids, draft.ids)
-    seq.append(model.tokenize("<start_of_turn>user\nAnd now?<end_of_turn>\n"), SegmentKind.USER)
-    assert float(np.abs(seq.next_logits - cold_logits(cold, seq.sequence.ids())).max()) <= PREFIX_TOLERANCE
+    turn = model.tokenize("<start_of_turn>user\nAnd now?<end_of_turn>\n")
+    seq.append(turn, SegmentKind.USER)
+    twin.append(turn, SegmentKind.USER)
+    assert np.array_equal(seq.next_logits, twin.next_logits)
     # No room for the request: nothing is written, nothing changes.
     huge = np.full(N_CTX, int(request[-1]), dtype=np.int32)
     assert seq.write_summary(huge, max_tokens=4).finish == "no_room"

@@ -105,7 +105,8 @@ def add_format_option(p: argparse.ArgumentParser) -> None:
 def add_counting_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, metavar="SPEC",
                    help="token counter: a tokenizer by name (deepseek-v4, qwen3, mistral, o200k_base, "
-                   "cl100k_base), a tokenizer.json or SentencePiece .model file, estimate:NAME (the "
+                   "cl100k_base), a tokenizer.json or SentencePiece .model file, gguf:PATH (a GGUF model's own "
+                   "tokenizer, through llama.cpp: pip install 'ctxfold[llama]'), estimate:NAME (the "
                    f"calibrated estimator), or chars4 (default: {DEFAULT_TOKENIZER})")
     p.add_argument("--template", metavar="SPEC",
                    help="chat template the requests are rendered with, for exact counts: deepseek-v3.2 "

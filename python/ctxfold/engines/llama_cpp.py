@@ -25,6 +25,9 @@ evaluated on a scratch sequence that shares the prefix's cells (``llama_memory_s
 a unified cache) and then handed to the live sequence. And a sliding-window model (Gemma 3) keeps only the
 last window of positions in a default cache: a kept prefix would lack the positions its window needs, and
 the cache could not shift at all (``llama_memory_can_shift`` is false); a full-size window cache keeps them.
+Even then llama.cpp hands out again a cell whose position has left the window of its sequence's newest token,
+so each sequence has a pin sequence holding the same cells (a cell two sequences hold is never handed out).
+Flash attention is off by default: on the CPU it computes a token differently depending on its batch.
 """
 
 from __future__ import annotations
@@ -130,16 +133,22 @@ def _read_str(fill: Any, size: int = 256) -> str:
 class LlamaCppModel:
     """A GGUF model loaded by llama.cpp; ``vocab_only`` loads its tokenizer alone (no weights, milliseconds).
 
+    extra_buffer_types: let llama.cpp repack the weights for its CPU kernels (AMX, AVX repacking), its
+    default. A host that reports AMX without letting a process use it (some VMs and sandboxes) kills the
+    process with SIGILL at the first evaluation, which nothing can catch: pass False there.
+
     Thread-safe: tokenizing only reads the vocabulary (llama.cpp's server tokenizes on many threads at once),
     and each call has its own buffer. ``close()`` frees it early; otherwise it is freed with the object.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, vocab_only: bool = False, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, vocab_only: bool = False, n_gpu_layers: int = 0,
+                 extra_buffer_types: bool = True) -> None:
         self.path = check_gguf(path)
         lib = llama_cpp_lib()
         params = lib.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = extra_buffer_types
         handle = lib.llama_model_load_from_file(os.fsencode(self.path), params)
         if not handle:
             raise EngineError(f"{self.path}: llama.cpp could not load this model (an architecture this llama.cpp "
@@ -272,10 +281,15 @@ class LlamaCppContext:
     sequences (ids 0 .. n_sequences - 1), plus one scratch sequence the adapter uses for itself.
 
     Every method takes ``lock`` (a llama.cpp context is not thread-safe); positions are token indices.
+
+    flash_attn: off unless asked for. llama.cpp's CPU flash attention computes a token differently
+    depending on how many tokens share its batch (measured on Gemma 3 270M: up to 1.7 in a logit when the
+    same ids are split into other batches), so a kept prefix could never match a cold prefill; without it
+    the result does not depend on the batching, and prefix reuse is exact.
     """
 
     def __init__(self, model: LlamaCppModel, *, n_ctx: int, n_batch: int = 512, n_threads: int | None = None,
-                 n_sequences: int = 1) -> None:
+                 n_sequences: int = 1, flash_attn: bool = False) -> None:
         if model.vocab_only:
             raise ValueError(f"{model.path.name} was loaded with vocab_only=True; load it with its weights to "
                              "evaluate tokens")
@@ -285,11 +299,12 @@ class LlamaCppContext:
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = n_sequences + 1  # and the scratch sequence
+        params.n_seq_max = 2 * n_sequences + 1  # each sequence's pin (see pin_id), and the scratch sequence
         params.n_threads = params.n_threads_batch = n_threads or os.cpu_count() or 1
         params.kv_unified = True  # sequences share cells: seq_cp is bookkeeping, not a copy (module docstring)
         params.swa_full = True  # a sliding-window cache keeps every position: prefixes can be kept and shifted
         params.no_perf = True
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         handle = lib.llama_init_from_model(model.handle, params)
         if not handle:
             raise EngineError(f"llama.cpp could not create a {n_ctx}-token context for {model.path.name} (out of "
@@ -303,9 +318,18 @@ class LlamaCppContext:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_sequences = n_sequences
-        self.scratch_seq_id = n_sequences
+        self.scratch_seq_id = 2 * n_sequences
         self.lock = threading.RLock()
         self.can_shift = bool(lib.llama_memory_can_shift(self._mem))
+
+    def pin_id(self, seq_id: int) -> int:
+        """The sequence that holds the same cells as ``seq_id``, so that none of them is ever reused.
+
+        A sliding-window cache hands a cell out again once its position has left the window of its only
+        sequence's newest token (even a full-size one). A later compaction that keeps a prefix and evaluates
+        right after it needs those cells again; a cell two sequences hold is never handed out.
+        """
+        return self.n_sequences + seq_id
 
     @property
     def handle(self) -> Any:
@@ -341,9 +365,10 @@ class LlamaCppContext:
             ptr = self._lib.llama_get_logits_ith(self._handle, -1)
             return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
 
-    def decode_before(self, ids: Any, *, pos: int, seq_id: int) -> None:
+    def decode_before(self, ids: Any, *, pos: int, seq_id: int, also: Sequence[int] = ()) -> None:
         """Evaluate ids at [pos, pos + n) of ``seq_id`` when the sequence already holds later positions (a moved
-        tail): on the scratch sequence, which shares the cells of [0, pos), then handed over. No logits."""
+        tail): on the scratch sequence, which shares the cells of [0, pos), then handed over to ``seq_id`` and
+        the sequences in ``also``. No logits."""
         v = _ids_view(ids)
         s = self.scratch_seq_id
         with self.lock:
@@ -352,7 +377,8 @@ class LlamaCppContext:
                 if pos > 0:
                     self.share(seq_id, s, 0, pos)
                 self.decode(v, pos=pos, seq_id=s, logits=False)
-                self.share(s, seq_id, pos, pos + len(v))
+                for dst in (seq_id, *also):
+                    self.share(s, dst, pos, pos + len(v))
             finally:
                 self.clear(s)
 
@@ -437,7 +463,9 @@ class LlamaCppSequence:
         self.sequence = EngineSequence(name or f"llama-cpp-{seq_id}", context_tokens=context.n_ctx, config=config,
                                        template=template, page_size_tokens=1)
         self._logits: npt.NDArray[np.float32] | None = None
+        self._pin = context.pin_id(seq_id)
         context.clear(seq_id)
+        context.clear(self._pin)
 
     @property
     def num_tokens(self) -> int:
@@ -468,6 +496,7 @@ class LlamaCppSequence:
                 self.context.remove(self.seq_id, n)  # what was evaluated of it leaves the cache again
                 raise
             assert logits is not None
+            self.context.share(self.seq_id, self._pin, n, n + len(v))
             self.sequence.append(v, kind)
             self._logits = logits
             return logits
@@ -541,8 +570,9 @@ class LlamaCppSequence:
                 logits, kept, moved, prefilled = self._execute(rebuild, use_shift)
             except BaseException:
                 # The cache is in an unknown state: bring it back in line with the ids the sequence now holds.
-                self.context.clear(self.seq_id)
+                self._remove(0)
                 self._logits = self.context.decode(rebuild.ids, pos=0, seq_id=self.seq_id)
+                self.context.share(self.seq_id, self._pin, 0, -1)
                 raise
             seconds = time.perf_counter() - t0
             self._logits = logits
@@ -555,9 +585,10 @@ class LlamaCppSequence:
         keep = kv.reuse_tokens
         spans = [(s.old_begin, s.new_begin, s.num_tokens) for s in kv.shifts] if use_shift else []
         if not spans:
-            ctx.remove(seq, keep)
+            self._remove(keep)
             logits = ctx.decode(ids[keep:], pos=keep, seq_id=seq)
             assert logits is not None
+            ctx.share(seq, self._pin, keep, new_n)
             self._check_positions(new_n)
             return logits, keep, 0, new_n - keep
         ranges = list(kv.prefill_ranges_with_shift)
@@ -570,11 +601,12 @@ class LlamaCppSequence:
         cursor = keep
         for old, _, k in spans:
             if old > cursor:
-                ctx.remove(seq, cursor, old)
+                self._remove(cursor, old)
             cursor = old + k
-        ctx.remove(seq, cursor)
+        self._remove(cursor)
         # 2. Move each span to its place, by way of positions past every real one, so that no span is moved
-        #    onto one not yet moved (seq_add selects cells by their current position).
+        #    onto one not yet moved (seq_add selects cells by their current position). The pin's cells are the
+        #    same cells, so they move with them.
         stage = ctx.n_ctx + max(rebuild.tokens_before, new_n)
         moving = [(old, new, k) for old, new, k in spans if new != old]
         for old, _, k in moving:
@@ -585,12 +617,18 @@ class LlamaCppSequence:
         logits = None
         for begin, end in ranges:
             if end < new_n:
-                ctx.decode_before(ids[begin:end], pos=begin, seq_id=seq)
+                ctx.decode_before(ids[begin:end], pos=begin, seq_id=seq, also=(self._pin,))
             else:
                 logits = ctx.decode(ids[begin:end], pos=begin, seq_id=seq)
+                ctx.share(seq, self._pin, begin, end)
         assert logits is not None
         self._check_positions(new_n)
         return logits, keep, sum(k for *_, k in spans), sum(e - b for b, e in ranges)
+
+    def _remove(self, p0: int, p1: int = -1) -> None:
+        """Drop positions [p0, p1) from the sequence and its pin."""
+        self.context.remove(self.seq_id, p0, p1)
+        self.context.remove(self._pin, p0, p1)
 
     def _check_positions(self, n: int) -> None:
         first, last = self.context.positions(self.seq_id)
