@@ -8,6 +8,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     from ctxfold.serve import (
         DEFAULT_CLIENT_TIMEOUT_S,
+        DEFAULT_ENGINE_CHECK_EVERY,
         DEFAULT_MAX_BODY_BYTES,
         DEFAULT_MAX_CONNECTIONS,
         DEFAULT_MAX_LOADED_BYTES,
         DEFAULT_MAX_LOADED_CONVERSATIONS,
         DEFAULT_MAX_RECALL_CHARS,
+        ENGINE_CHECK_MODES,
         FSYNC_MODES,
     )
     from ctxfold.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES
@@ -87,6 +90,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="who writes summaries: the upstream model (default), the summarizer section of --config, "
                    "or no model (extractive); a failed summary always falls back to the extractive one")
     p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
+    p.add_argument("--summary-timeout-s", type=positive_seconds, metavar="S",
+                   help="time budget of a summary written by a model, connection to last token; past it the "
+                   "extractive summary is used and the log and ctxfold_summary_fallbacks_total say so (default: "
+                   "the summarizer section of --config, else 120)")
+    p.add_argument("--engine-check", choices=ENGINE_CHECK_MODES, default=ENGINE_CHECK_MODES[0],
+                   help="whether the upstream sees what ctxfold counts: a probe at startup (tiny requests with "
+                   "a system and a tool message, max_tokens 1) and, with sampled (default), one answer in "
+                   "--engine-check-every compared when its request was counted anyway; every: each request "
+                   "counted and compared (for tests); startup: the probe only; off")
+    p.add_argument("--engine-check-every", type=positive_int, default=DEFAULT_ENGINE_CHECK_EVERY, metavar="N",
+                   help=f"answers per sampled comparison (default {DEFAULT_ENGINE_CHECK_EVERY})")
+    p.add_argument("--no-stream-usage", dest="stream_usage", action="store_false", default=True,
+                   help="do not ask the upstream for usage in streamed answers the client asked none for (by "
+                   "default the proxy asks, calibrates with it, and keeps it from the client)")
     p.add_argument("--summary-api-key-env", metavar="NAME",
                    help="environment variable holding the key summaries are sent with (--summarizer upstream; "
                    "default: the Authorization header of the client request that triggered the compaction)")
@@ -183,6 +200,8 @@ def build_config(args: argparse.Namespace) -> Any:
     overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
                  if getattr(args, k) is not None}
     compact = load_config(args.config, **overrides) if args.config else CompactConfig.from_mapping(overrides)
+    if args.summary_timeout_s is not None:
+        compact = replace(compact, summary=replace(compact.summary, timeout_s=args.summary_timeout_s))
     check_args(args, compact)
     return ProxyConfig(
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
@@ -197,6 +216,7 @@ def build_config(args: argparse.Namespace) -> Any:
         fsync=args.fsync, tokenizer=args.tokenizer, store_url=args.store, spool_max_bytes=args.spool_max_bytes,
         lease_ms=args.store_lease_ms,
         template=None if args.template == "none" else args.template,
+        engine_check=args.engine_check, engine_check_every=args.engine_check_every, stream_usage=args.stream_usage,
     )
 
 

@@ -33,6 +33,9 @@ DEFAULT_MAX_LOADED_CONVERSATIONS = 512
 # the least recently used conversations are closed.
 DEFAULT_MAX_LOADED_BYTES = 256 << 20
 FSYNC_MODES = ("compactions", "always", "never")  # ProxyConfig.fsync, the first is the default
+# ProxyConfig.engine_check (ctxfold.serve.engine_check), the first is the default.
+ENGINE_CHECK_MODES = ("sampled", "startup", "every", "off")
+DEFAULT_ENGINE_CHECK_EVERY = 16  # answers per sampled comparison of prompt tokens
 # read_archive output added to one request, all calls and rounds together: one full-size read (the
 # tool's own cap per call), about 25k tokens.
 DEFAULT_MAX_RECALL_CHARS = 100_000
@@ -75,11 +78,13 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_CLIENT_TIMEOUT_S",
+    "DEFAULT_ENGINE_CHECK_EVERY",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_LOADED_BYTES",
     "DEFAULT_MAX_LOADED_CONVERSATIONS",
     "DEFAULT_MAX_RECALL_CHARS",
+    "ENGINE_CHECK_MODES",
     "FSYNC_MODES",
     "PORT_RANGE",
     "SESSION_HEADER",

@@ -50,9 +50,10 @@ from ctxfold.errors import ConfigError, NoFitError
 from ctxfold.messages import Conversation
 from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.config import ProxyConfig, redact_url
+from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Forwarder, PromptTooLong
 from ctxfold.serve.metrics import ProxyMetrics
-from ctxfold.serve.record import record
+from ctxfold.serve.record import prompt_tokens, record
 from ctxfold.serve.request import (
     OWN_REQUEST_HEADERS,
     BadRequest,
@@ -160,6 +161,11 @@ class ProxyApp:
         self.compaction = CompactionStep(config, self.metrics)
         self.forwarder = Forwarder(config, self.metrics, self._client)
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
+        self.engine_check = EngineCheck(mode=config.engine_check, every=config.engine_check_every,
+                                        counter=self.counter, template=self.template, metrics=self.metrics,
+                                        client=self._client, completions_url=config.completions_url,
+                                        model=config.summary_model, api_key=config.summary_api_key)
+        self._engine_probe: asyncio.Task[Any] | None = None
 
     def _tenant_key(self) -> bytes | None:
         """The key file's secret, read at startup so a bad file stops the proxy with one line; None:
@@ -235,6 +241,9 @@ class ProxyApp:
         self.sessions.loop = self._loop
         if self.sessions.spool is not None:
             self._replayer = self._loop.create_task(self._replay_spool())
+        if self.config.engine_check != "off":
+            # In a task of its own: the proxy serves while the engine answers the probe.
+            self._engine_probe = asyncio.create_task(self.engine_check.startup())
 
     async def _replay_spool(self) -> None:
         """Write the spooled batches back as soon as the store answers again, whether requests come or not."""
@@ -248,6 +257,12 @@ class ProxyApp:
     async def _cleanup(self, app: web.Application) -> None:
         if self._replayer is not None:
             self._replayer.cancel()
+        if self._engine_probe is not None and not self._engine_probe.done():
+            self._engine_probe.cancel()
+            try:
+                await self._engine_probe
+            except asyncio.CancelledError:
+                pass
         if self._upstream is not None:
             await self._upstream.close()
         await asyncio.to_thread(self.sessions.close)
@@ -259,7 +274,8 @@ class ProxyApp:
             problem = await self.sessions.store_problem()
         report: dict[str, Any] = {"status": "ok" if problem is None else "degraded",
                                   "upstream": redact_url(self.config.completions_url),
-                                  "sessions_loaded": self.sessions.num_sessions}
+                                  "sessions_loaded": self.sessions.num_sessions,
+                                  "engine_check": self.engine_check.report.as_dict()}
         if problem is not None:  # requests still pass through, uncompacted: the reason is the operator's to fix
             report["reason"] = problem
         return web.json_response(report, status=200 if problem is None else 503)
@@ -395,9 +411,11 @@ class ProxyApp:
         headers = dict(relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS))
         headers["Content-Type"] = "application/json"
         store = out.session.compactor.store
+        predicted, own = self._own_headers(out)
         try:
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,
-                                                        stream=parsed.stream, recall=out.recall, too_long_raises=True)
+                                                        stream=parsed.stream, recall=out.recall, too_long_raises=True,
+                                                        extra_headers=own)
         except PromptTooLong as e:
             # The engine counts more than ctxfold does (or its window is smaller than --context-tokens):
             # compact to a lower window and ask once more; the client sees that one answer.
@@ -407,14 +425,29 @@ class ProxyApp:
             if lowered is None:  # no window known to aim lower at: the client gets the refusal
                 refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)
+            lowered.compactions += out.compactions
             out = lowered
+            predicted, own = self._own_headers(out)
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,
                                                         stream=parsed.stream, recall=out.recall,
-                                                        too_long_raises=False)
+                                                        too_long_raises=False, extra_headers=own)
         self._counted(request, resp)
         if answer is not None:
-            await uncancelled(record(self.config, out.session, answer, commit=self._commit_answer))
+            await uncancelled(record(self.config, out.session, answer, check=self.engine_check, predicted=predicted,
+                                     commit=self._commit_answer))
         return resp
+
+    def _own_headers(self, out: Outgoing) -> tuple[int | None, list[tuple[str, str]]]:
+        """ctxfold's count of the request as it leaves (None when it was not counted: below about a fifth
+        of the window, unless --engine-check every), and the headers that tell the client what the proxy
+        did: that count, the compactions this request made and the KV their plan keeps."""
+        predicted = prompt_tokens(out.session.compactor, count=self.engine_check.counts_every_request)
+        own: list[tuple[str, str]] = [("X-Ctxfold-Compactions", str(out.compactions))]
+        if predicted is not None:
+            own.append(("X-Ctxfold-Prompt-Tokens", str(predicted)))
+        if out.kv_reused_tokens is not None:
+            own.append(("X-Ctxfold-Kv-Reused-Tokens", str(out.kv_reused_tokens)))
+        return predicted, own
 
     async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str]) -> Outgoing:
         """The session the request continues (a new one when none), with its new messages stored and

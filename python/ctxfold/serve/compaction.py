@@ -45,6 +45,10 @@ class Outgoing:
     recall: bool  # the proxy offers read_archive and answers its calls
     own_recall: bool  # the client offers a read_archive tool of its own: the proxy never adds one
     first_new: int = 0  # the original index of the first message this request brought
+    compactions: int = 0  # compaction passes this request applied
+    # The engine's KV the last applied pass of this request plans to keep (its exact common prefix with the
+    # request before, page-aligned), None when none was applied or it has no plan.
+    kv_reused_tokens: int | None = None
 
 
 def failure_kind(reason: str | None) -> str:
@@ -121,6 +125,10 @@ class CompactionStep:
         out = self._outgoing(parsed, session, recall=session.inject_recall and not has_own_recall,
                              own_recall=has_own_recall)
         out.first_new = first_new
+        applied = [e for e in events if e.applied]
+        out.compactions = len(applied)
+        planned = [e.kv for e in applied if e.kv is not None]
+        out.kv_reused_tokens = planned[-1].tokens_reused if planned else None
         return out
 
     async def lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,

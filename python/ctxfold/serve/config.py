@@ -13,11 +13,13 @@ from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import (
     DEFAULT_CLIENT_TIMEOUT_S,
+    DEFAULT_ENGINE_CHECK_EVERY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_LOADED_BYTES,
     DEFAULT_MAX_LOADED_CONVERSATIONS,
     DEFAULT_MAX_RECALL_CHARS,
+    ENGINE_CHECK_MODES,
     FSYNC_MODES,
 )
 from ctxfold.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES, is_shared_url
@@ -80,10 +82,23 @@ class ProxyConfig:
     # How long a replica's lease on a session lasts without renewal: a replica that stalls longer loses
     # the session to the next one that asks (its later writes are refused by the fencing token).
     lease_ms: int = DEFAULT_LEASE_MS
+    # Whether the engine sees what ctxfold counts (ctxfold.serve.engine_check): "sampled" (a probe at
+    # startup, and one answer in engine_check_every compared when the proxy counted its request anyway),
+    # "startup" (the probe only), "every" (every request counted and compared: tests and benchmarks), "off".
+    # The command line's default is "sampled"; an embedder's is "off": the proxy sends nothing upstream
+    # that its clients did not send unless asked to.
+    engine_check: str = "off"
+    engine_check_every: int = DEFAULT_ENGINE_CHECK_EVERY
+    # Ask the upstream for usage in streamed answers (stream_options.include_usage) when the client did not,
+    # so streams calibrate too; the usage event and the "usage": null of every chunk are kept from the client.
+    # On by default on the command line (--no-stream-usage); off for an embedder unless set.
+    stream_usage: bool = False
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_MODES:
             raise ConfigError(f"fsync: {self.fsync!r} is not one of {', '.join(FSYNC_MODES)}")
+        if self.engine_check not in ENGINE_CHECK_MODES:
+            raise ConfigError(f"engine_check: {self.engine_check!r} is not one of {', '.join(ENGINE_CHECK_MODES)}")
         if self.summarizer not in ("upstream", "config", "extractive"):
             raise ConfigError(f"summarizer: {self.summarizer!r} is not one of upstream, config, extractive")
         if not self.upstream.startswith(("http://", "https://")):
@@ -101,9 +116,9 @@ class ProxyConfig:
         if self.store_url is not None and not is_shared_url(self.store_url):
             raise ConfigError(f"store: {redact_url(self.store_url)!r} is not a redis://, rediss://, unix:// or "
                               "valkey:// URL; the local data directory is --data-dir (the default store)")
-        for name, low in (("max_body_bytes", 1), ("spool_max_bytes", 1), ("lease_ms", 100), ("max_loaded_conversations", 1), ("max_loaded_bytes", 1),
-                          ("max_recall_rounds", 0),
-                          ("max_recall_chars", 1), ("max_connections", 1)):
+        for name, low in (("max_body_bytes", 1), ("spool_max_bytes", 1), ("lease_ms", 100),
+                          ("max_loaded_conversations", 1), ("max_loaded_bytes", 1), ("max_recall_rounds", 0),
+                          ("max_recall_chars", 1), ("max_connections", 1), ("engine_check_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name}: must be a whole number >= {low}, got {value!r}")

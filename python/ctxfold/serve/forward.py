@@ -19,8 +19,9 @@ the cancellation leaves the ``async with`` (the engine stops generating).
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ from ctxfold.serve.recall import answer_recall, hold_event, is_recall_round
 from ctxfold.serve.request import OWN_ANSWER_HEADERS, error_response, relayed_headers
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.upstream import UpstreamClient, UpstreamCut, UpstreamResponse, UpstreamTimeout
+
+log = logging.getLogger("ctxfold.serve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +102,29 @@ def prompt_too_long(raw: bytes) -> PromptTooLong | None:
     return PromptTooLong(message[:300], max(others) if others else None, limit)
 
 
+def with_stream_usage(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``body`` asking for usage in the stream (``stream_options.include_usage``), or None when it asks
+    already (or its ``stream_options`` is not an object: the upstream judges that as it is)."""
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict) or options.get("include_usage") is True:
+        return None
+    out = dict(body)
+    out["stream_options"] = {**options, "include_usage": True}
+    return out
+
+
+# The "usage": null every chunk carries once usage is asked for (OpenAI's shape), removed from the events of
+# a client that did not ask. A quote inside a JSON string is escaped, so neither pattern matches in one.
+_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null|"usage"\s*:\s*null\s*,?\s*')
+
+
+def strip_null_usage(raw_event: bytes) -> bytes:
+    """An event without the ``"usage": null`` the proxy's asking for usage added to it."""
+    return _NULL_USAGE.sub(b"", raw_event)
+
+
 def _number(text: str) -> int:
     return int(text.replace(",", "")[:12])
 
@@ -136,17 +162,19 @@ class _Source:
 
 
 class JsonAnswer(_Source):
-    def __init__(self, request: web.Request, metrics: ProxyMetrics) -> None:
+    def __init__(self, request: web.Request, metrics: ProxyMetrics, extra_headers: Sequence[tuple[str, str]] = ()
+                 ) -> None:
         self.message, self.usage = {}, None
         self.request = request
         self.metrics = metrics
         self.resp = None
         self._raw = b""
         self._headers: list[tuple[str, str]] = []
+        self._extra_headers = list(extra_headers)
 
     async def read(self, up: UpstreamResponse) -> web.StreamResponse | None:
         self._raw = await up.read()
-        self._headers = relayed_headers(up.header_list, OWN_ANSWER_HEADERS)
+        self._headers = relayed_headers(up.header_list, OWN_ANSWER_HEADERS) + self._extra_headers
         try:
             data = fastjson.loads(self._raw)
             message = data["choices"][0]["message"]
@@ -178,9 +206,13 @@ class StreamAnswer(_Source):
     the answer. A recall round's text and reasoning reach the client; then the next answer's events.
     Any other answer gets its held events, in order: the bytes the client receives are the upstream's."""
 
-    def __init__(self, request: web.Request, *, recall: bool, read_timeout_s: float) -> None:
+    def __init__(self, request: web.Request, *, recall: bool, read_timeout_s: float, strip_usage: bool = False,
+                 extra_headers: Sequence[tuple[str, str]] = ()) -> None:
         self.request = request
         self.recall = recall
+        # The proxy asked for usage the client did not: the usage event and the chunks' "usage": null stay here.
+        self.strip_usage = strip_usage
+        self.extra_headers = extra_headers
         self.read_timeout_s = read_timeout_s
         self.resp = web.StreamResponse(status=200)
         self.message, self.usage = {}, None
@@ -204,19 +236,26 @@ class StreamAnswer(_Source):
         if resp is not None and not resp.prepared:  # the first round's head is the one the client gets
             for name, value in relayed_headers(up.header_list, OWN_ANSWER_HEADERS):
                 resp.headers.add(name, value)
+            for name, value in self.extra_headers:
+                resp.headers[name] = value
             resp.headers.setdefault("Content-Type", "text/event-stream")
             resp.headers.setdefault("Cache-Control", "no-cache")
         reader, answer = self.reader, self.answer
         try:
             async for chunk in up.iter_chunks():
-                if not self.recall:
+                if not self.recall and not self.strip_usage:
                     for _, data in reader.feed(chunk):
                         answer.add(data)
                     await self._send(chunk)
                     continue
                 out: list[bytes] = []
                 for raw_event, data in reader.feed(chunk):
-                    if hold_event(data, answer.add(data), self.recall_calls):
+                    parsed = answer.add(data)
+                    if self.strip_usage:
+                        if parsed is not None and parsed.get("choices") == [] and isinstance(parsed.get("usage"), dict):
+                            continue  # the usage event the client did not ask for
+                        raw_event = strip_null_usage(raw_event)
+                    if self.recall and hold_event(data, parsed, self.recall_calls):
                         self.held.append(raw_event)
                     else:
                         out.append(raw_event)
@@ -269,15 +308,24 @@ class Forwarder:
         self.config = config
         self.metrics = metrics
         self._client = client
+        self.stream_usage_missing = False  # the upstream sent no usage in a stream that asked for it (said once)
 
     async def forward(self, request: web.Request, store: ArchiveStore, body: dict[str, Any], payload: bytes,
-                      headers: dict[str, str], *, stream: bool, recall: bool, too_long_raises: bool
-                      ) -> tuple[web.StreamResponse, Answer | None]:
+                      headers: dict[str, str], *, stream: bool, recall: bool, too_long_raises: bool,
+                      extra_headers: Sequence[tuple[str, str]] = ()) -> tuple[web.StreamResponse, Answer | None]:
         """The response the client gets and, when the client has an answer whole, that answer.
-        ``too_long_raises``: a first-round 400 that says the prompt is too long raises PromptTooLong."""
+        ``too_long_raises``: a first-round 400 that says the prompt is too long raises PromptTooLong.
+        ``extra_headers``: the proxy's own headers on a successful answer. A stream whose client did not
+        ask for usage asks for it (``ProxyConfig.stream_usage``) and keeps it from the client."""
         upstream = self._client()
-        source: _Source = (StreamAnswer(request, recall=recall, read_timeout_s=self.config.read_timeout_s)
-                           if stream else JsonAnswer(request, self.metrics))
+        strip_usage = False
+        if stream and self.config.stream_usage:
+            asking = with_stream_usage(body)
+            if asking is not None:
+                body, payload, strip_usage = asking, fastjson.dumps(asking), True
+        source: _Source = (StreamAnswer(request, recall=recall, read_timeout_s=self.config.read_timeout_s,
+                                        strip_usage=strip_usage, extra_headers=extra_headers)
+                           if stream else JsonAnswer(request, self.metrics, extra_headers))
         rounds = 0
         recall_left = [self.config.max_recall_chars]  # read_archive output this request may still add
         while True:
@@ -322,6 +370,12 @@ class Forwarder:
             resp = source.resp
             if resp is None:
                 raise RuntimeError("an answer finished without a response")  # not reached: finish sets it
+            if stream and source.usage is None and not self.stream_usage_missing and (
+                    strip_usage or isinstance(body.get("stream_options"), dict)):
+                self.stream_usage_missing = True
+                log.warning("the upstream sends no usage in streamed answers, although asked "
+                            "(stream_options.include_usage): streamed answers do not calibrate the token "
+                            "estimate, answers that are not streamed do (said once)")
             return resp, Answer(source.message, source.usage, rounds)
 
     def upstream_failure(self, e: BaseException) -> web.Response:

@@ -142,6 +142,14 @@ class ProxyMetrics:
         self.spool_batches = Gauge("ctxfold_store_spool_batches",
                                    "Session writes waiting in the local spool for the shared store to come back.")
         self.sessions = Gauge("ctxfold_sessions", "Sessions held in memory.")
+        self.engine_checks = Counter(
+            "ctxfold_engine_checks_total", "Answers whose usage.prompt_tokens was compared with ctxfold's count of "
+            "the prompt sent (--engine-check), by whether they agree.", ("result",))
+        self.engine_prompt_tokens_diff = Gauge(
+            "ctxfold_engine_prompt_tokens_diff", "The engine's prompt tokens minus ctxfold's count, last compared.")
+        self.engine_divergences = Counter(
+            "ctxfold_engine_divergences_total", "What the startup probe found the engine does otherwise than "
+            "ctxfold counts: template, tokenizer, system_dropped, tool_dropped, tool_refused, ...", ("kind",))
         self.summary_seconds = Histogram(
             "ctxfold_summary_seconds", "Wall time of summary generation.", SUMMARY_BUCKETS_S)
         self.overhead_seconds = Histogram(
@@ -153,7 +161,8 @@ class ProxyMetrics:
         lines: list[str] = []
         for m in (self.requests, self.responses, self.bad_requests, self.upstream_errors, self.compactions,
                   self.compaction_failures, self.summary_fallbacks, self.tokens_saved, self.recall_calls,
-                  self.sessions, self.sessions_quarantined, self.sessions_forked, self.summary_seconds,
-                  self.overhead_seconds, self.spool_batches):
+                  self.sessions, self.sessions_quarantined, self.sessions_forked, self.spool_batches,
+                  self.engine_checks, self.engine_prompt_tokens_diff, self.engine_divergences,
+                  self.summary_seconds, self.overhead_seconds):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from ctxfold.errors import FormatError
 from ctxfold.formats.openai import message_from_openai
 from ctxfold.messages import Message
 from ctxfold.serve.config import ProxyConfig
+from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Answer
 from ctxfold.serve.sessions import ProxySession
 from ctxfold.serve.window import calibrate
@@ -40,14 +41,25 @@ def answer_message(c: Compactor, message: dict[str, Any], usage: Any, index: int
         return None
 
 
-async def record(config: ProxyConfig, session: ProxySession, answer: Answer,
-                 commit: Callable[[ProxySession], Awaitable[None]] | None = None) -> None:
+def prompt_tokens(c: Compactor, *, count: bool = False) -> int | None:
+    """ctxfold's count of the request the view makes (system, tools, messages, the generation prompt;
+    no reply reserve): what the engine should report as ``usage.prompt_tokens``. None when the view is
+    not counted yet, unless ``count`` (then it is counted now)."""
+    if not count and c.counted_occupancy_tokens() is None:
+        return None
+    return c.accounting.total_tokens
+
+
+async def record(config: ProxyConfig, session: ProxySession, answer: Answer, *, check: EngineCheck | None = None,
+                 predicted: int | None = None, commit: Callable[[ProxySession], Awaitable[None]] | None = None
+                 ) -> None:
     """Keep the answer in the session and, when it answers the request as the view was sent (no
-    recall round in between), calibrate the estimate with the upstream's count; then ``commit``
-    (a shared store: the answer written under the session's lease). Never raises: the response is
-    out, a failure here can only be logged."""
+    recall round in between), calibrate the estimate with the upstream's count, and compare the two
+    (``check``, on the answers it samples); then ``commit`` (a shared store: the answer written under
+    the session's lease). ``predicted``: the count of the request as it left, when the proxy made one.
+    Never raises: the response is out, a failure here can only be logged."""
     try:
-        await _record(config, session, answer)
+        await _record(config, session, answer, check, predicted)
         if commit is not None:
             await commit(session)
     except Spooled as e:
@@ -58,7 +70,8 @@ async def record(config: ProxyConfig, session: ProxySession, answer: Answer,
         log.exception("answer not recorded; the conversation's next request will bring it")
 
 
-async def _record(config: ProxyConfig, session: ProxySession, answer: Answer) -> None:
+async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, check: EngineCheck | None,
+                  predicted: int | None) -> None:
     c = session.compactor
     if session.resend_drop:  # a re-sent request: the session holds the answer it got the first time
         return
@@ -69,10 +82,16 @@ async def _record(config: ProxyConfig, session: ProxySession, answer: Answer) ->
     # The estimate of the request as it was sent, before the answer joins the view, when the trigger
     # check counted it: from about a fifth of the window on (where the byte bound meets a trigger
     # line), so the factor has settled long before it decides anything; below, nothing is counted.
+    # (Not the occupancy less the configured reply reserve: the reserve of a request may be larger.)
     usage = answer.usage
     reported = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    counted = c.counted_occupancy_tokens() if answer.rounds == 0 and config.compact.context_tokens else None
-    estimate = counted - c.config.reply_reserve() if counted is not None else None
+    estimate = None
+    if answer.rounds == 0:
+        estimate = predicted if predicted is not None else prompt_tokens(c)
+    if estimate is not None and isinstance(reported, int) and check is not None and check.due():
+        check.compare(estimate, reported)
+    if not config.compact.context_tokens:
+        estimate = None
     if config.fsync == "always":
         await asyncio.to_thread(c.append, m)  # fsync off the event loop
     else:
