@@ -55,6 +55,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
         import openai  # noqa: F401
     except ImportError:
         _missing("the openai package is not installed: pip install '.[test]'")
+    try:
+        import uvicorn  # noqa: F401  (what llama_cpp.server runs on: its [server] extra)
+    except ImportError:
+        _missing("llama_cpp.server's packages are not installed: pip install '.[llama-server]'")
     gguf = gemma_gguf_path()
     log = tmp_path_factory.mktemp("engine") / "llama_server.log"
     proc, url = start_llama_server(gguf, log, n_ctx=N_CTX)
