@@ -43,6 +43,7 @@ from synth import TRACES_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_REQUESTS_PER_CONVERSATION = 40
+PHASES = ("sequential", "paced", "traces", "saturated")
 # Replayed requests stop at this body size: about 75k tokens, well under the proxy's 128k window.
 TRACE_BODY_LIMIT_BYTES = 300_000
 
@@ -331,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if scripts is None:
             result["traces"] = {"status": f"no traces at {TRACES_DIR}"}
             del phases[2]
+        phases = [p for p in phases if p[0] in args.phases]
         for k, (name, n, think_s, workload) in enumerate(phases):
             cpu0 = {p.pid: cpu_seconds(p.pid) for p in (proxy, bare)}
             fired0 = compactions(proxy_url)
@@ -366,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream", action="store_true", help="streaming requests")
     ap.add_argument("--fsync", choices=("compactions", "always", "never"), default="compactions",
                     help="the proxy's --fsync (default: compactions, its own default)")
+    ap.add_argument("--phases", type=lambda v: v.split(","), default=list(PHASES), metavar="NAMES",
+                    help=f"comma-separated, of {','.join(PHASES)} (default: all)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="also write the result there")
     args = ap.parse_args(argv)
+    if unknown := sorted(set(args.phases) - set(PHASES)):
+        ap.error(f"--phases: no phase {', '.join(unknown)}; the phases are {', '.join(PHASES)}")
     result = run(args)
     text = json.dumps(result, indent=2)
     print(text)
