@@ -3,6 +3,7 @@ for summaries, an upstream that refuses a prompt as too long."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -16,6 +17,7 @@ import pytest
 
 from ctxfold.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
+from ctxfold.serve.app import uncancelled
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
 from proxy_helpers import chat, post, serve_in_background, start_proxy
@@ -59,6 +61,65 @@ def test_a_client_that_leaves_cancels_the_upstream_call_and_frees_its_conversati
     assert len(sessions) == 1
     texts = [m.text for m in Session(sessions[0]).restore().messages]
     assert texts[:3] == ["a slow question", "never mind", "next"]
+
+
+def test_work_that_must_finish_runs_at_once_and_to_its_end() -> None:
+    """What a request must not leave half done (an append, a recording): work that never waits ends
+    in the caller's own step, with no task and no turn of the event loop; work that waits runs to its
+    end when the caller is cancelled (on_cancel called once, the cancellation raised after it); what
+    the work's awaits raise reaches the work, and what it raises reaches the caller."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        caller = asyncio.current_task()
+
+        async def at_once() -> asyncio.Task[Any] | None:
+            return asyncio.current_task()
+
+        assert await uncancelled(at_once()) is caller
+
+        gate: asyncio.Future[int] = loop.create_future()
+        finished: list[int] = []
+        asked: list[str] = []
+
+        async def waits() -> int:
+            finished.append(await gate)
+            return finished[-1]
+
+        task = asyncio.ensure_future(uncancelled(waits(), lambda: asked.append("stop")))
+        await asyncio.sleep(0)
+        for _ in range(2):
+            task.cancel()
+            await asyncio.sleep(0)
+        assert not task.done() and asked == ["stop"]
+        gate.set_result(7)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished == [7]
+
+        failing: asyncio.Future[int] = loop.create_future()
+
+        async def catches() -> str:
+            try:
+                await failing
+            except KeyError:
+                return "caught"
+            return "not raised"
+
+        caught = asyncio.ensure_future(uncancelled(catches()))
+        await asyncio.sleep(0)
+        failing.set_exception(KeyError("x"))
+        assert await caught == "caught"
+
+        async def fails_after_waiting() -> None:
+            await asyncio.sleep(0)
+            raise ValueError("boom")
+
+        with pytest.raises(ValueError, match="boom"):
+            await uncancelled(fails_after_waiting())
+        assert await uncancelled(asyncio.to_thread(lambda: 5)) == 5
+
+    asyncio.run(main())
 
 
 # -- summaries through the proxy's own client --------------------------------------------------------

@@ -83,9 +83,10 @@ def open_fds_under(root: Path) -> int:
 
 @contextmanager
 def proxy_process(upstream_url: str, data_dir: Path, *, nofile: int | None = None, mount: str | None = None,
-                  extra: tuple[str, ...] = ()) -> Iterator[str]:
+                  extra: tuple[str, ...] = (), pids: list[int] | None = None) -> Iterator[str]:
     """``ctxfold serve`` in a child process; yields its URL. ``nofile``: its RLIMIT_NOFILE. ``mount``: a
-    shell command run first in a private mount namespace (a real full or read-only file system)."""
+    shell command run first in a private mount namespace (a real full or read-only file system; the
+    test reaches it through ``/proc/<pid>/root``). ``pids``: gets the proxy's process id."""
     argv = [sys.executable, "-m", "ctxfold", "serve", "--upstream", upstream_url, "--data-dir", str(data_dir),
             "--port", "0", "--summarizer", "extractive", "--no-fsync", "--event-loop", "asyncio", *extra]
 
@@ -97,6 +98,8 @@ def proxy_process(upstream_url: str, data_dir: Path, *, nofile: int | None = Non
         argv = ["unshare", "-m", *argv]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=ctxfold_env())
     assert proc.stderr is not None
+    if pids is not None:
+        pids.append(proc.pid)  # unshare and sh exec the proxy: one process throughout
     lines: list[str] = []
     url = None
     deadline = time.monotonic() + 60
@@ -513,6 +516,45 @@ def test_a_data_dir_that_takes_no_writes_passes_requests_through(
         health = httpx.get(f"{purl}/health")
         assert health.status_code == 503
         assert health.json()["status"] == "degraded" and "data directory" in health.json()["reason"]
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs unshare -m (mount namespaces) to mount a real file system")
+def test_a_disk_that_fills_while_a_request_is_out_loses_nothing(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    """A request that nothing compacts goes upstream before its messages are stored. When the disk is
+    full by then, the client still gets its answer, with a warning and /health saying why, and the
+    answer is not stored after the missing request. Once there is room, the next request stores the
+    whole history, each message once and in order."""
+    _, url = upstream
+    root = tmp_path / "fs"
+    root.mkdir()
+    pids: list[int] = []
+    with proxy_process(url, root, mount=f"mount -t tmpfs -o size=256k,mode=0700 tmpfs {root}", pids=pids) as purl:
+        turns = [("user", "hello")]
+        turns.append(("assistant", answer(post(purl, chat(*turns)))))
+        seen = Path(f"/proc/{pids[0]}/root") / root.relative_to("/")  # the proxy's file system, from here
+        filler = seen / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):  # to the last byte: ENOSPC ends it
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        more = "more " * 2000  # past the page the log has begun: its append needs a page there is no room for
+        turns.append(("user", more))
+        r = post(purl, chat(*turns))
+        assert answer(r) == f"echo: {more[:200]}" and "not compacted" in r.headers[WARNING_HEADER]
+        health = httpx.get(f"{purl}/health")
+        assert health.status_code == 503 and "data directory" in health.json()["reason"]
+        filler.unlink()
+        turns += [("assistant", f"echo: {more[:200]}"), ("user", "again")]
+        r = post(purl, chat(*turns))
+        assert answer(r) == "echo: again" and WARNING_HEADER not in r.headers
+        assert eventually(lambda: len(Session(session_dirs(seen)[0]).restore().messages) == len(turns) + 1)
+        assert [m.text for m in Session(session_dirs(seen)[0]).restore().messages] == \
+            [t for _, t in turns] + ["echo: again"]
 
 
 def test_the_tenant_key_comes_from_the_operator_when_given(

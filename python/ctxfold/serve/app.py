@@ -37,7 +37,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine, Generator
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
@@ -104,12 +105,22 @@ async def add_warning_headers(request: web.Request, response: web.StreamResponse
         response.headers.add(WARNING_HEADER, " ".join(text.split()).encode("ascii", "replace").decode())
 
 
-async def uncancelled(work: Awaitable[T], on_cancel: Callable[[], None] | None = None) -> T:
+async def uncancelled(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None] | None = None) -> T:
     """``await work`` to its end even when the awaiting task is cancelled (its client left); the
     cancellation is raised after it. For work that must not stop half way: a compactor's append and
     passes (in a worker thread, which a cancellation would not stop anyway), recording an answer.
-    ``on_cancel`` is called at the cancellation: to ask the work to finish early (a summary stops)."""
-    task = asyncio.ensure_future(work)
+    ``on_cancel`` is called at the cancellation: to ask the work to finish early (a summary stops).
+
+    The work's first step runs at once, in the caller: a cancellation reaches a coroutine only where
+    it waits, and the usual request's work never waits (nothing to load, nothing fires), so it ends
+    in that step and needs no task of its own. A task would start a turn of the event loop later and
+    its caller resume one turn after that: under load, each turn waits behind every other connection's
+    callbacks (Python 3.12's eager tasks do the same; this runs on 3.11)."""
+    try:
+        waiting_on = work.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    task = asyncio.ensure_future(_resumed(work, waiting_on))
     cancelled = False
     while True:
         try:
@@ -124,6 +135,34 @@ async def uncancelled(work: Awaitable[T], on_cancel: Callable[[], None] | None =
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+async def _resumed(work: Coroutine[Any, Any, T], waiting_on: Any) -> T:
+    """``work`` from where its first step stopped (it yielded ``waiting_on``, a future it waits on), as
+    a task drives it: what the task sends or throws in goes on to ``work``."""
+    while True:
+        try:
+            sent = await _Yield(waiting_on)
+        except BaseException as e:  # noqa: BLE001 - thrown in by the task: the work's to handle
+            step = partial(work.throw, e)
+        else:
+            step = partial(work.send, sent)
+        try:
+            waiting_on = step()
+        except StopIteration as done:
+            return cast(T, done.value)
+
+
+class _Yield:
+    """Awaiting it yields ``value`` to the task and returns what the task sends back."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return (yield self.value)
 
 
 class ProxyApp:
@@ -396,11 +435,16 @@ class ProxyApp:
         """The request as the client sent it, uncompacted, when its session cannot be written: the
         client gets an answer and a warning, and loses nothing (its next request carries the whole
         history, which is stored once the data directory, or the store, takes writes again)."""
+        self._note_pass_through(request, reason, label)
+        headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
+        return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
+
+    def _note_pass_through(self, request: web.Request, reason: str, label: str) -> None:
+        """A request that goes (or went) upstream as the client sent it, its messages not stored: logged,
+        counted, and said to the client in a warning header."""
         log.error("request passed through uncompacted: %s", reason)
         self.metrics.bad_requests.inc(label)
         request_warnings(request).append(f"not compacted: {reason}")
-        headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
-        return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
 
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
         """Under the conversation's lock: route, compact, forward, record."""
@@ -411,43 +455,65 @@ class ProxyApp:
         headers = dict(relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS))
         headers["Content-Type"] = "application/json"
         store = out.session.compactor.store
-        predicted, own = self._own_headers(out)
         try:
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,
                                                         stream=parsed.stream, recall=out.recall, too_long_raises=True,
-                                                        extra_headers=own)
+                                                        extra_headers=partial(self._own_headers, out),
+                                                        on_sent=partial(self._store_pending, request, out))
         except PromptTooLong as e:
             # The engine counts more than ctxfold does (or its window is smaller than --context-tokens):
             # compact to a lower window and ask once more; the client sees that one answer.
             self.metrics.upstream_errors.inc("context_length_exceeded")
             log.warning("the upstream refused a prompt as too long (%s); compacting further and retrying once", e)
-            lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens), left.set)
+            lowered = None
+            if out.stored:  # else the session lacks the request: a view built from it would too
+                lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens), left.set)
             if lowered is None:  # no window known to aim lower at: the client gets the refusal
                 refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)
             lowered.compactions += out.compactions
             out = lowered
-            predicted, own = self._own_headers(out)
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,
                                                         stream=parsed.stream, recall=out.recall,
-                                                        too_long_raises=False, extra_headers=own)
+                                                        too_long_raises=False,
+                                                        extra_headers=partial(self._own_headers, out))
+        finally:  # the forwarding ended without sending the request (no upstream, the client left)
+            self._store_pending(request, out)
         self._counted(request, resp)
-        if answer is not None:
-            await uncancelled(record(self.config, out.session, answer, check=self.engine_check, predicted=predicted,
+        if answer is not None and out.stored:
+            await uncancelled(record(self.config, out.session, answer, check=self.engine_check,
                                      commit=self._commit_answer))
         return resp
 
-    def _own_headers(self, out: Outgoing) -> tuple[int | None, list[tuple[str, str]]]:
-        """ctxfold's count of the request as it leaves (None when it was not counted: below about a fifth
-        of the window, unless --engine-check every), and the headers that tell the client what the proxy
-        did: that count, the compactions this request made and the KV their plan keeps."""
+    def _store_pending(self, request: web.Request, out: Outgoing) -> None:
+        """The request's append that waited for its sending (:attr:`Outgoing.pending`), once. It cannot
+        fail the request, which is on its way: a failure is said as a pass-through says it (a warning
+        header; /health for the data directory), and the answer is not recorded (``out.stored``)."""
+        pending, out.pending = out.pending, None
+        if pending is None:
+            return
+        try:
+            pending()
+        except Exception as e:  # said below; the answer reaches the client all the same
+            out.stored = False
+            if is_storage_error(e):
+                self._note_pass_through(request, self.sessions.note_storage_error(e), "storage_error")
+            else:
+                log.exception("internal error while storing a request's messages")
+                self._note_pass_through(request, f"internal error in ctxfold serve ({type(e).__name__}: {e})",
+                                        "internal_error")
+
+    def _own_headers(self, out: Outgoing) -> list[tuple[str, str]]:
+        """The headers that tell the client what the proxy did: ctxfold's count of the request as it left
+        (when it was counted: from about a fifth of the window on, or every request with --engine-check
+        every), the compactions this request made and the KV their plan keeps."""
         predicted = prompt_tokens(out.session.compactor, count=self.engine_check.counts_every_request)
         own: list[tuple[str, str]] = [("X-Ctxfold-Compactions", str(out.compactions))]
         if predicted is not None:
             own.append(("X-Ctxfold-Prompt-Tokens", str(predicted)))
         if out.kv_reused_tokens is not None:
             own.append(("X-Ctxfold-Kv-Reused-Tokens", str(out.kv_reused_tokens)))
-        return predicted, own
+        return own
 
     async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str]) -> Outgoing:
         """The session the request continues (a new one when none), with its new messages stored and

@@ -6,7 +6,10 @@ Called under the conversation's lock, after the request was routed to its sessio
 it): a compactor left half way through an append would not match its log.
 
 Appending costs a thread hop only when something may fire or be flushed (:meth:`CompactionStep.inline`):
-the common request appends on the event loop and goes out at once.
+the common request appends on the event loop. When, besides, the view is the client's messages as
+they came (nothing was ever compacted), what goes upstream does not depend on the append: the request
+goes out first and the append runs while the upstream works (:attr:`Outgoing.pending`). On the
+benchmark machine that took about 0.3 ms off the median latency the proxy adds (``bench/bench_serve.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ctxfold import fastjson
@@ -49,6 +53,12 @@ class Outgoing:
     # The engine's KV the last applied pass of this request plans to keep (its exact common prefix with the
     # request before, page-aligned), None when none was applied or it has no plan.
     kv_reused_tokens: int | None = None
+    # The request's own append, when it need not come before the sending: nothing can fire and the
+    # client's messages go out as they came (CompactionStep.prepare). Run once the request is on its
+    # way upstream (while the upstream works: less latency added), or when the forwarding ends without
+    # sending it; raises as the append does (a storage error).
+    pending: Callable[[], None] | None = None
+    stored: bool = True  # False when the pending append failed: the answer is not recorded
 
 
 def failure_kind(reason: str | None) -> str:
@@ -110,17 +120,23 @@ class CompactionStep:
         if tools != session.tools_wire:
             c.update_tools(specs)
             session.tools_wire = tools
-        if self.inline(c, new):
+        quiet = self.inline(c, new)
+        # Nothing can fire and the view is the client's messages as they came: what goes upstream is the
+        # same before the append as after it, so the append waits until the request is on its way and
+        # runs while the upstream works (Outgoing.pending).
+        defer = quiet and not session.resend_drop and c.view == c.originals
+        events: list[CompactionEvent] = []
+        if quiet and not defer:
             events = self._ingest(session, new, parsed.messages, quiet=True)
-        else:
+        elif not quiet:
             events = await asyncio.to_thread(self._ingest, session, new, parsed.messages)
         self.count_events(events)
         if not has_own_recall and not session.inject_recall:
             # Offer the tool once the conversation has archived outputs: from a pass of this request, in
             # the messages it brought, or (first request after a restart) anywhere in the view.
-            scan = new if session.recall_scanned else c.view
-            session.recall_scanned = True
-            if tools or _has_archive_marker(scan) or any(e.archived for e in events):
+            scanned, session.recall_scanned = session.recall_scanned, True
+            if tools or _has_archive_marker(new) or (not scanned and _has_archive_marker(c.view)) \
+                    or any(e.archived for e in events):
                 session.inject_recall = True
         out = self._outgoing(parsed, session, recall=session.inject_recall and not has_own_recall,
                              own_recall=has_own_recall)
@@ -129,7 +145,13 @@ class CompactionStep:
         out.compactions = len(applied)
         planned = [e.kv for e in applied if e.kv is not None]
         out.kv_reused_tokens = planned[-1].tokens_reused if planned else None
+        if defer:
+            out.pending = partial(self._append_quiet, session, new, parsed.messages)
         return out
+
+    def _append_quiet(self, session: ProxySession, new: list[Message], sent: list[dict[str, Any]]) -> None:
+        """The append of a request whose sending did not wait for it (:attr:`Outgoing.pending`)."""
+        self.count_events(self._ingest(session, new, sent, quiet=True))
 
     async def lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
                     limit_tokens: int | None) -> Outgoing | None:

@@ -162,19 +162,19 @@ class _Source:
 
 
 class JsonAnswer(_Source):
-    def __init__(self, request: web.Request, metrics: ProxyMetrics, extra_headers: Sequence[tuple[str, str]] = ()
-                 ) -> None:
+    def __init__(self, request: web.Request, metrics: ProxyMetrics,
+                 extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple) -> None:
         self.message, self.usage = {}, None
         self.request = request
         self.metrics = metrics
         self.resp = None
         self._raw = b""
         self._headers: list[tuple[str, str]] = []
-        self._extra_headers = list(extra_headers)
+        self._extra_headers = extra_headers
 
     async def read(self, up: UpstreamResponse) -> web.StreamResponse | None:
         self._raw = await up.read()
-        self._headers = relayed_headers(up.header_list, OWN_ANSWER_HEADERS) + self._extra_headers
+        self._headers = relayed_headers(up.header_list, OWN_ANSWER_HEADERS) + list(self._extra_headers())
         try:
             data = fastjson.loads(self._raw)
             message = data["choices"][0]["message"]
@@ -207,7 +207,7 @@ class StreamAnswer(_Source):
     Any other answer gets its held events, in order: the bytes the client receives are the upstream's."""
 
     def __init__(self, request: web.Request, *, recall: bool, read_timeout_s: float, strip_usage: bool = False,
-                 extra_headers: Sequence[tuple[str, str]] = ()) -> None:
+                 extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple) -> None:
         self.request = request
         self.recall = recall
         # The proxy asked for usage the client did not: the usage event and the chunks' "usage": null stay here.
@@ -236,7 +236,7 @@ class StreamAnswer(_Source):
         if resp is not None and not resp.prepared:  # the first round's head is the one the client gets
             for name, value in relayed_headers(up.header_list, OWN_ANSWER_HEADERS):
                 resp.headers.add(name, value)
-            for name, value in self.extra_headers:
+            for name, value in self.extra_headers():
                 resp.headers[name] = value
             resp.headers.setdefault("Content-Type", "text/event-stream")
             resp.headers.setdefault("Cache-Control", "no-cache")
@@ -312,11 +312,14 @@ class Forwarder:
 
     async def forward(self, request: web.Request, store: ArchiveStore, body: dict[str, Any], payload: bytes,
                       headers: dict[str, str], *, stream: bool, recall: bool, too_long_raises: bool,
-                      extra_headers: Sequence[tuple[str, str]] = ()) -> tuple[web.StreamResponse, Answer | None]:
+                      extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple,
+                      on_sent: Callable[[], None] | None = None) -> tuple[web.StreamResponse, Answer | None]:
         """The response the client gets and, when the client has an answer whole, that answer.
         ``too_long_raises``: a first-round 400 that says the prompt is too long raises PromptTooLong.
-        ``extra_headers``: the proxy's own headers on a successful answer. A stream whose client did not
-        ask for usage asks for it (``ProxyConfig.stream_usage``) and keeps it from the client."""
+        ``extra_headers``: the proxy's own headers on a successful answer, asked for when its head is
+        built. ``on_sent``: called once the request is on its way upstream (the first round's; see
+        :meth:`UpstreamClient.post`). A stream whose client did not ask for usage asks for it
+        (``ProxyConfig.stream_usage``) and keeps it from the client."""
         upstream = self._client()
         strip_usage = False
         if stream and self.config.stream_usage:
@@ -331,7 +334,7 @@ class Forwarder:
         while True:
             too_long: PromptTooLong | None = None
             try:
-                async with upstream.post(payload, headers) as up:
+                async with upstream.post(payload, headers, on_sent=on_sent if rounds == 0 else None) as up:
                     if up.status != 200:
                         raw = await up.read()
                         self.metrics.upstream_errors.inc("status")

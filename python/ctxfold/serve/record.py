@@ -51,15 +51,14 @@ def prompt_tokens(c: Compactor, *, count: bool = False) -> int | None:
 
 
 async def record(config: ProxyConfig, session: ProxySession, answer: Answer, *, check: EngineCheck | None = None,
-                 predicted: int | None = None, commit: Callable[[ProxySession], Awaitable[None]] | None = None
-                 ) -> None:
+                 commit: Callable[[ProxySession], Awaitable[None]] | None = None) -> None:
     """Keep the answer in the session and, when it answers the request as the view was sent (no
     recall round in between), calibrate the estimate with the upstream's count, and compare the two
     (``check``, on the answers it samples); then ``commit`` (a shared store: the answer written under
-    the session's lease). ``predicted``: the count of the request as it left, when the proxy made one.
+    the session's lease).
     Never raises: the response is out, a failure here can only be logged."""
     try:
-        await _record(config, session, answer, check, predicted)
+        await _record(config, session, answer, check)
         if commit is not None:
             await commit(session)
     except Spooled as e:
@@ -70,8 +69,7 @@ async def record(config: ProxyConfig, session: ProxySession, answer: Answer, *, 
         log.exception("answer not recorded; the conversation's next request will bring it")
 
 
-async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, check: EngineCheck | None,
-                  predicted: int | None) -> None:
+async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, check: EngineCheck | None) -> None:
     c = session.compactor
     if session.resend_drop:  # a re-sent request: the session holds the answer it got the first time
         return
@@ -87,7 +85,7 @@ async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, ch
     reported = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     estimate = None
     if answer.rounds == 0:
-        estimate = predicted if predicted is not None else prompt_tokens(c)
+        estimate = prompt_tokens(c)  # counted already when the request was (the X-Ctxfold-Prompt-Tokens header)
     if estimate is not None and isinstance(reported, int) and check is not None and check.due():
         check.compare(estimate, reported)
     if not config.compact.context_tokens:

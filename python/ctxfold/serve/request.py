@@ -187,6 +187,8 @@ def relayed_headers(pairs: Iterable[tuple[str, str]], drop: frozenset[str]) -> l
 
 async def read_body(request: web.Request, config: ProxyConfig) -> bytes:
     """The body within ``max_body_bytes`` (else 413) and ``client_timeout_s`` (else 408)."""
+    if request.content.is_eof():  # all of it has arrived (the usual request): nothing to wait for, no timer
+        return await _read_body_unbounded(request, config.max_body_bytes)
     try:
         async with asyncio.timeout(config.client_timeout_s):
             return await _read_body_unbounded(request, config.max_body_bytes)

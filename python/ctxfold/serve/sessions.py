@@ -99,31 +99,37 @@ def fingerprint_wire(d: Mapping[str, Any]) -> bytes:
     Every field goes in with a tag and its length in bytes: two different messages cannot feed the
     hash the same bytes, whatever their text holds (separators alone let text that contains one
     shift a field boundary)."""
-    h = hashlib.blake2b(digest_size=16)
-
-    def field(tag: bytes, value: Any) -> None:
-        # A string and a JSON value that prints the same ("[1]" and [1]) are different content.
-        data = _text(value).encode("utf-8", "surrogatepass")
-        h.update(tag + (b"s" if isinstance(value, str) else b"j") + len(data).to_bytes(8, "little") + data)
-
+    parts: list[bytes] = []
     role = d.get("role")
-    field(b"r", "system" if role == "developer" else role)
+    _field(parts, b"r", "system" if role == "developer" else role)
     content = d.get("content")
-    field(b"c", "" if content is None else content)
+    _field(parts, b"c", "" if content is None else content)
     calls = d.get("tool_calls")
     if isinstance(calls, list):
-        h.update(b"L" + len(calls).to_bytes(8, "little"))
+        parts.append(b"L" + len(calls).to_bytes(8, "little"))
         for c in calls:
             fn = c.get("function") if isinstance(c, dict) else None
             fn = fn if isinstance(fn, dict) else {}
-            field(b"i", c.get("id") if isinstance(c, dict) else c)
-            field(b"n", fn.get("name"))
-            field(b"a", fn.get("arguments", ""))
+            _field(parts, b"i", c.get("id") if isinstance(c, dict) else c)
+            _field(parts, b"n", fn.get("name"))
+            _field(parts, b"a", fn.get("arguments", ""))
     elif calls is not None:
-        field(b"T", calls)
+        _field(parts, b"T", calls)
     if role == "tool":
-        field(b"t", d.get("tool_call_id"))
-    return h.digest()
+        _field(parts, b"t", d.get("tool_call_id"))
+    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
+
+
+def _field(parts: list[bytes], tag: bytes, value: Any) -> None:
+    """One field of a fingerprint: its tag, its kind (a string and a JSON value that prints the same,
+    "[1]" and [1], are different content), its length and its UTF-8 bytes."""
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+        parts.append(tag + b"s" + len(data).to_bytes(8, "little"))
+    else:
+        data = _text(value).encode("utf-8", "surrogatepass")
+        parts.append(tag + b"j" + len(data).to_bytes(8, "little"))
+    parts.append(data)
 
 
 def fingerprint(m: Message) -> bytes:
@@ -292,8 +298,8 @@ WARNING_HEADER = "X-Ctxfold-Warning"  # what the proxy could not do for a reques
 # uncompacted (the client sends its history again with the next request, so nothing is lost).
 # (Not EIO: a read can fail with it too, after an answer has begun, where passing through is too late.)
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
-STORAGE_ERROR_HOLD_S = 60.0
-MIN_FREE_BYTES = 1 << 20  # below this, /health calls the data directory full  # /health reports a failed write for this long after it
+STORAGE_ERROR_HOLD_S = 60.0  # /health reports a failed write for this long after it
+MIN_FREE_BYTES = 1 << 20  # below this, /health calls the data directory full
 
 
 def is_storage_error(error: BaseException) -> bool:
