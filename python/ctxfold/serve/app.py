@@ -10,7 +10,9 @@ completion goes through the modules below, each calling only those after it:
    into it), under that conversation's lock;
 3. :mod:`~ctxfold.serve.compaction`: append the new messages to its compactor, run the automatic
    passes and build the outgoing body from the compacted view (``read_archive`` offered once the
-   conversation has archived outputs);
+   conversation has archived outputs); when nothing can fire and the view is the client's messages as
+   they came, the body is built first and the append runs once the request is on its way upstream
+   (:attr:`~ctxfold.serve.compaction.Outgoing.pending`);
 4. :mod:`~ctxfold.serve.forward`: send it upstream and the answer back, JSON or event stream, the
    upstream's bytes and headers unchanged, answering the model's ``read_archive`` calls itself
    (:mod:`~ctxfold.serve.recall`); an upstream that refuses the prompt as too long gets it again
@@ -37,7 +39,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -105,22 +107,15 @@ async def add_warning_headers(request: web.Request, response: web.StreamResponse
         response.headers.add(WARNING_HEADER, " ".join(text.split()).encode("ascii", "replace").decode())
 
 
-async def uncancelled(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None] | None = None) -> T:
+async def uncancelled(work: Awaitable[T], on_cancel: Callable[[], None] | None = None) -> T:
     """``await work`` to its end even when the awaiting task is cancelled (its client left); the
     cancellation is raised after it. For work that must not stop half way: a compactor's append and
     passes (in a worker thread, which a cancellation would not stop anyway), recording an answer.
     ``on_cancel`` is called at the cancellation: to ask the work to finish early (a summary stops).
-
-    The work's first step runs at once, in the caller: a cancellation reaches a coroutine only where
-    it waits, and the usual request's work never waits (nothing to load, nothing fires), so it ends
-    in that step and needs no task of its own. A task would start a turn of the event loop later and
-    its caller resume one turn after that: under load, each turn waits behind every other connection's
-    callbacks (Python 3.12's eager tasks do the same; this runs on 3.11)."""
-    try:
-        waiting_on = work.send(None)
-    except StopIteration as done:
-        return cast(T, done.value)
-    task = asyncio.ensure_future(_resumed(work, waiting_on))
+    (Running the work's first step in the caller instead of a task of its own made no difference
+    the benchmark could see once the usual request's append waited for its sending; and a timeout
+    the work enters there would belong to the caller's task.)"""
+    task = asyncio.ensure_future(work)
     cancelled = False
     while True:
         try:
@@ -135,34 +130,6 @@ async def uncancelled(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None
     if cancelled:
         raise asyncio.CancelledError
     return result
-
-
-async def _resumed(work: Coroutine[Any, Any, T], waiting_on: Any) -> T:
-    """``work`` from where its first step stopped (it yielded ``waiting_on``, a future it waits on), as
-    a task drives it: what the task sends or throws in goes on to ``work``."""
-    while True:
-        try:
-            sent = await _Yield(waiting_on)
-        except BaseException as e:  # noqa: BLE001 - thrown in by the task: the work's to handle
-            step = partial(work.throw, e)
-        else:
-            step = partial(work.send, sent)
-        try:
-            waiting_on = step()
-        except StopIteration as done:
-            return cast(T, done.value)
-
-
-class _Yield:
-    """Awaiting it yields ``value`` to the task and returns what the task sends back."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        return (yield self.value)
 
 
 class ProxyApp:
@@ -468,7 +435,7 @@ class ProxyApp:
             lowered = None
             if out.stored:  # else the session lacks the request: a view built from it would too
                 lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens), left.set)
-            if lowered is None:  # no window known to aim lower at: the client gets the refusal
+            if lowered is None:  # no window to aim lower at, or no request stored: the client gets the refusal
                 refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)
             lowered.compactions += out.compactions
@@ -507,8 +474,10 @@ class ProxyApp:
         """The headers that tell the client what the proxy did: ctxfold's count of the request as it left
         (when it was counted: from about a fifth of the window on, or every request with --engine-check
         every), the compactions this request made and the KV their plan keeps."""
-        predicted = prompt_tokens(out.session.compactor, count=self.engine_check.counts_every_request)
         own: list[tuple[str, str]] = [("X-Ctxfold-Compactions", str(out.compactions))]
+        if not out.stored:  # the session lacks the request: a count of it would be short
+            return own
+        predicted = prompt_tokens(out.session.compactor, count=self.engine_check.counts_every_request)
         if predicted is not None:
             own.append(("X-Ctxfold-Prompt-Tokens", str(predicted)))
         if out.kv_reused_tokens is not None:

@@ -9,7 +9,8 @@ Appending costs a thread hop only when something may fire or be flushed (:meth:`
 the common request appends on the event loop. When, besides, the view is the client's messages as
 they came (nothing was ever compacted), what goes upstream does not depend on the append: the request
 goes out first and the append runs while the upstream works (:attr:`Outgoing.pending`). On the
-benchmark machine that took about 0.3 ms off the median latency the proxy adds (``bench/bench_serve.py``).
+benchmark machine that took about 0.6 ms off the median latency the proxy adds with 64 paced
+conversations (``bench/bench_serve.py``; the figures are in docs/serve.md).
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ class Outgoing:
     # The request's own append, when it need not come before the sending: nothing can fire and the
     # client's messages go out as they came (CompactionStep.prepare). Run once the request is on its
     # way upstream (while the upstream works: less latency added), or when the forwarding ends without
-    # sending it; raises as the append does (a storage error).
+    # sending it; raises as the append does (a storage error). A request that fails before it is
+    # forwarded (the store refused the step's commit) drops it: the client's next request carries
+    # those messages again.
     pending: Callable[[], None] | None = None
-    stored: bool = True  # False when the pending append failed: the answer is not recorded
+    stored: bool = True  # False when the pending append failed: the session lacks the request
 
 
 def failure_kind(reason: str | None) -> str:
@@ -93,8 +96,10 @@ class CompactionStep:
     async def prepare(self, parsed: ParsedRequest, session: ProxySession | None,
                       create: Callable[[Conversation], Awaitable[ProxySession]]) -> Outgoing:
         """Store the request's new messages in ``session`` (None: a new conversation, made by
-        ``create``), compact, and build what goes upstream. Raises BadRequest for a message or tool
-        that is wrong (before anything is stored) and NoFitError when no compaction can fit it."""
+        ``create``), compact, and build what goes upstream; or, when nothing can fire and what goes
+        upstream is the client's messages, build it and leave the append to :attr:`Outgoing.pending`.
+        Raises BadRequest for a message or tool that is wrong (before anything is stored) and
+        NoFitError when no compaction can fit it."""
         known = session.num_known if session is not None else 0
         new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
         tools = parsed.body.get("tools") or []

@@ -124,7 +124,9 @@ class ProxyMetrics:
                                 f"{MAX_TENANT_LABELS} seen; the rest as other).", ["stream", "tenant"])
         self.responses = Counter("ctxfold_responses_total", "Chat completion responses sent, by HTTP status and "
                                  "tenant.", ["status", "tenant"])
-        self.bad_requests = Counter("ctxfold_bad_requests_total", "Requests rejected before forwarding.", ["reason"])
+        self.bad_requests = Counter("ctxfold_bad_requests_total", "Requests refused, or passed through "
+                                    "uncompacted (storage_error, store_unavailable, internal_error), by reason.",
+                                    ["reason"])
         self.upstream_errors = Counter(
             "ctxfold_upstream_errors_total", "Upstream failures: connect, timeout, status, cut_stream.", ["kind"])
         self.compactions = Counter("ctxfold_compactions_total", "Compaction passes applied.", ["kind", "trigger"])
