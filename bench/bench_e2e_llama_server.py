@@ -38,9 +38,10 @@ from llama_server import (
     TurnResult,
     chat_only_turns,
     free_port,
+    launch,
     replay,
     start_llama_server,
-    wait_ready,
+    stop,
 )
 from synth import TRACES_DIR
 
@@ -73,11 +74,8 @@ def start_proxy(engine_url: str, gguf: Path, data_dir: Path, log: Path, args: ar
            "--tokenizer", f"gguf:{gguf}", "--template", f"file:{GEMMA_FORMAT_TEMPLATE}",
            "--summarizer", args.summarizer, "--summary-timeout-s", str(args.summary_timeout_s),
            "--engine-check", "every", "--data-dir", str(data_dir)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
-    wait_ready(base + "/health", proc, 120.0, log)
-    return proc, base
+    return launch(cmd, log, base + "/health"), base
 
 
 def summarize(rows: list[TurnResult], control: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -147,8 +145,7 @@ def main() -> int:
                 with urllib.request.urlopen(base + "/health", timeout=10) as h:
                     health = json.loads(h.read())
             finally:
-                proxy.terminate()
-                proxy.wait(timeout=30)
+                stop(proxy)
             proxied_s = time.perf_counter() - t0
             proxy_log = (tmp / "proxy.log").read_text(errors="replace")
             control: dict[str, Any] = {}
@@ -164,8 +161,7 @@ def main() -> int:
                                      if last.status != "ok" else {"refused_at_turn": None, "of": len(turns)})
                     print(f"control {name}: {control[name]}", flush=True)
         finally:
-            engine.terminate()
-            engine.wait(timeout=30)
+            stop(engine)
     result = summarize(rows, control, names)
     result.update({"n_ctx": args.n_ctx, "max_tokens": args.max_tokens, "turn_chars": args.turn_chars,
                    "summarizer": args.summarizer, "proxied_seconds": proxied_s, "engine_check": health["engine_check"],

@@ -56,16 +56,33 @@ def start_llama_server(gguf: Path, log: Path, *, n_ctx: int = 4096, threads: int
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model", str(gguf), "--n_ctx", str(n_ctx),
            "--chat_format", chat_format, "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
            "--n_threads_batch", str(threads), "--seed", "0"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
+    return launch(cmd, log, base + "/v1/models"), base + "/v1"
+
+
+def launch(cmd: list[str], log: Path, ready_url: str, *, env: dict[str, str] | None = None
+           ) -> subprocess.Popen[bytes]:
+    """``cmd`` started with its output in ``log``, once ``ready_url`` answers (within 120 s; else it is
+    killed and the error names the log)."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     try:
-        wait_ready(base + "/v1/models", proc, 120.0, log)
+        wait_ready(ready_url, proc, 120.0, log)
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    return proc, base + "/v1"
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def prefix_hits(log: Path, start: int = 0) -> tuple[list[int], int]:

@@ -35,9 +35,10 @@ from llama_server import (
     TurnResult,
     chat_only_turns,
     free_port,
+    launch,
     replay,
     start_llama_server,
-    wait_ready,
+    stop,
 )
 from subprocess_env import ctxfold_env
 
@@ -65,12 +66,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     try:
         yield url, log, gguf
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def start_proxy(engine_url: str, gguf: Path, template: str, data_dir: Path, log: Path
@@ -80,26 +76,8 @@ def start_proxy(engine_url: str, gguf: Path, template: str, data_dir: Path, log:
            "--context-tokens", str(N_CTX), "--reply-reserve-tokens", str(4 * MAX_TOKENS),
            "--tokenizer", f"gguf:{gguf}", "--template", template, "--summarizer", "extractive",
            "--engine-check", "every", "--data-dir", str(data_dir)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=ctxfold_env())
     base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(base + "/health", proc, 120.0, log)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, base
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return launch(cmd, log, base + "/health", env=ctxfold_env()), base
 
 
 def get_json(url: str) -> Any:
