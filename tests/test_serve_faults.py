@@ -63,13 +63,23 @@ def test_a_client_that_leaves_cancels_the_upstream_call_and_frees_its_conversati
     assert texts[:3] == ["a slow question", "never mind", "next"]
 
 
-def test_work_that_must_finish_runs_to_its_end_when_its_caller_is_cancelled() -> None:
+@pytest.mark.parametrize("eager", [False, True])
+def test_work_that_must_finish_runs_to_its_end_when_its_caller_is_cancelled(eager: bool) -> None:
     """What a request must not leave half done (an append, a recording): work that waits runs to its
     end when the caller is cancelled (on_cancel called once, the cancellation raised after it); what
-    the work's awaits raise reaches the work, and what it raises reaches the caller."""
+    the work's awaits raise reaches the work, and what it raises reaches the caller. Eager, work that
+    never waits ends in the caller's own step (no task, no turn of the event loop); without, in a
+    task of its own."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        caller = asyncio.current_task()
+
+        async def at_once() -> asyncio.Task[Any] | None:
+            return asyncio.current_task()
+
+        ran_in = await uncancelled(at_once(), eager=eager)
+        assert (ran_in is caller) == eager
         gate: asyncio.Future[int] = loop.create_future()
         finished: list[int] = []
         asked: list[str] = []
@@ -78,7 +88,7 @@ def test_work_that_must_finish_runs_to_its_end_when_its_caller_is_cancelled() ->
             finished.append(await gate)
             return finished[-1]
 
-        task = asyncio.ensure_future(uncancelled(waits(), lambda: asked.append("stop")))
+        task = asyncio.ensure_future(uncancelled(waits(), lambda: asked.append("stop"), eager=eager))
         await asyncio.sleep(0)
         for _ in range(2):
             task.cancel()
@@ -98,7 +108,7 @@ def test_work_that_must_finish_runs_to_its_end_when_its_caller_is_cancelled() ->
                 return "caught"
             return "not raised"
 
-        caught = asyncio.ensure_future(uncancelled(catches()))
+        caught = asyncio.ensure_future(uncancelled(catches(), eager=eager))
         await asyncio.sleep(0)
         failing.set_exception(KeyError("x"))
         assert await caught == "caught"
@@ -108,8 +118,8 @@ def test_work_that_must_finish_runs_to_its_end_when_its_caller_is_cancelled() ->
             raise ValueError("boom")
 
         with pytest.raises(ValueError, match="boom"):
-            await uncancelled(fails_after_waiting())
-        assert await uncancelled(asyncio.to_thread(lambda: 5)) == 5
+            await uncancelled(fails_after_waiting(), eager=eager)
+        assert await uncancelled(asyncio.to_thread(lambda: 5), eager=eager) == 5
 
     asyncio.run(main())
 
