@@ -41,12 +41,12 @@ def encode_message(m: Message) -> dict[str, Any]:
             d[flag] = True
     if m.usage is not None:
         u = m.usage
-        d["usage"] = {
-            "prompt_tokens": u.prompt_tokens,
-            "completion_tokens": u.completion_tokens,
-            "cached_prompt_tokens": u.cached_prompt_tokens,
-            "extra": dict(u.extra),
-        }
+        # Counts the upstream did not give are left out like any default: a record with no null in it
+        # is written without a walk for NaN (fastjson.dumps_record), and every answer has a usage.
+        d["usage"] = {k: v for k, v in (("prompt_tokens", u.prompt_tokens), ("completion_tokens", u.completion_tokens),
+                                        ("cached_prompt_tokens", u.cached_prompt_tokens)) if v is not None}
+        if u.extra:
+            d["usage"]["extra"] = dict(u.extra)
     if m.extra:
         d["extra"] = dict(m.extra)
     return d

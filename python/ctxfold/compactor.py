@@ -384,12 +384,15 @@ class Compactor:
         conversation (one user turn, hundreds of tool calls) on every request."""
         k = self._archive_params.keep_recent_user_turns
         n = len(self.view)
-        turns = self._user_turns
-        if extra:
-            turns = turns + [n + j for j, m in enumerate(extra) if m.is_user_turn]
-        if len(turns) <= k:
+        turns = self._user_turns  # not copied: a conversation of user turns has hundreds
+        new = [n + j for j, m in enumerate(extra) if m.is_user_turn]
+        total = len(turns) + len(new)
+        if total <= k:
             return -1
-        return n + len(extra) if k == 0 else turns[len(turns) - k]
+        if k == 0:
+            return n + len(extra)
+        i = total - k  # the k-th newest user turn, of the view's followed by extra's
+        return turns[i] if i < len(turns) else new[i - len(turns)]
 
     def _worth_archiving(self, messages: Iterable[Message]) -> bool:
         """Whether any of ``messages`` is a tool output of at least the archive threshold: the first
