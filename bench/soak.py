@@ -8,7 +8,8 @@ script, the load generator: ``--conversations`` conversations across ``--tenants
 (distinct ``Authorization`` headers; conversation k of every tenant opens with the same system
 prompt and first message, and a quarter name themselves with the same ``X-Ctxfold-Session``
 values in every tenant), each a closed loop of requests carrying the whole history, streaming or
-not, with a pause between turns. At random, a turn
+not, with a pause between turns (with ``--max-turns``, a conversation that reaches that many turns
+ends and a new one, with an opening of its own, takes its place). At random, a turn
 
 - re-sends a request already answered (a retry, "regenerate"),
 - sends the same request twice at once (a duplicate),
@@ -139,10 +140,11 @@ class Conversation:
     messages: list[dict[str, Any]]
     turns_done: int = 0
     finished: bool = False
+    generation: int = 0  # with --max-turns: the conversations this slot ended before this one
 
     @property
     def name(self) -> str:
-        return f"t{self.tenant}c{self.index}"
+        return f"t{self.tenant}c{self.index}" + (f"g{self.generation}" if self.generation else "")
 
     def headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json", "Authorization": f"Bearer sk-soak-tenant-{self.tenant}"}
@@ -230,15 +232,18 @@ class Generator:
         self.proxy = proxy
         self.stats = stats
         self.restarted = asyncio.Event()
-        self.convs: list[Conversation] = []
-        for t in range(args.tenants):
-            for k in range(args.conversations // args.tenants):
-                # Every tenant's conversation k opens with the same system prompt and first message,
-                # and the same session header: only the credential tells them apart.
-                system = f"You are soak agent {k}. Keep answers short. " + "Policy line. " * 20
-                header = f"soak-conversation-{k}" if k % 4 == 3 else None
-                self.convs.append(Conversation(t, k, stream=(k % 2 == 0), session_header=header,
-                                               messages=[{"role": "system", "content": system}]))
+        self.convs = [self.opening(t, k, 0) for t in range(args.tenants) for k in range(args.conversations // args.tenants)]
+        self.ended: list[Conversation] = []  # conversations that reached --max-turns (their slot went on anew)
+
+    @staticmethod
+    def opening(tenant: int, k: int, generation: int) -> Conversation:
+        # Every tenant's conversation k opens with the same system prompt and first message, and the
+        # same session header: only the credential tells them apart.
+        again = f" (task {generation + 1})" if generation else ""
+        system = f"You are soak agent {k}{again}. Keep answers short. " + "Policy line. " * 20
+        header = f"soak-conversation-{k}" + (f"-{generation}" if generation else "") if k % 4 == 3 else None
+        return Conversation(tenant, k, stream=(k % 2 == 0), session_header=header, generation=generation,
+                            messages=[{"role": "system", "content": system}])
 
     async def send(self, session: aiohttp.ClientSession, conv: Conversation, messages: list[dict[str, Any]],
                    *, disconnect: bool = False) -> str | None:
@@ -293,8 +298,9 @@ class Generator:
             backoff_s = min(1.0, backoff_s * 2)
         return None
 
-    async def run_conversation(self, session: aiohttp.ClientSession, conv: Conversation, deadline: float,
+    async def run_conversation(self, session: aiohttp.ClientSession, slot: int, deadline: float,
                                end_at: float) -> None:
+        conv = self.convs[slot]
         rng = random.Random(self.args.seed * 1000 + conv.tenant * 100 + conv.index)
         await asyncio.sleep(rng.uniform(0, self.args.think_s))
         while True:
@@ -330,6 +336,12 @@ class Generator:
             if last:
                 conv.finished = True
                 return
+            if self.args.max_turns and conv.turns_done >= self.args.max_turns:
+                # The task is done; the agent starts another: a new conversation in this slot (as real
+                # sessions end, so the proxy's memory can reach a plateau).
+                conv.finished = True
+                self.ended.append(conv)
+                conv = self.convs[slot] = self.opening(conv.tenant, conv.index, conv.generation + 1)
             await asyncio.sleep(rng.uniform(0.5, 1.5) * self.args.think_s)
 
     async def kill_and_restart(self, at: float) -> None:
@@ -348,7 +360,7 @@ class Generator:
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             await asyncio.gather(self.kill_and_restart(t0 + self.args.duration_s / 2),
-                                 *(self.run_conversation(session, c, deadline, end_at) for c in self.convs))
+                                 *(self.run_conversation(session, k, deadline, end_at) for k in range(len(self.convs))))
 
 
 class Sampler:
@@ -539,7 +551,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 stats.problem(f"{len(lost)} conversations did not reach their end: {lost[:10]}")
             report_bounds = bounds(sampler.samples, proxy.at_start, args, stats)
             proxy.stop()
-            checked, forks = check_restores(data_dir, gen.convs, stats, args.cli_restores,
+            checked, forks = check_restores(data_dir, gen.ended + gen.convs, stats, args.cli_restores,
                                             forks_allowed=bool(args.context_tokens))
         finally:
             if proxy is not None:
@@ -548,7 +560,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             up.wait(10)
     result = {
         "conversations": len(gen.convs), "tenants": args.tenants, "seconds": round(elapsed, 1),
-        "turns": sum(c.turns_done for c in gen.convs), "requests_sent": stats.requests,
+        "turns": sum(c.turns_done for c in gen.ended + gen.convs), "conversations_ended": len(gen.ended),
+        "requests_sent": stats.requests,
         "answered": stats.answered, "retried": stats.retried, "resends": stats.resends,
         "duplicates": stats.duplicates, "compacted_answers": stats.compacted_answers, "disconnects": stats.disconnects, "restores_checked": checked, "forks": forks,
         "sessions_loaded_after": quiet_loaded,
@@ -569,6 +582,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--tenants", type=int, default=8)
     ap.add_argument("--min-turns", type=int, default=4, help="turns each conversation has at least (default 4)")
+    ap.add_argument("--max-turns", type=int, default=0,
+                    help="a conversation that reaches this many turns ends and a new one starts in its place "
+                         "(default 0: conversations go on for the whole run)")
     ap.add_argument("--think-s", type=float, default=1.0, help="mean pause between a conversation's turns")
     ap.add_argument("--resend-rate", type=float, default=0.1)
     ap.add_argument("--duplicate-rate", type=float, default=0.1)
