@@ -4,6 +4,7 @@ for summaries, an upstream that refuses a prompt as too long."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import socket
@@ -17,7 +18,7 @@ import pytest
 
 from ctxfold.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
-from ctxfold.serve.app import uncancelled
+from ctxfold.serve.app import _Resumed, uncancelled
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
 from proxy_helpers import chat, post, serve_in_background, start_proxy
@@ -120,6 +121,44 @@ def test_work_that_must_finish_runs_to_its_end_when_its_caller_is_cancelled(eage
         with pytest.raises(ValueError, match="boom"):
             await uncancelled(fails_after_waiting(), eager=eager)
         assert await uncancelled(asyncio.to_thread(lambda: 5), eager=eager) == 5
+
+        # The work has a context of its own, as a task has: what it sets stays there, before its first
+        # wait and after (where a reset must find the variable it set).
+        where: contextvars.ContextVar[str] = contextvars.ContextVar("where", default="caller")
+
+        async def sets() -> str:
+            token = where.set("work")
+            await asyncio.sleep(0)
+            seen = where.get()
+            where.reset(token)
+            return seen
+
+        assert await uncancelled(sets(), eager=eager) == "work"
+        assert where.get() == "caller"
+
+    asyncio.run(main())
+
+
+def test_resumed_work_gets_a_cancellation_that_comes_before_its_task_ran() -> None:
+    """A task cancelled before its first step (the loop shutting down) throws the cancellation into
+    the work where its first step stopped, as it would into any coroutine: its cleanup runs."""
+
+    async def main() -> None:
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        cleaned: list[str] = []
+
+        async def work() -> None:
+            try:
+                await gate
+            finally:
+                cleaned.append("finally")
+
+        coro = work()
+        task = asyncio.ensure_future(_Resumed(coro, coro.send(None)))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert cleaned == ["finally"] and gate.cancelled() is False
 
     asyncio.run(main())
 

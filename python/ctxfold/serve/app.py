@@ -33,6 +33,7 @@ client's messages are already in the session, so a retry continues the same conv
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import json
 import logging
@@ -114,19 +115,22 @@ async def uncancelled(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None
     passes (in a worker thread, which a cancellation would not stop anyway), recording an answer.
     ``on_cancel`` is called at the cancellation: to ask the work to finish early (a summary stops).
 
-    ``eager``: the work's first step runs at once, in the caller. A cancellation reaches a coroutine
-    only where it waits, and the usual request's work never waits (nothing to load, nothing fires): it
-    ends in that step, with no task and no turn of the event loop. Under load each turn waits behind
-    every other connection's callbacks: at 64 paced conversations the two turns of a task took 0.14 ms
-    (median) of the request's way upstream. What waits goes on in a task of its own, as without
-    ``eager``. Only for work that enters no ``asyncio.timeout`` before it first waits: a timeout binds
-    to the task that enters it, which would be the caller's (redis-py's do; worker threads do not)."""
+    ``eager``: the work's first step runs at once, in the caller (in a copy of its context, as a
+    task's would be). A cancellation reaches a coroutine only where it waits, and the usual request's
+    work never waits (nothing to load, nothing fires): it ends in that step, with no task and no turn
+    of the event loop. Under load each turn waits behind every other connection's callbacks: at 64
+    paced conversations the two turns of a task took 0.14 ms (median) of the request's way upstream.
+    What waits goes on in a task of its own, as without ``eager``. Only for work whose first step
+    starts no timer that cancels "the current task" (``asyncio.timeout``, ``asyncio.wait_for`` on
+    3.12, a ``TaskGroup``, redis-py's and aiohttp's client timeouts): that would be the caller, and its
+    expiry would read as the client leaving. Worker threads are fine."""
     if eager:
+        context = contextvars.copy_context()
         try:
-            waiting_on = work.send(None)
+            waiting_on = context.run(work.send, None)
         except StopIteration as done:
             return cast(T, done.value)
-        task = asyncio.ensure_future(_resumed(work, waiting_on))
+        task = asyncio.get_running_loop().create_task(_Resumed(work, waiting_on), context=context)
     else:
         task = asyncio.ensure_future(work)
     cancelled = False
@@ -145,32 +149,35 @@ async def uncancelled(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None
     return result
 
 
-async def _resumed(work: Coroutine[Any, Any, T], waiting_on: Any) -> T:
-    """``work`` from where its first step stopped (it yielded ``waiting_on``, the future it waits on),
-    as a task drives it: what the task sends or throws in goes on to ``work``."""
-    while True:
-        try:
-            sent = await _Yield(waiting_on)
-        except BaseException as e:  # noqa: BLE001 - thrown in by the task: the work's to handle
-            step = partial(work.throw, e)
-        else:
-            step = partial(work.send, sent)
-        try:
-            waiting_on = step()
-        except StopIteration as done:
-            return cast(T, done.value)
+class _Resumed(Coroutine[Any, Any, T]):
+    """``work`` from where its first step stopped (it yielded ``waiting_on``, what it waits on), for
+    a task to drive as any coroutine: the first step yields ``waiting_on``; every other step, and
+    anything thrown in (a cancellation before the first step included), goes on to ``work``."""
+
+    __slots__ = ("work", "waiting_on")
+
+    def __init__(self, work: Coroutine[Any, Any, T], waiting_on: Any) -> None:
+        self.work = work
+        self.waiting_on: Any = waiting_on
+
+    def send(self, value: Any) -> Any:
+        if self.waiting_on is not _SENT:
+            waiting_on, self.waiting_on = self.waiting_on, _SENT
+            return waiting_on
+        return self.work.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self.waiting_on = _SENT
+        return self.work.throw(typ) if val is None and tb is None else self.work.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self.work.close()
+
+    def __await__(self) -> Generator[Any, None, T]:
+        raise TypeError("a resumed work is driven by its task, not awaited")
 
 
-class _Yield:
-    """Awaiting it yields ``value`` to the task and returns what the task sends back."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        return (yield self.value)
+_SENT = object()  # _Resumed's first step is done
 
 
 class ProxyApp:
