@@ -154,7 +154,7 @@ class _Resumed(Coroutine[Any, Any, T]):
     a task to drive as any coroutine: the first step yields ``waiting_on``; every other step, and
     anything thrown in (a cancellation before the first step included), goes on to ``work``."""
 
-    __slots__ = ("work", "waiting_on")
+    __slots__ = ("waiting_on", "work")
 
     def __init__(self, work: Coroutine[Any, Any, T], waiting_on: Any) -> None:
         self.work = work
