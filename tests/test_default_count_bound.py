@@ -92,8 +92,9 @@ def test_default_count_bounds_adversarial_text(kind: str, seed: int, num_chars: 
 # to their three UTF-8 bytes, a token each (27,081 of them, 127 in U+4E00..U+9FFF). A run of one of
 # them costs 3 tokens a character, more than any class's coefficient (2.3 to 2.9): a known gap
 # (test_runs_of_a_character_the_vocabulary_lacks_are_a_known_gap below), left out of the classes.
-_BYTE_FALLBACK = frozenset(c for c in map(chr, range(0x800, 0x10000))
-                           if not 0xD800 <= ord(c) <= 0xDFFF and load_counter("deepseek-v4").count(c) == 3)
+_EXACT = load_counter("deepseek-v4")
+_BYTE_FALLBACK = frozenset(chr(c) for c in range(0x800, 0x10000)
+                           if not 0xD800 <= c <= 0xDFFF and _EXACT.count(chr(c)) == 3)
 
 # Strings of each class drawn by hypothesis itself, not by the generator above: a unit drawn from
 # the class's alphabet and repeated up to 24k characters (long enough for the 1% to bind), or, for
