@@ -309,6 +309,44 @@ def test_redis_killed_and_restarted_loses_nothing_acknowledged(
         assert list(stored(redis_server).values()) == [as_pairs(messages)]
 
 
+def _acl_xadd(redis: RedisServer, allow: bool) -> None:
+    """A partial outage of the store: its user loses (or gets back) XADD, while leases are still granted."""
+    with socket.create_connection(("127.0.0.1", redis.port), timeout=10) as c:
+        c.sendall(f"ACL SETUSER default {'+' if allow else '-'}xadd\r\n".encode())
+        assert c.recv(64).startswith(b"+OK")
+
+
+def test_answers_spooled_in_a_partial_outage_are_not_lost_to_a_new_lease(
+        tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
+    """Stream appends refused while leases are granted: each answer goes to the spool, and the
+    conversation's next request passes through (labelled) instead of taking a new lease, which would
+    fence the spooled answers out when they are replayed."""
+    _, url = upstream
+    with replicas(tmp_path, redis_server, url, 1, lease_ms=30_000) as procs:
+        (_, proxy), = procs
+        messages: list[dict[str, Any]] = []
+        for k in range(3):
+            turn(proxy, messages, f"turn {k}")
+        _acl_xadd(redis_server, allow=False)
+        for k in range(3, 6):
+            resp = turn(proxy, messages, f"turn {k}")
+            if k > 3:  # the first one's answer went to the spool; the ones after it wait behind it
+                assert any("spool" in w for w in resp.headers.get_list(WARNING_HEADER)), resp.headers
+        _acl_xadd(redis_server, allow=True)
+        deadline = time.monotonic() + 20
+        while (health := httpx.get(proxy + "/health", timeout=30)).status_code != 200:
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.2)
+        assert health.json()["spool"] == {"pending_batches": 0, "refused_batches": 0, "unreadable_files": []}
+        for k in range(6, 9):
+            resp = turn(proxy, messages, f"turn {k}")
+            assert not resp.headers.get_list(WARNING_HEADER), resp.headers
+        assert list(stored(redis_server).values()) == [as_pairs(messages)]
+        assert "ctxfold_store_spool_refused_batches 0\n" in httpx.get(proxy + "/metrics", timeout=30).text
+        spool = tmp_path / "replica0" / "spool" / "main"
+        assert not [p.name for p in spool.iterdir()], "nothing refused, nothing left behind"
+
+
 def test_workers_share_the_store(tmp_path: Path, redis_server: RedisServer,
                                  upstream: tuple[ScriptedUpstream, str]) -> None:
     up, url = upstream

@@ -471,8 +471,10 @@ def test_a_spooled_batch_fenced_out_on_replay_is_kept_aside(redis_server: RedisS
         await other.append(new, Batch(events=events_for(["fresh"])))
         with caplog.at_level(logging.WARNING, logger="ctxfold.store"):
             assert await store.replay(force=True)
-        assert "not written" in caplog.text
+        assert "refused by the store" in caplog.text
         assert [n.endswith(".refused") for n in os.listdir(tmp_path / "spool")] == [True]
+        # Surfaced (counted for the metrics and /health), and no longer part of the pending bound.
+        assert store.num_refused == 1 and store.nbytes == 0 and store.refused_nbytes > 0
         assert [e.get("message", {}).get("content") for e in (await other.read(SID)).events] == [None, "fresh"]
         await store.close()
         await other.close()
@@ -612,3 +614,100 @@ def test_a_replica_stopped_with_sigstop_is_refused_when_it_resumes(redis_server:
         return [e["type"] for e in (await store.read(SID)).events]
 
     assert with_store(redis_server.url, check) == ["header", "append"]
+
+
+async def _deny_stream_appends(url: str, deny: bool) -> None:
+    """A partial outage: the store's user may no longer XADD (an ACL change, as memory full on the stream
+    keys would refuse them too), while leases are still granted."""
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(url)
+    try:
+        await admin.execute_command("ACL", "SETUSER", "default", "-xadd" if deny else "+xadd")
+    finally:
+        await admin.aclose()
+
+
+def test_no_new_lease_while_the_session_waits_in_the_spool(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Stream appends refused, leases still granted: the spooled answers of a conversation must reach the
+    store before anyone (this process first) is granted the session again. A lease granted before the
+    replay fences the spooled batches out, and answers the client already has are lost."""
+    async def body() -> None:
+        store = SpoolingStore(RedisStore(redis_server.url), tmp_path / "spool")
+        lease = await store.acquire(SID, owner="a")
+        assert lease is not None
+        await store.append(lease, Batch(events=(header_event(), *events_for(["one"]))))
+        await _deny_stream_appends(redis_server.url, True)
+        with pytest.raises(Spooled):
+            await store.append(lease, Batch(events=events_for(["answered while refused"], 2, 1)), release=True)
+        await store.release(lease)
+        # The next request of the conversation: no lease while its batch waits (it passes through).
+        with pytest.raises(StoreUnavailable, match="spool"):
+            await store.acquire(SID, owner="a")
+        assert store.num_pending == 1
+        await _deny_stream_appends(redis_server.url, False)
+        again = await store.acquire(SID, owner="a")
+        assert again is not None and store.num_pending == 0 and store.num_refused == 0
+        await store.append(again, Batch(events=events_for(["after"], 3, 2)))
+        assert [e.get("message", {}).get("content") for e in (await store.read(SID)).events] == [
+            None, "one", "answered while refused", "after"]
+        assert os.listdir(tmp_path / "spool") == []
+        await store.close()
+
+    run(body())
+
+
+def test_refused_batches_are_kept_up_to_their_own_bound(redis_server: RedisServer, tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Batch after batch refused on replay: the oldest refused files go, and new writes still spool."""
+    async def body() -> None:
+        store = SpoolingStore(RedisStore(redis_server.url), tmp_path / "spool", max_bytes=1500)
+        other = RedisStore(redis_server.url)
+        for k in range(4):
+            sid = f"{SID[:-4]}{k:04d}"
+            lease = await store.acquire(sid, owner="a", ttl_ms=100)
+            assert lease is not None
+            await store.append(lease, Batch(events=(header_event(),)))
+            await _deny_stream_appends(redis_server.url, True)
+            with pytest.raises(Spooled):
+                await store.append(lease, Batch(events=events_for(["stale " + "x" * 300])))
+            await _deny_stream_appends(redis_server.url, False)
+            await asyncio.sleep(0.15)
+            taken = await other.acquire(sid, owner="b")  # another replica takes the session over
+            assert taken is not None
+            with caplog.at_level(logging.WARNING, logger="ctxfold.store"):
+                assert await store.replay(force=True)
+        assert store.num_refused == 4 and store.num_pending == 0
+        assert 0 < store.refused_nbytes <= 1500 and "refused batches are kept up to" in caplog.text
+        assert len(os.listdir(tmp_path / "spool")) < 4
+        await store.close()
+        await other.close()
+
+    run(body())
+
+
+def test_a_corrupt_spool_file_is_set_aside_and_named_and_the_rest_replays(
+        redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spool_dir = tmp_path / "spool"
+
+    async def body() -> None:
+        store = SpoolingStore(RedisStore(redis_server.url), spool_dir)
+        lease = await store.acquire(SID, owner="a", ttl_ms=60_000)
+        assert lease is not None
+        await store.append(lease, Batch(events=(header_event(),)))
+        redis_server.stop()
+        for k, text in enumerate(["one", "two"]):
+            with pytest.raises(Spooled):
+                await store.append(lease, Batch(events=events_for([text], 1 + k, k)))
+        await store.close()
+        _, second = sorted(spool_dir.iterdir())
+        second.write_bytes(second.read_bytes()[:40])  # cut short, as a full disk would leave it
+        redis_server.start()
+        with caplog.at_level(logging.WARNING, logger="ctxfold.store"):
+            store = SpoolingStore(RedisStore(redis_server.url), spool_dir)
+        assert store.set_aside == [second.with_suffix(".corrupt")] and second.name in caplog.text
+        assert store.num_pending == 1 and await store.replay(force=True)
+        assert [e.get("message", {}).get("content") for e in (await store.read(SID)).events] == [None, "one"]
+        await store.close()
+
+    run(body())

@@ -332,6 +332,10 @@ class ProxyApp:
                                   "engine_check": self.engine_check.report.as_dict()}
         if problem is not None:  # requests still pass through, uncompacted: the reason is the operator's to fix
             report["reason"] = problem
+        spool = self.sessions.spool
+        if spool is not None:  # refused and unreadable batches are the operator's to look at, not an outage
+            report["spool"] = {"pending_batches": spool.num_pending, "refused_batches": spool.num_refused,
+                               "unreadable_files": [str(p) for p in spool.set_aside]}
         return web.json_response(report, status=200 if problem is None else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -341,6 +345,8 @@ class ProxyApp:
         spool = self.sessions.spool
         if spool is not None:
             self.metrics.spool_batches.set(spool.num_pending)
+            self.metrics.spool_refused.set(spool.num_refused)
+            self.metrics.spool_set_aside.set(len(spool.set_aside))
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 

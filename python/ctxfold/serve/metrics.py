@@ -143,6 +143,11 @@ class ProxyMetrics:
         self.recall_calls = Counter("ctxfold_recall_calls_total", "read_archive calls answered by the proxy.")
         self.spool_batches = Gauge("ctxfold_store_spool_batches",
                                    "Session writes waiting in the local spool for the shared store to come back.")
+        self.spool_refused = Gauge(
+            "ctxfold_store_spool_refused_batches", "Spooled session writes the shared store refused on replay since "
+            "start (another replica took the session over): kept as .refused files in the spool directory.")
+        self.spool_set_aside = Gauge(
+            "ctxfold_store_spool_unreadable_files", "Spool files that could not be read at startup, set aside as .corrupt.")
         self.sessions = Gauge("ctxfold_sessions", "Sessions held in memory.")
         self.engine_checks = Counter(
             "ctxfold_engine_checks_total", "Answers whose usage.prompt_tokens was compared with ctxfold's count of "
@@ -164,6 +169,7 @@ class ProxyMetrics:
         for m in (self.requests, self.responses, self.bad_requests, self.upstream_errors, self.compactions,
                   self.compaction_failures, self.summary_fallbacks, self.tokens_saved, self.recall_calls,
                   self.sessions, self.sessions_quarantined, self.sessions_forked, self.spool_batches,
+                  self.spool_refused, self.spool_set_aside,
                   self.engine_checks, self.engine_prompt_tokens_diff, self.engine_divergences,
                   self.summary_seconds, self.overhead_seconds):
             lines.extend(m.render())

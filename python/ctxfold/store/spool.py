@@ -14,21 +14,34 @@ Layout::
 
     <spool dir>/NNNNNNNNNNNNNNNNNNNN.batch     one batch, JSON, written whole (temp file, fsync, rename)
     <spool dir>/NNNNNNNNNNNNNNNNNNNN.refused   a batch the store refused on replay (see below)
+    <spool dir>/NNNNNNNNNNNNNNNNNNNN.corrupt   a batch file that could not be read at startup
 
-Bounded: the spool holds at most ``max_bytes`` (default 64 MiB) of batch files; a batch that would go
+Bounded: the spool holds at most ``max_bytes`` (default 64 MiB) of pending batches; a batch that would go
 past it is not kept and :class:`SpoolFull` is raised. Nothing acknowledged to a client is lost either
 way: a full spool means the request is answered as a pass-through while its messages stay with the
 client, which sends its whole history again with its next request.
 
-A spooled batch is refused on replay when another replica took the session's lease meanwhile (its
-fencing token is later) or the store lacks the events before it. The new holder built its session from
-the client's history, which holds the spooled messages too, so nothing is lost; the batch is renamed
-``.refused`` and kept for the operator (it still counts against the bound), and a warning is logged.
+A session with batches in the spool gets no new lease (:meth:`SpoolingStore.acquire` raises
+:class:`StoreUnavailable`, so its request passes through, labelled) until they are written: a new
+grant carries a later fencing token, which would refuse the spooled batches (this process's own) and
+lose answers the client was given.
+
+A spooled batch is still refused on replay when another replica took the session's lease meanwhile
+(its fencing token is later) or the store lacks the events before it. The new holder built its
+session from the client's history, which holds the spooled messages too. The batch is renamed
+``.refused`` and kept for the operator, a warning is logged and :attr:`SpoolingStore.num_refused`
+counts it (the proxy's metrics and ``/health`` show it). Refused batches do not count against the
+bound of pending ones; they are kept up to ``max_bytes`` of their own, the oldest removed first.
+
+A spool file that cannot be read at startup (cut short by a full disk, edited) is renamed
+``.corrupt``, named in a warning and in :attr:`SpoolingStore.set_aside`, and the rest is replayed.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
 import logging
 import os
 import time
@@ -46,6 +59,9 @@ from ctxfold.store.base import (
     Store,
     StoredSession,
     StoreUnavailable,
+    batch_seqs_contiguous,
+    check_blob_name,
+    check_session_id,
 )
 from ctxfold.store.events import event_seq
 
@@ -56,6 +72,7 @@ DEFAULT_SPOOL_MAX_BYTES = 64 * 1024 * 1024
 RETRY_INTERVAL_S = 1.0
 _SUFFIX = ".batch"
 _REFUSED = ".refused"
+_CORRUPT = ".corrupt"
 
 
 class Spooled(StoreUnavailable):
@@ -79,10 +96,19 @@ def _encode(lease: Lease, batch: Batch) -> bytes:
 
 
 def _decode(data: bytes) -> tuple[Lease, Batch]:
-    raw = fastjson.loads(data)
-    lease = Lease(str(raw["lease"]["session_id"]), int(raw["lease"]["token"]), str(raw["lease"]["owner"]),
-                  int(raw["lease"].get("ttl_ms", DEFAULT_LEASE_MS)))
-    return lease, Batch(tuple((str(n), base64.b64decode(d)) for n, d in raw["blobs"]), tuple(raw["events"]))
+    """ValueError (with the reason) for a file that is not a whole batch."""
+    try:
+        raw = fastjson.loads(data)
+        lease = Lease(check_session_id(raw["lease"]["session_id"]), int(raw["lease"]["token"]),
+                      str(raw["lease"]["owner"]), int(raw["lease"].get("ttl_ms", DEFAULT_LEASE_MS)))
+        blobs = tuple((check_blob_name(n), base64.b64decode(d, validate=True)) for n, d in raw["blobs"])
+        events = tuple(raw["events"])
+        if not all(isinstance(e, dict) and type(e.get("seq")) is int for e in events):
+            raise ValueError("an event without a whole-number seq")
+        batch_seqs_contiguous(events)
+    except (KeyError, TypeError, ValueError, RecursionError, binascii.Error) as e:
+        raise ValueError(f"not a spooled batch: {type(e).__name__}: {e}"[:300]) from None
+    return lease, Batch(blobs, events)
 
 
 class SpoolingStore:
@@ -101,24 +127,42 @@ class SpoolingStore:
         make_private_dir(self.dir)
         self._backend = LocalBackend(self.dir)
         self._entries: list[_Entry] = []
-        self._refused_nbytes = 0
+        self._refused: list[tuple[str, int]] = []  # (file name, bytes), oldest first
+        self.num_refused = 0  # batches the store refused on replay since this process started
+        self.set_aside: list[Path] = []  # batch files that could not be read at startup
         self._counter = 0
         self._next_try = 0.0  # time.monotonic() before which a failed store is not tried again
         for name in sorted(os.listdir(self.dir)):
             path = self.dir / name
+            stem, _, suffix = name.partition(".")
+            if not stem.isdigit() or "." + suffix not in (_SUFFIX, _REFUSED, _CORRUPT):
+                continue  # a temporary file of an interrupted write, or not the spool's
+            self._counter = max(self._counter, int(stem) + 1)
             if name.endswith(_REFUSED):
-                self._refused_nbytes += path.stat().st_size
+                self._refused.append((name, path.stat().st_size))
             if not name.endswith(_SUFFIX):
                 continue
             data = path.read_bytes()
-            lease, batch = _decode(data)
+            try:
+                lease, batch = _decode(data)
+            except ValueError as e:
+                aside = path.with_name(stem + _CORRUPT)
+                os.replace(path, aside)
+                self.set_aside.append(aside)
+                log.warning("spool file %s cannot be read (%s); set aside as %s, the rest is replayed",
+                            path, e, aside)
+                continue
             self._entries.append(_Entry(name, len(data), lease, batch))
-            self._counter = max(self._counter, int(name[: -len(_SUFFIX)]) + 1)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the spool holds now (pending and refused batches)."""
-        return sum(e.nbytes for e in self._entries) + self._refused_nbytes
+        """Bytes of the batches waiting to be written (what ``max_bytes`` bounds)."""
+        return sum(e.nbytes for e in self._entries)
+
+    @property
+    def refused_nbytes(self) -> int:
+        """Bytes of the refused batches kept for the operator (bounded by ``max_bytes`` of their own)."""
+        return sum(n for _, n in self._refused)
 
     @property
     def num_pending(self) -> int:
@@ -153,15 +197,25 @@ class SpoolingStore:
                 self._next_try = time.monotonic() + RETRY_INTERVAL_S
                 return False
             except (LeaseLost, ValueError) as e:
-                refused = entry.name[: -len(_SUFFIX)] + _REFUSED
-                os.replace(self.dir / entry.name, self.dir / refused)
-                self._refused_nbytes += entry.nbytes
-                log.warning("spooled batch %s of session %s not written: %s; kept as %s", entry.name,
-                            entry.lease.session_id, e, self.dir / refused)
+                self._keep_refused(entry, e)
             else:
                 os.unlink(self.dir / entry.name)
             self._entries.pop(0)
         return True
+
+    def _keep_refused(self, entry: _Entry, why: Exception) -> None:
+        refused = entry.name[: -len(_SUFFIX)] + _REFUSED
+        os.replace(self.dir / entry.name, self.dir / refused)
+        self.num_refused += 1
+        self._refused.append((refused, entry.nbytes))
+        log.warning("spooled batch %s of session %s refused by the store: %s; its %d event(s) are kept as %s",
+                    entry.name, entry.lease.session_id, why, len(entry.batch.events), self.dir / refused)
+        while self.refused_nbytes > self.max_bytes and len(self._refused) > 1:
+            oldest, _ = self._refused.pop(0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.dir / oldest)
+            log.warning("refused spool batch %s removed: refused batches are kept up to %d bytes",
+                        self.dir / oldest, self.max_bytes)
 
     def _pending_for(self, session_id: str) -> list[_Entry]:
         return [e for e in self._entries if e.lease.session_id == session_id]
@@ -210,10 +264,14 @@ class SpoolingStore:
         return await self.inner.get_blob(session_id, name)
 
     async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS) -> Lease | None:
-        """The lease; what the spool holds of the session is replayed first, under the tokens it was
-        written with, which a new grant would fence out (this replica's own writes among them)."""
+        """The lease, once what the spool holds of the session is written under the tokens it was written
+        with (a new grant would fence those out). StoreUnavailable while any of it still waits."""
         if self._pending_for(session_id):
             await self.replay(force=True)
+            if waiting := self._pending_for(session_id):
+                raise StoreUnavailable(
+                    f"store {self.url}: {len(waiting)} earlier write(s) of session {session_id} wait in the local "
+                    "spool; no new lease until the store takes them")
         return await self.inner.acquire(session_id, owner=owner, ttl_ms=ttl_ms)
 
     async def renew(self, lease: Lease) -> bool:
