@@ -274,7 +274,7 @@ def test_salvage_keeps_every_readable_record_and_names_what_it_left_out(tmp_path
         s.load()
     resumed = s.load(salvage=True)
     assert [m.text for m in resumed.originals] == [m.text for m in msgs[:3] + msgs[4:]]
-    assert [line for line, _ in resumed.skipped] == [5, 6, 8]  # the garbage, the gap after it, the view
+    assert [where for where, _ in resumed.skipped] == ["line 5", "line 6", "line 8"]  # the garbage, the gap, the view
     assert "not an event" in resumed.skipped[0][1] and "missing" in resumed.skipped[1][1]
     assert resumed.conversation.system == _conversation().system
 
@@ -286,7 +286,7 @@ def test_restore_salvages_and_strict_refuses(capsys: pytest.CaptureFixture[str],
     out = tmp_path / "o.json"
     assert main(["restore", str(tmp_path / "s"), "-o", str(out)]) == EXIT_OK
     err = capsys.readouterr().err
-    assert "line 5: skipped: not an event" in err and "salvaged 7 messages; 3 lines left out" in err
+    assert "line 5: skipped: not an event" in err and "salvaged 7 messages; 3 records left out" in err
     assert [m["content"] for m in json.loads(out.read_text())["messages"]][-7:] == [
         m.text for m in msgs[:3] + msgs[4:]]
     assert main(["restore", str(tmp_path / "s"), "-o", str(out), "--strict"]) == EXIT_INPUT

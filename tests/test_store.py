@@ -274,7 +274,7 @@ def test_a_compactor_writes_the_same_records_to_redis_as_to_its_session_dir(
         assert [e.summary for e in remote.events] == [e.summary for e in local.events]
 
         stored = await store.read(SID)
-        records = [e for _, e in Session(tmp_path / "local").iter_events()]
+        records = [r.event for r in Session(tmp_path / "local").read_records()[0]]
         assert stored.events == records
         for folder in ("history", "archive"):  # dumps, and the archive the compactor wrote through the buffer
             names = sorted(os.listdir(tmp_path / "local" / folder))
@@ -358,8 +358,9 @@ def test_the_local_store_reads_and_writes_todays_session_files(counter: TokenCou
     again = Session(tmp_path / "sessions" / SID).load()
     assert again.originals[:-1] == expected.originals and again.originals[-1].text == "appended"
     assert again.conversation.messages[:-1] == expected.conversation.messages
-    assert fold_events([e for _, e in Session(tmp_path / "sessions" / SID).iter_events() if e]) == [
-        e for _, e in Session(tmp_path / "sessions" / SID).iter_events() if e]  # a fold of a fold: itself
+    records, _ = Session(tmp_path / "sessions" / SID).read_records()
+    assert fold_events([r.event for r in records if r.event]) == [
+        r.event for r in records if r.event]  # a fold of a fold: itself
 
 
 # -- failures: unreachable, spool and replay --------------------------------------------------------------

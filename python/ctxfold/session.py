@@ -29,26 +29,32 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
 from ctxfold import fastjson
 from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
-from ctxfold.codec import (
-    decode_conversation_header,
-    decode_message,
-    encode_conversation_header,
-    encode_message,
+from ctxfold.codec import encode_conversation_header, encode_message
+from ctxfold.eventlog import (
+    LOG_VERSION,
+    Event,
+    EventBuilder,
+    Record,
+    ResumedState,
+    ViewEntry,
+    decode_event,
+    encode_event,
+    load_events,
 )
-from ctxfold.errors import FormatError
 from ctxfold.messages import Conversation, Message
+
+__all__ = ["ARCHIVE_DIR", "EVENTS_FILE", "HISTORY_DIR", "LOG_VERSION", "ResumedState", "Session", "ViewEntry",
+           "history_dump_text"]
 
 EVENTS_FILE = "events.jsonl"
 HISTORY_DIR = "history"
 ARCHIVE_DIR = "archive"
-LOG_VERSION = 1
 
 
 def _open_log(path: Path, flags: int) -> int:
@@ -60,28 +66,6 @@ def _open_log(path: Path, flags: int) -> int:
         if e.errno == errno.ELOOP:
             refuse_symlink(path)
         raise
-
-
-@dataclass(frozen=True, slots=True)
-class ViewEntry:
-    """One message of a view: an original by its index in the log, or a message compaction wrote."""
-
-    origin: int  # index of the original message this entry shows (or stands for), -1 for synthetic ones
-    message: Message | None = None  # None: the original itself, unchanged
-
-
-@dataclass(slots=True)
-class ResumedState:
-    """What :meth:`Session.load` returns."""
-
-    conversation: Conversation  # header of the conversation with its current view as messages
-    originals: list[Message]  # every message ever appended, in order
-    view_origins: list[int]  # per view message: its original's index, -1 for synthetic messages
-    state: dict[str, Any] = field(default_factory=dict)  # compactor state saved with the last event
-    num_compactions: int = 0
-    torn_lines: int = 0  # lines ignored because a write was cut off
-    # With salvage: (line number, why) of each line left out because it could not be read.
-    skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
 def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
@@ -107,8 +91,7 @@ class Session:
         # compaction).
         self.fsync_appends = fsync_appends
         self._fd: int | None = None
-        self._num_originals = 0
-        self._seq = 0
+        self._log = EventBuilder()  # numbers the records written: seq, the originals' indexes
         # The log's size in bytes while this object holds it open for writing (measured once at the
         # opening, then counted write by write); None otherwise. The proxy's memory bound reads it
         # after every request: counting spares a stat system call per request.
@@ -137,16 +120,13 @@ class Session:
             raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with "
                                   "Session.load()") from None
         # The header (system prompt, tools) is what the owner sends again too: synced like the appends.
-        self._write_event({"type": "header", "version": LOG_VERSION,
-                           "conversation": encode_conversation_header(conversation)}, sync=self.fsync_appends)
+        self._write_events(self._log.header(conversation), sync=self.fsync_appends)
 
     def append_messages(self, messages: Iterable[Message]) -> None:
         """Log original messages, in order: one event per message, all in one write (all or none)."""
-        events = [{"type": "append", "index": self._num_originals + k, "message": encode_message(m)}
-                  for k, m in enumerate(messages)]
+        events = self._log.appends(messages)
         if events:
             self._write_events(events, sync=self.fsync_appends)
-            self._num_originals += len(events)
 
     def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
                            first_index: int = 0, previous: str | None = None) -> Path:
@@ -168,23 +148,12 @@ class Session:
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
                  state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
         """Log a rewrite of the view. The view entries must refer to originals already logged."""
-        entries: list[dict[str, Any]] = []
-        for e in view:
-            if e.origin >= self._num_originals:
-                raise ValueError(f"view entry refers to original {e.origin}, but only {self._num_originals} are logged")
-            if e.message is None:
-                entries.append({"ref": e.origin})
-            else:
-                entries.append({"origin": e.origin, "message": encode_message(e.message)})
-        self._write_event({
-            "type": "view", "kind": kind, "reason": reason,
-            "dump": dump.relative_to(self.root).as_posix() if dump is not None else None,
-            "view": entries, "state": state, "figures": figures or {},
-        })
+        self._write_events(self._log.view(view, kind=kind, reason=reason, state=state, figures=figures,
+                                          dump=dump.relative_to(self.root).as_posix() if dump is not None else None))
 
     def log_state(self, state: dict[str, Any]) -> None:
         """Log compactor state (breaker, occupancy) that changed without a rewrite."""
-        self._write_event({"type": "state", "state": state})
+        self._write_events(self._log.state(state))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -232,11 +201,8 @@ class Session:
         except FileNotFoundError:
             return
 
-    def _write_event(self, event: dict[str, Any], *, sync: bool = True) -> None:
-        self._write_events([event], sync=sync)
-
-    def _write_events(self, events: list[dict[str, Any]], *, sync: bool = True) -> None:
-        data = b"".join(fastjson.dumps_record({"seq": self._seq + k, **e}) + b"\n" for k, e in enumerate(events))
+    def _write_events(self, events: list[Event], *, sync: bool = True) -> None:
+        data = b"".join(encode_event(e) + b"\n" for e in events)
         fd = self._open()
         written = os.write(fd, data)
         if written != len(data):
@@ -250,126 +216,30 @@ class Session:
             self.log_nbytes += written
         if self.durable and sync:
             os.fsync(fd)
-        self._seq += len(events)
+        self._log.taken(events)
 
     # -- reading ----------------------------------------------------------------------------------
-    def iter_events(self, *, skipped: list[tuple[int, str]] | None = None
-                    ) -> Iterator[tuple[int, dict[str, Any] | None]]:
-        """(line number, event) for each line; event None for a torn last line. A line that is not a
-        JSON object raises FormatError, or, given ``skipped``, is left out and noted there."""
+    def read_records(self) -> tuple[list[Record], int]:
+        """Each line's record (or why it holds none), and how many torn last lines were left out (0 or
+        1: a write cut off by a crash, which the next append cuts away)."""
         with open(self.events_path, "rb") as f:
             lines = f.read().split(b"\n")
-        last = len(lines) - 1  # after the final "\n" comes an empty string; anything else is torn
-        for i, raw in enumerate(lines):
-            if i == last:
-                if raw:
-                    yield i + 1, None
-                return
-            try:
-                event = fastjson.loads(raw)
-                why = None if isinstance(event, dict) else f"a JSON {type(event).__name__}, not an event object"
-            except ValueError as exc:
-                why = _short(exc)
-            if why is None:
-                yield i + 1, event
-            elif skipped is None:
-                raise FormatError(f"corrupt event log line: {why}", source=str(self.events_path),
-                                  location=f"line {i + 1}")
-            else:
-                skipped.append((i + 1, f"not an event (JSON object): {why}"))
+        torn = 1 if lines[-1] else 0  # after the final "\n" comes an empty string; anything else is torn
+        return [decode_event(raw, location=f"line {i + 1}") for i, raw in enumerate(lines[:-1])], torn
 
     def load(self, *, salvage: bool = False) -> ResumedState:
         """Read the log: the current view, every original, and the last saved state.
 
         A line that cannot be read raises FormatError. With ``salvage``, it is left out instead and
-        noted in :attr:`ResumedState.skipped` (line number, why), so every readable record comes back:
-        a lost append loses that message alone; a lost or unreadable view leaves the view as the
-        originals after the last readable one (a view is always rebuilt from references, so one that
-        refers to what is missing is dropped too)."""
+        noted in :attr:`ResumedState.skipped` (where, why), so every readable record comes back (see
+        :mod:`ctxfold.eventlog`)."""
         if not self.exists():
             raise FileNotFoundError(f"{self.events_path}: no session here (expected {EVENTS_FILE})")
-        header: dict[str, Any] | None = None
-        originals: list[Message] = []
-        last_view: tuple[list[dict[str, Any]], str] | None = None  # None: no rewrite yet, the view is every original
-        view_len_at = 0  # originals logged when the last view was written
-        state: dict[str, Any] = {}
-        compactions = 0
-        torn = 0
-        seq = 0
-        skipped: list[tuple[int, str]] | None = [] if salvage else None
-        next_index = 0  # the index the next append should carry: a gap is a lost message
-        for line, event in self.iter_events(skipped=skipped):
-            if event is None:
-                torn += 1
-                continue
-            where = f"line {line}"
-            try:
-                kind = event.get("type")
-                if kind == "header":
-                    header = dict(event["conversation"])
-                elif kind == "append":
-                    index = int(event.get("index", next_index))
-                    if skipped is not None and index > next_index:  # said once per gap
-                        skipped.append((line, f"{index - next_index} message(s) before this one are missing"))
-                    originals.append(decode_message(event["message"], where=f"{self.events_path}, {where}"))
-                    next_index = index + 1
-                elif kind == "view":
-                    last_view = (list(event["view"]), where)  # only the last view matters: decoded after the loop
-                    view_len_at = len(originals)
-                    state = dict(event.get("state") or {})
-                    compactions += 1
-                elif kind == "state":
-                    state = dict(event.get("state") or {})
-                else:
-                    raise FormatError(f"unknown event type {kind!r}", source=str(self.events_path), location=where)
-                seq = int(event.get("seq", seq)) + 1
-            except (FormatError, KeyError, TypeError, ValueError) as exc:
-                if skipped is None:
-                    if isinstance(exc, FormatError):
-                        raise
-                    raise FormatError(f"malformed {event.get('type')!r} event: {_short(exc)}",
-                                      source=str(self.events_path), location=where) from exc
-                skipped.append((line, f"unreadable {event.get('type')!r} event: {_short(exc)}"))
-        if header is None:
-            if skipped is None:
-                raise FormatError("event log has no header", source=str(self.events_path), location="line 1")
-            skipped.append((1, "no readable header: the system prompt and tools are unknown"))
-            header = {}
-        entries: list[ViewEntry] | None = None
-        if last_view is not None:
-            raw, where = last_view
-            try:
-                entries = [ViewEntry(origin=int(e["ref"])) if "ref" in e
-                           else ViewEntry(origin=int(e["origin"]), message=decode_message(e["message"], where=where))
-                           for e in raw]
-                view_line = int(where.removeprefix("line "))
-                if skipped and any(line < view_line for line, _ in skipped):
-                    # A message lost before it shifts every later index: its references cannot be trusted.
-                    raise FormatError("lines before it were left out", source=str(self.events_path), location=where)
-                if any(e.message is None and not 0 <= e.origin < view_len_at for e in entries):
-                    raise FormatError("the view refers to a message that is not logged before it",
-                                      source=str(self.events_path), location=where)
-            except (FormatError, KeyError, TypeError, ValueError) as exc:
-                if skipped is None:
-                    raise
-                skipped.append((int(where.removeprefix("line ")), f"view left out: {_short(exc)}"))
-                entries, view_len_at = None, 0
-        if entries is None:
-            entries = [ViewEntry(origin=i) for i in range(view_len_at, len(originals))]
-        else:
-            entries += [ViewEntry(origin=i) for i in range(view_len_at, len(originals))]
-        messages = [originals[e.origin] if e.message is None else e.message for e in entries]
-        self._num_originals = len(originals)
-        self._seq = seq
-        return ResumedState(
-            conversation=decode_conversation_header(header, messages),
-            originals=originals,
-            view_origins=[e.origin for e in entries],
-            state=state,
-            num_compactions=compactions,
-            torn_lines=torn,
-            skipped=skipped or [],
-        )
+        records, torn = self.read_records()
+        resumed = load_events(records, source=str(self.events_path), salvage=salvage)
+        resumed.torn_lines = torn
+        self._log = EventBuilder(next_seq=resumed.next_seq, num_originals=len(resumed.originals))
+        return resumed
 
     def restore(self, *, salvage: bool = False) -> Conversation:
         """The full original conversation, as it was appended, through any number of compactions.
@@ -378,7 +248,3 @@ class Session:
         conv = resumed.conversation
         conv.messages = resumed.originals
         return conv
-
-
-def _short(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:200] or type(exc).__name__

@@ -59,6 +59,7 @@ from typing import Any
 from ctxfold import fastjson
 from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compactor import Compactor
+from ctxfold.eventlog import encode_event
 from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Conversation, Message
 from ctxfold.serve import DEFAULT_MAX_LOADED_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS
@@ -76,7 +77,6 @@ from ctxfold.store import (
     StoreError,
     StoreUnavailable,
 )
-from ctxfold.store.events import encode_event
 from ctxfold.store.redis_store import default_owner
 
 log = logging.getLogger("ctxfold.serve")

@@ -5,7 +5,9 @@
 - :mod:`ctxfold.store.redis_store`: :class:`RedisStore`, streams, checkpoints and fenced leases in Redis;
 - :mod:`ctxfold.store.spool`: :class:`SpoolingStore`, a bounded local spool for writes the store refused;
 - :mod:`ctxfold.store.buffer`: :class:`BufferedLog`, how the synchronous compactor writes to a store;
-- :mod:`ctxfold.store.events`: the records themselves, loading and folding them.
+
+The records themselves, and reading, folding and salvaging them, are :mod:`ctxfold.eventlog`'s: one
+codec for a session directory and every store.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from ctxfold.eventlog import ResumedState, fold_events, load_events, restore_events
 from ctxfold.messages import Conversation
 from ctxfold.store.base import (
     DEFAULT_LEASE_MS,
@@ -27,15 +30,14 @@ from ctxfold.store.base import (
     StoreUnavailable,
 )
 from ctxfold.store.buffer import BufferedLog
-from ctxfold.store.events import fold_events, load_events, restore_events
 from ctxfold.store.local import LocalStore
 from ctxfold.store.spool import DEFAULT_SPOOL_MAX_BYTES, Spooled, SpoolingStore
 
 __all__ = [
     "DEFAULT_LEASE_MS", "DEFAULT_SPOOL_MAX_BYTES", "Batch", "BufferedLog", "Lease", "LeaseLost", "LocalStore",
     "NoSuchSession", "SpoolFull", "Spooled", "SpoolingStore", "Store", "StoreError", "StoreUnavailable",
-    "StoredSession", "fold_events", "is_shared_url", "load_events", "open_store", "restore_events",
-    "restore_from_store",
+    "StoredSession", "fold_events", "is_shared_url", "load_events", "open_store", "read_from_store",
+    "read_restored", "restore_async", "restore_events", "restore_from_store",
 ]
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
@@ -66,23 +68,37 @@ def open_store(url: str | os.PathLike[str], *, spool_dir: str | os.PathLike[str]
     return LocalStore(text.removeprefix("file://"))
 
 
-async def restore_async(store: Store, session_id: str) -> Conversation:
+async def read_restored(store: Store, session_id: str, *, salvage: bool = False) -> ResumedState:
+    """The session ``session_id`` read back with every original as its conversation's messages: the full
+    history, through any number of compactions and checkpoints. Strict: FormatError for a record that
+    cannot be read; ``salvage``: every readable record, each one left out named in ``skipped``
+    (:func:`ctxfold.eventlog.load_events`). NoSuchSession when the store holds none."""
     stored = await store.read(session_id)
-    if not stored.events:
+    if not stored.events and not stored.unreadable:
         raise NoSuchSession(f"{store.url}: no session {session_id!r}")
-    return restore_events(stored.events, source=f"{store.url} {session_id}")
+    return restore_events(stored.records(), source=f"{store.url} {session_id}", salvage=salvage)
 
 
-def restore_from_store(url: str, session_id: str) -> Conversation:
-    """The full original conversation of ``session_id`` in the store ``url``, through any number of
-    compactions and checkpoints (what ``ctxfold restore`` prints). NoSuchSession when it holds none,
+async def restore_async(store: Store, session_id: str) -> Conversation:
+    """The full original conversation of ``session_id`` (strict :func:`read_restored`)."""
+    return (await read_restored(store, session_id)).conversation
+
+
+def read_from_store(url: str, session_id: str, *, salvage: bool = False) -> ResumedState:
+    """:func:`read_restored` from the store ``url`` (what ``ctxfold restore --store`` prints);
     StoreUnavailable when it cannot be read."""
 
-    async def run() -> Conversation:
+    async def run() -> ResumedState:
         store = open_store(url)
         try:
-            return await restore_async(store, session_id)
+            return await read_restored(store, session_id, salvage=salvage)
         finally:
             await store.close()
 
     return asyncio.run(run())
+
+
+def restore_from_store(url: str, session_id: str) -> Conversation:
+    """The full original conversation of ``session_id`` in the store ``url`` (strict: see
+    :func:`read_from_store`)."""
+    return read_from_store(url, session_id).conversation

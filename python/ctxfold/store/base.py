@@ -2,7 +2,7 @@
 
 A store holds, per session (an id such as ``<key digest>/0003``):
 
-- its **events**, one record per event, in ``seq`` order (:mod:`ctxfold.store.events`): appended, read
+- its **events**, one record per event, in ``seq`` order (:mod:`ctxfold.eventlog`): appended, read
   back in order for resume and restore;
 - a **checkpoint**: the fold of the events so far (header, originals, last view, state), after which the
   events it covers are trimmed;
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ctxfold.errors import CtxfoldError
-from ctxfold.store.events import Event
+from ctxfold.errors import CtxfoldError, FormatError
+from ctxfold.eventlog import Event, Record
 
 # A session id: path-like segments of safe characters (the proxy's are its data directory's relative
 # paths, ``tenants/<tenant>/sessions/<key>/<n>``: five). The local store makes directories of them and
@@ -106,15 +106,32 @@ class Batch:
 @dataclass(slots=True)
 class StoredSession:
     """A session as read back: the checkpoint's records followed by the events after it, in ``seq``
-    order (exactly what :func:`ctxfold.store.events.load_events` takes)."""
+    order, and the records that could not be read, each after the event it followed (what
+    :func:`ctxfold.eventlog.load_events` takes, through :meth:`records`)."""
 
     session_id: str
     events: list[Event] = field(default_factory=list)
     checkpoint_seq: int = -1  # the last seq the checkpoint covers; -1: none yet
+    # (how many of ``events`` came before it, the record): what a store read but could not decode.
+    unreadable: list[tuple[int, Record]] = field(default_factory=list)
 
     @property
     def next_seq(self) -> int:
         return int(self.events[-1]["seq"]) + 1 if self.events else 0
+
+    def records(self) -> list[Record]:
+        """Every record in the order read, the unreadable ones among them, each named by its seq."""
+        out: list[Record] = []
+        pending = iter(self.unreadable)
+        bad = next(pending, None)
+        for k, event in enumerate(self.events):
+            while bad is not None and bad[0] <= k:
+                out.append(bad[1])
+                bad = next(pending, None)
+            out.append(Record(f"seq {event.get('seq')}", event))
+        out += [bad[1]] if bad is not None else []
+        out += [r for _, r in pending]
+        return out
 
 
 class Store(Protocol):
@@ -174,3 +191,12 @@ def batch_seqs_contiguous(events: Sequence[Event]) -> None:
     for a, b in itertools.pairwise(events):
         if int(b["seq"]) != int(a["seq"]) + 1:
             raise ValueError(f"batch events are not contiguous: seq {a['seq']} then {b['seq']}")
+
+
+def refuse_to_fold(stored: StoredSession, where: str) -> None:
+    """FormatError when ``stored`` holds records that cannot be read: a checkpoint would trim them, and
+    with them what a salvage could still name."""
+    if stored.unreadable:
+        record = stored.unreadable[0][1]
+        raise FormatError(f"no checkpoint of a session with unreadable records ({record.why})",
+                          source=f"{where} {stored.session_id}", location=record.location)

@@ -33,11 +33,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ctxfold.codec import encode_conversation_header, encode_message
+from ctxfold.eventlog import Event, EventBuilder, ResumedState, ViewEntry, load_events
 from ctxfold.messages import Conversation, Message
-from ctxfold.session import LOG_VERSION, ResumedState, ViewEntry, history_dump_text
+from ctxfold.session import history_dump_text
 from ctxfold.store.base import Batch, StoredSession, check_session_id
-from ctxfold.store.events import Event, load_events
 
 BlobFetch = Callable[[str], bytes]  # blob name -> bytes from the store; FileNotFoundError when absent
 
@@ -50,31 +49,28 @@ class BufferedLog:
                  fetch: BlobFetch | None = None, source: str = "store") -> None:
         self.session_id = check_session_id(session_id)
         self.source = f"{source} {session_id}"
-        self._stored: list[Event] | None = list(stored.events) if stored is not None else None
-        self._exists = bool(stored is not None and stored.events)
-        self._seq = stored.next_seq if stored is not None else 0
-        self._num_originals = 0
-        self._num_dumps = 0
+        self._stored = stored
+        self._exists = bool(stored is not None and (stored.events or stored.unreadable))
+        events = stored.events if stored is not None else []
+        self._log = EventBuilder(next_seq=stored.next_seq if stored is not None else 0,
+                                 num_originals=sum(1 for e in events if e.get("type") == "append"))
+        self._num_dumps = sum(1 for e in events if e.get("type") == "view" and e.get("dump"))
         self._events: list[Event] = []
         self._blobs: dict[str, bytes] = {}  # pending, in insertion order
         self._fetch = fetch
-        if self._stored is not None:
-            for e in self._stored:
-                if e.get("type") == "append":
-                    self._num_originals += 1
-                elif e.get("type") == "view" and e.get("dump"):
-                    self._num_dumps += 1
 
     # -- what the compactor calls (Session's surface) ---------------------------------------------
     def exists(self) -> bool:
         return self._exists
 
     def load(self) -> ResumedState:
-        """The stored session (from the records given at construction; they are dropped after this)."""
+        """The stored session (from the records given at construction; they are dropped after this).
+        FormatError for any record that cannot be read: a session is resumed whole or not at all."""
         if not self._exists or self._stored is None:
             raise FileNotFoundError(f"{self.source}: no such session")
-        resumed = load_events(self._stored, source=self.source)
+        resumed = load_events(self._stored.records(), source=self.source)
         self._stored = None  # the compactor holds the state now: no second copy of every original
+        self._log = EventBuilder(next_seq=resumed.next_seq, num_originals=len(resumed.originals))
         return resumed
 
     def create(self, conversation: Conversation) -> None:
@@ -82,13 +78,10 @@ class BufferedLog:
             raise FileExistsError(f"{self.source}: a session already exists here; load it instead")
         self._exists = True
         self._stored = None
-        self._add([{"type": "header", "version": LOG_VERSION, "conversation": encode_conversation_header(conversation)}])
+        self._add(self._log.header(conversation))
 
     def append_messages(self, messages: Iterable[Message]) -> None:
-        events = [{"type": "append", "index": self._num_originals + k, "message": encode_message(m)}
-                  for k, m in enumerate(messages)]
-        self._add(events)
-        self._num_originals += len(events)
+        self._add(self._log.appends(messages))
 
     def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
                            first_index: int = 0, previous: str | None = None) -> Path:
@@ -102,18 +95,11 @@ class BufferedLog:
 
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
                  state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
-        entries: list[dict[str, Any]] = []
-        for e in view:
-            if e.origin >= self._num_originals:
-                raise ValueError(f"view entry refers to original {e.origin}, but only {self._num_originals} are logged")
-            entries.append({"ref": e.origin} if e.message is None
-                           else {"origin": e.origin, "message": encode_message(e.message)})
-        self._add([{"type": "view", "kind": kind, "reason": reason,
-                    "dump": dump.as_posix() if dump is not None else None,
-                    "view": entries, "state": state, "figures": figures or {}}])
+        self._add(self._log.view(view, kind=kind, reason=reason, state=state, figures=figures,
+                                 dump=dump.as_posix() if dump is not None else None))
 
     def log_state(self, state: dict[str, Any]) -> None:
-        self._add([{"type": "state", "state": state}])
+        self._add(self._log.state(state))
 
     def close(self) -> None:
         return None
@@ -143,9 +129,8 @@ class BufferedLog:
         return BufferedArchive(self)
 
     def _add(self, events: list[Event]) -> None:
-        for k, e in enumerate(events):
-            self._events.append({"seq": self._seq + k, **e})
-        self._seq += len(events)
+        self._events += events
+        self._log.taken(events)
 
 
 class BufferedArchive:

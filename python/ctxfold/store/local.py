@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
+from ctxfold.eventlog import Event, encode_event, event_seq, fold_events
 from ctxfold.session import EVENTS_FILE, Session
 from ctxfold.store.base import (
     DEFAULT_LEASE_MS,
@@ -33,8 +34,8 @@ from ctxfold.store.base import (
     batch_seqs_contiguous,
     check_blob_name,
     check_session_id,
+    refuse_to_fold,
 )
-from ctxfold.store.events import Event, encode_event, event_seq, fold_events
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -73,7 +74,12 @@ class LocalStore:
         session = Session(self._dir(session_id))
         out = StoredSession(session_id)
         if session.exists():
-            out.events = [e for _, e in session.iter_events() if e is not None]  # a torn last line: not written
+            records, _ = session.read_records()  # a torn last line: not written
+            for record in records:
+                if record.event is None:
+                    out.unreadable.append((len(out.events), record))
+                else:
+                    out.events.append(record.event)
         self._next[session_id] = out.next_seq
         return out
 
@@ -113,6 +119,7 @@ class LocalStore:
     def _checkpoint(self, lease: Lease) -> int:
         self._check_fence(lease)
         stored = self._read(lease.session_id)
+        refuse_to_fold(stored, str(self.root))
         if not stored.events:
             return -1
         folded = fold_events(stored.events)

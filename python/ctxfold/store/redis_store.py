@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ctxfold import fastjson
+from ctxfold.eventlog import Record, check_event, decode_event, encode_event, event_seq, fold_events
 from ctxfold.store.base import (
     DEFAULT_LEASE_MS,
     Batch,
@@ -54,8 +55,8 @@ from ctxfold.store.base import (
     batch_seqs_contiguous,
     check_blob_name,
     check_session_id,
+    refuse_to_fold,
 )
-from ctxfold.store.events import decode_event, encode_event, event_seq, fold_events
 
 log = logging.getLogger("ctxfold.store")
 
@@ -260,16 +261,36 @@ class RedisStore:
 
         raw_ckpt, entries = await self._call("reading the session", both)
         out = StoredSession(session_id)
-        where = f"{self.url} {session_id}"
         if raw_ckpt is not None:
-            ckpt = fastjson.loads(raw_ckpt)
-            out.checkpoint_seq = int(ckpt["through"])
-            out.events = list(ckpt["events"])
+            self._read_checkpoint(raw_ckpt, out)
         for entry_id, fields in entries:
-            event = decode_event(fields[b"e"], source=where, location=f"stream entry {entry_id!r}")
-            if event_seq(event) > out.checkpoint_seq:
-                out.events.append(event)
+            name = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            record = decode_event(fields.get(b"e", b""), location=f"stream entry {name}")
+            if record.event is None:
+                out.unreadable.append((len(out.events), record))
+            elif event_seq(record.event) > out.checkpoint_seq:
+                out.events.append(record.event)
         return out
+
+    @staticmethod
+    def _read_checkpoint(raw: bytes, out: StoredSession) -> None:
+        """The checkpoint's records into ``out``; what cannot be read of it, as unreadable records (the
+        events it covers are trimmed: a salvage gets the rest, with the gap named)."""
+        try:
+            ckpt = fastjson.loads(raw)
+            through, events = ckpt["through"], ckpt["events"]
+            if type(through) is not int or not isinstance(events, list):
+                raise TypeError("expected a whole-number through and a list of events")
+        except (ValueError, LookupError, TypeError, RecursionError) as e:
+            out.unreadable.append((0, Record("checkpoint", None, f"not a checkpoint: {type(e).__name__}: {e}"[:300])))
+            return
+        out.checkpoint_seq = through
+        for k, event in enumerate(events):
+            record = check_event(event, location=f"checkpoint record {k + 1}")
+            if record.event is None:
+                out.unreadable.append((len(out.events), record))
+            else:
+                out.events.append(record.event)
 
     # -- writing ----------------------------------------------------------------------------------
     async def append(self, lease: Lease, batch: Batch, *, release: bool = False) -> None:
@@ -303,6 +324,7 @@ class RedisStore:
 
     async def checkpoint(self, lease: Lease) -> int:
         stored = await self.read(lease.session_id)
+        refuse_to_fold(stored, self.url)
         if not stored.events or stored.next_seq - 1 == stored.checkpoint_seq:
             return stored.checkpoint_seq
         through = stored.next_seq - 1

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from ctxfold import fastjson
 from ctxfold.archive.store import LocalBackend, make_private_dir
+from ctxfold.eventlog import event_seq
 from ctxfold.store.base import (
     DEFAULT_LEASE_MS,
     Batch,
@@ -63,7 +64,6 @@ from ctxfold.store.base import (
     check_blob_name,
     check_session_id,
 )
-from ctxfold.store.events import event_seq
 
 log = logging.getLogger("ctxfold.store")
 
