@@ -214,6 +214,27 @@ def test_a_configured_tenant_header(upstream: tuple[ScriptedUpstream, str], tmp_
     assert len(list((tmp_path / "data" / "tenants").iterdir())) == 2
 
 
+def test_a_repeated_credential_or_tenant_header_is_refused(upstream: tuple[ScriptedUpstream, str],
+                                                          tmp_path: Path) -> None:
+    """Two values of a credential: the tenant would come from one and the upstream get the other."""
+    up, url = upstream
+    app, srv = start_proxy(url, tmp_path / "data", tenant_header="X-Api-Key")
+    try:
+        for name in ("Authorization", "X-Api-Key", "X-Ctxfold-Session"):
+            for path in ("/v1/chat/completions", "/v1/models"):
+                body = json.dumps(chat(("user", "hi"))).encode() if path.endswith("completions") else b""
+                resp = httpx.post(srv.url + path, content=body, timeout=30,
+                                  headers=[("Content-Type", "application/json"), (name, "Bearer one"),
+                                           (name, "Bearer two")])
+                assert resp.status_code == 400, (name, path, resp.text)
+                error = resp.json()["error"]
+                assert error["param"] == name and "more than once" in error["message"]
+        settle(app)
+    finally:
+        srv.close()
+    assert not up.received and not up.other_requests and not (tmp_path / "data" / "tenants").exists()
+
+
 def test_request_metrics_are_labelled_by_tenant_within_a_bound(upstream: tuple[ScriptedUpstream, str],
                                                                tmp_path: Path) -> None:
     """requests_total and responses_total carry the tenant: a short prefix of its HMAC name (never the

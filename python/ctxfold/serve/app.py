@@ -62,6 +62,7 @@ from ctxfold.serve.request import (
     OWN_REQUEST_HEADERS,
     BadRequest,
     ParsedRequest,
+    check_one_credential,
     error_response,
     parse_request,
     read_body,
@@ -354,6 +355,7 @@ class ProxyApp:
         """A request the proxy does not handle, to the upstream and back: method, path and query,
         body and end-to-end headers one way; status, headers and body, as they come, the other."""
         try:
+            check_one_credential(request.headers, self.config)
             body = await read_body(request, self.config)
         except BadRequest as e:
             refused = error_response(e.status, e.message, code=e.code, param=e.param)
@@ -393,6 +395,7 @@ class ProxyApp:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
+            check_one_credential(request.headers, self.config)
             raw = await read_body(request, self.config)
             parsed = parse_request(raw)
             header_key = request.headers.get(SESSION_HEADER)

@@ -9,7 +9,7 @@ import asyncio
 import json
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,6 +183,19 @@ def relayed_headers(pairs: Iterable[tuple[str, str]], drop: frozenset[str]) -> l
         out = [(k, v) for k, v in out if k.lower() not in named]
     return out
 
+
+
+def check_one_credential(headers: Mapping[str, str], config: ProxyConfig) -> None:
+    """400 for a request that repeats ``Authorization``, the tenant header or ``X-Ctxfold-Session``: the
+    tenant must come from exactly the credential that is forwarded, and two values could put one
+    tenant's data under another's credential."""
+    getall = getattr(headers, "getall", None)
+    if getall is None:  # a plain mapping holds each name once
+        return
+    for name in dict.fromkeys(("Authorization", config.tenant_header, "X-Ctxfold-Session")):
+        if len(getall(name, ())) > 1:
+            raise BadRequest(400, f"the {name} header is sent more than once; send it once", code="invalid_request",
+                             param=name)
 
 
 async def read_body(request: web.Request, config: ProxyConfig) -> bytes:
