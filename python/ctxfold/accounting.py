@@ -157,6 +157,9 @@ class RequestAccounting:
         else:
             self.template = chosen
             self.renderer = Renderer(chosen)
+        # Whether the template refuses two user messages in a row: a rewrite then frames its summary
+        # as a user/assistant pair (ctxfold's presets accept any order).
+        self.alternates_roles = self._jinja is not None and self._jinja.alternates_roles
         self._segs: list[Segment] = []  # Jinja: every message's segment, as last derived
         self._jinja_suffix: Segment = ()
         self._next_check = _FIRST_CHECK_MESSAGES

@@ -836,6 +836,8 @@ class Compactor:
             new_view.append(resume_message(self._rewrites))
             new_origins.append(-1)
 
+        if self.accounting.alternates_roles:
+            keep_turns_alternating(new_view, new_origins, self._rewrites)
         after = self.accounting.count_view(self.header, new_view) + self.reply_reserve_tokens()
         after += sum(self.accounting.message_tokens(m) for m in queued)
         if after >= before:
@@ -1217,6 +1219,24 @@ def _open_call_group(view: Sequence[Message], end: int) -> int:
             return i if any(c.id not in answered for c in m.tool_calls) else -1
         # A user message can sit between a call and its results (queued, or typed meanwhile): go on.
     return -1
+
+
+def keep_turns_alternating(view: list[Message], origins: list[int], n: int) -> None:
+    """For a template that wants user and assistant turns to alternate: where a user message ctxfold
+    wrote (the summary, the resume instruction) meets another user message, an acknowledgement in the
+    assistant's turn goes between them. Part of the summary (flagged so: it is no turn, no tail reaches
+    into it, and a later summary carries nothing of it). In place, ``origins`` beside ``view``."""
+    i = 1
+    while i < len(view):
+        if (view[i - 1].role is Role.USER and view[i].role is Role.USER
+                and (origins[i - 1] < 0 or origins[i] < 0)):
+            view.insert(i, Message(Role.ASSISTANT, SUMMARY_ACKNOWLEDGEMENT, id=f"ctxfold-summary-{n}-ack-{i}",
+                                   summary=True, extra={SUMMARY_TEXT_KEY: ""}))
+            origins.insert(i, -1)
+        i += 1
+
+
+SUMMARY_ACKNOWLEDGEMENT = "Understood. I will continue from the summary above."
 
 
 def resume_message(n: int) -> Message:

@@ -234,7 +234,7 @@ _PROBES = (Message(role=Role.TOOL, content=_PROBE_TEXT, tool_call_id="probe", na
 
 # Probe results per template (source, variables, control tokens, argument form): probing takes a few
 # hundred renders, once per process.
-_separable: dict[tuple[str, str, tuple[tuple[str, int], ...], bool], tuple[bool, str]] = {}
+_separable: dict[tuple[str, str, tuple[tuple[str, int], ...], bool], tuple[bool, str, bool]] = {}
 
 
 class JinjaRenderer:
@@ -251,15 +251,19 @@ class JinjaRenderer:
         self._split_re = (re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True)))
                           if ids else None)
         self.separable = True
+        self.alternates_roles = False  # user and assistant turns must alternate (probed)
         # When a new last user turn re-derives the turn before it: "never", "reasoning" (when one of its
         # messages has reasoning), "always". Probed, as is separability.
         self.turn_sensitive = "always"
         key = (template.source + "\0" + template.tool_use_source, json.dumps(dict(template.variables), sort_keys=True, default=str),
                tuple(sorted(ids.items())), template.object_arguments)
         known = _separable.get(key)
-        self.separable, self.turn_sensitive = self._probe() if known is None else known
-        _separable[key] = (self.separable, self.turn_sensitive)
-        if not self.separable and known is None:
+        probed = known is None
+        if known is None:
+            known = (*self._probe(), self._refuses_consecutive_users())
+        self.separable, self.turn_sensitive, self.alternates_roles = known
+        _separable[key] = known
+        if not self.separable and probed:
             log.warning("chat template %s cannot be cut into per-message segments; every boundary is rendered "
                         "whole (O(messages) per message)", template.name)
 
@@ -493,6 +497,20 @@ class JinjaRenderer:
                 if got != self._render(conversation.system, conversation.tools, sub, True):
                     return f"appending message {k - 1}"
         return None
+
+    def _refuses_consecutive_users(self) -> bool:
+        """Whether the template wants user and assistant turns to alternate (Gemma's, Llama 2's,
+        Mistral's raise on two user messages in a row): a rewrite must then keep them alternating."""
+        u, a = Role.USER, Role.ASSISTANT
+        try:
+            self._render(None, (), [Message(u, "one"), Message(a, "two"), Message(u, "three")], True)
+        except TemplateRenderError:
+            return False  # it refuses plain turns too: nothing a rewrite could keep
+        try:
+            self._render(None, (), [Message(u, "one"), Message(u, "two")], True)
+        except TemplateRenderError:
+            return True
+        return False
 
     def _probe(self) -> tuple[bool, str]:
         """(separable, turn sensitivity) on the probe conversations: separable at all (with every earlier

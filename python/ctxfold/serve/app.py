@@ -51,6 +51,7 @@ from aiohttp import web
 from ctxfold.archive import ArchiveStore
 from ctxfold.compactor import Compactor
 from ctxfold.errors import ConfigError, NoFitError
+from ctxfold.jinja_template import TemplateRenderError
 from ctxfold.messages import Conversation
 from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.config import ProxyConfig, redact_url
@@ -428,6 +429,11 @@ class ProxyApp:
                 # spool, and the client's next request carries the rest.
                 reason = self.sessions.note_store_error(key, e)
                 return self._counted(request, await self._pass_through(request, parsed, reason, "store_unavailable"))
+            except TemplateRenderError as e:
+                # The chat template refuses the conversation itself (a role it lacks, turns that do not
+                # alternate): ctxfold cannot count it, so it cannot compact it; the upstream decides.
+                reason = f"the chat template refuses this conversation, so it is not counted: {e}"
+                return self._counted(request, await self._pass_through(request, parsed, reason, "template_refused"))
             finally:  # after the lock is released; also when the client left and the handler is cancelled
                 for evicted in self.sessions.trim():
                     self._models.pop(evicted, None)

@@ -125,7 +125,7 @@ class ProxyMetrics:
         self.responses = Counter("ctxfold_responses_total", "Chat completion responses sent, by HTTP status and "
                                  "tenant.", ["status", "tenant"])
         self.bad_requests = Counter("ctxfold_bad_requests_total", "Requests refused, or passed through "
-                                    "uncompacted (storage_error, store_unavailable, internal_error), by reason.",
+                                    "uncompacted (storage_error, store_unavailable, template_refused, internal_error), by reason.",
                                     ["reason"])
         self.upstream_errors = Counter(
             "ctxfold_upstream_errors_total", "Upstream failures: connect, timeout, status, cut_stream.", ["kind"])

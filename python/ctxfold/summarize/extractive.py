@@ -209,7 +209,8 @@ def _carry(summary: str, f: _Facts) -> None:
         elif line.startswith("- ") and current is not None:
             current.append(line[2:].strip())
     if not sections:
-        f.earlier.append(summary.strip())
+        if summary.strip():  # the acknowledgement that pairs a summary (Compactor) carries nothing
+            f.earlier.append(summary.strip())
         return
     f.earlier.extend(sections.get("earlier summary", ()))
     f.goals.extend(sections.get("user goals and constraints", ()))
