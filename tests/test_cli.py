@@ -7,6 +7,7 @@ subprocess are in test_cli_replay.py.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -245,3 +246,22 @@ def test_token_figures_read_as_people_write_them() -> None:
 def test_table_aligns_columns_and_adds_a_total() -> None:
     text = table(["name", "n"], [["a", 1], ["bbb", 22]], total=["total", 23])
     assert text.splitlines() == ["name    n", "-----  --", "a       1", "bbb    22", "-----  --", "total  23"]
+
+
+def test_an_output_in_a_missing_folder_is_refused_not_created(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
+    out = tmp_path / "no" / "such" / "r.json"
+    code, _, err = run_main(capsys, "replay", "--demo", "--quiet", "--json", str(out))
+    assert code == EXIT_INPUT and "the folder" in one_error_line(err) and "does not exist" in err
+    assert not (tmp_path / "no").exists()
+    # Into a folder that exists: written whole, with the permissions open() would give, no temp file left.
+    code, _, _ = run_main(capsys, "replay", "--demo", "--quiet", "--json", str(tmp_path / "r.json"))
+    assert code == EXIT_OK and json.loads((tmp_path / "r.json").read_text())["conversations"]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

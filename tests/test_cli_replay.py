@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import pytest
 
 from ctxfold import formats
+from ctxfold.cli import EXIT_PROBLEM
 from ctxfold.integrity import validate
 from ctxfold.messages import Role
 from subprocess_env import ctxfold_env
@@ -320,8 +321,9 @@ def test_a_message_larger_than_the_window_is_archived_and_the_request_fits(tmp_p
     assert entry["overflows"] == 0 and entry["guard_steps"] == {"oversized_message": 1}
 
 
-def test_a_request_that_cannot_fit_is_not_sent_and_is_said_apart(tmp_path: Path) -> None:
-    # A system prompt larger than the window: no compaction can make any request fit.
+def test_a_request_that_cannot_fit_is_not_sent_and_is_a_problem(tmp_path: Path) -> None:
+    # A system prompt larger than the window: no compaction can make any request fit. Not an overflow
+    # (nothing over the window was sent), but not a pass either: exit 1, the count said.
     trace = tmp_path / "system.json"
     trace.write_text(json.dumps({"messages": [
         {"role": "system", "content": "rule " * 4000},
@@ -329,12 +331,20 @@ def test_a_request_that_cannot_fit_is_not_sent_and_is_said_apart(tmp_path: Path)
         {"role": "assistant", "content": "ok"},
     ]}))
     proc = ctxfold("replay", str(trace), "--ctx", "2k", "--quiet", "--json", str(tmp_path / "r.json"))
-    assert proc.returncode == 0, proc.stderr
-    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("ctxfold: note:")]
-    assert line.startswith("ctxfold: note: system: 1 request could not fit and would not be sent (first at message 1: "
+    assert proc.returncode == EXIT_PROBLEM, proc.stderr
+    assert "all checks passed" not in proc.stdout + proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("ctxfold: problem:")]
+    assert line.startswith("ctxfold: problem: system: 1 of 1 request could not be sent (first at message 1: "
                            "the request cannot fit the 2,048-token context window: system prompt and tools ")
     entry = json.loads((tmp_path / "r.json").read_text())["conversations"][0]
     assert entry["requests"] == 0 and entry["overflows"] == 0 and len(entry["unfittable"]) == 1
+
+
+def test_the_demo_at_a_window_too_small_for_it_says_so_and_fails() -> None:
+    proc = ctxfold("replay", "--demo", "--ctx", "512", "--quiet")
+    assert proc.returncode == EXIT_PROBLEM
+    assert "all checks passed" not in proc.stdout + proc.stderr
+    assert "ctxfold: problem: demo: 88 of 88 requests could not be sent" in proc.stderr
 
 
 def test_an_overflow_by_the_verifying_count_is_exit_1_with_the_problem_named(tmp_path: Path) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -340,15 +342,35 @@ def unique_labels(conversations: Sequence[Conversation]) -> list[str]:
 
 
 def write_output(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` ('-' is stdout), creating parent directories."""
+    """Write ``text`` to ``path`` ('-' is stdout) whole or not at all (a temporary file beside it, then
+    renamed). Its folder must exist: a mistyped path is an error, not a new folder somewhere."""
     if path == "-":
         sys.stdout.write(text)
         return
     p = Path(path)
     if p.is_dir():
         raise CommandError(f"{path}: is a directory; give a file name for the output", EXIT_INPUT)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text, encoding="utf-8")
+    if not p.parent.is_dir():
+        raise CommandError(f"{path}: the folder {p.parent} does not exist; create it first", EXIT_INPUT)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # what open() would have made: mkstemp's file is 0600
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; at import, before any thread could create a file
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
 
 
 # -- terminal --------------------------------------------------------------------------------------------

@@ -76,8 +76,8 @@ the session restores the recording byte for byte, and the seconds spent inside c
 A summary the --summarizer endpoint could not write is replaced by the extractive one: the
 COMPACTING line gives the reason and the run ends with a count of them by reason.
 
-exit codes: 0 all checks passed, 1 an overflow, orphan or inexact restore, a file skipped by
---lenient, or (with --strict-summarizer) a summary that fell back, 2 usage error, 3 input error,
+exit codes: 0 all checks passed, 1 an overflow, orphan or inexact restore, a request that could
+not fit the window at all (not sent), a file skipped by --lenient, or (with --strict-summarizer) a summary that fell back, 2 usage error, 3 input error,
 4 tokenizer/package/endpoint unavailable, 5 internal error."""
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -662,17 +662,18 @@ def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, set
                           + (f"; {empty} without a model request not drawn)" if empty else ")"))
     if not args.quiet:
         term.line(f"done in {wall_s:.1f} s" + ("" if not args.session_dir else f"; sessions in {args.session_dir}"))
-    for e in entries:  # not sent, so not an overflow: said apart, with the reason
-        if e["unfittable"]:
-            n, first = len(e["unfittable"]), e["unfittable"][0]
-            print(f"ctxfold: note: {e['label']}: {n} request{'s' if n != 1 else ''} could not fit and would not "
-                  f"be sent (first at message {first['message']}: {first['reason']})", file=term.stream)
+    # Not sent, so not an overflow, but not a pass either: said apart, with the reason, and a problem.
+    unsent = [e for e in entries if e["unfittable"]]
     fell_back = fallback_summary(entries)
     if fell_back is not None and not args.strict_summarizer:
         warn(fell_back)
-    if bad or skipped_files or (fell_back is not None and args.strict_summarizer):
+    if bad or skipped_files or unsent or (fell_back is not None and args.strict_summarizer):
         for label, what in bad:
             print(f"ctxfold: problem: {label}: {', '.join(what)}", file=term.stream)
+        for e in unsent:
+            n, first = len(e["unfittable"]), e["unfittable"][0]
+            print(f"ctxfold: problem: {e['label']}: {n} of {n + e['requests']} request{'s' if n != 1 else ''} "
+                  f"could not be sent (first at message {first['message']}: {first['reason']})", file=term.stream)
         if skipped_files:
             n = len(skipped_files)
             print(f"ctxfold: problem: {n} file{'s' if n != 1 else ''} skipped (unreadable or no conversation): "
