@@ -361,6 +361,10 @@ def test_an_overflow_by_the_verifying_count_is_exit_1_with_the_problem_named(tmp
                         r"the first at message 1, with a reply reserve of 256 tokens", line), line
     entry = json.loads((tmp_path / "r.json").read_text())["conversations"][0]
     assert entry["overflows"] == 0 and entry["overflows_verified"] >= 1 and entry["verified_by"] == "deepseek-v4"
+    # The figure is on screen too, in a column of its own beside the policy's own count.
+    header, _, row = proc.stdout.strip().splitlines()[-3:]
+    assert header.split()[-4:] == ["overflows", "verified", "restore", "ctxfold-s"]
+    assert row.split()[-4:-2] == ["0", str(entry["overflows_verified"])]  # the last columns hold no spaces
 
 
 @needs_replay

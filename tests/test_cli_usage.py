@@ -95,6 +95,10 @@ def test_strict_summarizer_in_compact(closed_port: int, tmp_path: Path, traces_d
     [
         (["replay", "--demo", "--ctx", "10"], ("ctxfold: error: --ctx 10: the context window must be at least 512 "
          "tokens; a smaller one cannot hold a prompt and an answer")),
+        (["replay", "--demo", "--ctx", "10000000000"], ("ctxfold: error: --ctx 10000000000: the context window must "
+         "be at most 16,777,216 tokens (16M); no model has a larger one")),
+        (["serve", "--upstream", "http://127.0.0.1:9/v1", "--ctx", "32M"], ("ctxfold: error: --context-tokens "
+         "33554432: the context window must be at most 16,777,216 tokens (16M); no model has a larger one")),
         (["replay", "--demo", "--ctx", "-5"], ("ctxfold replay: error: argument --ctx: '-5' must be a positive whole "
          "number (e.g. 16384 or 16k) (see ctxfold replay --help)")),
         (["replay", "--demo", "--ctx", "0"], ("ctxfold replay: error: argument --ctx: '0' must be a positive whole "
@@ -336,6 +340,16 @@ def test_long_red_titles_stay_above_their_own_panel(num_panels: int) -> None:
         neighbours = [o.get_window_extent(renderer).x0 for o in axes if o.get_window_extent(renderer).x0 > x0 + 1]
         limit = min(neighbours, default=right_edge)
         assert title.x1 <= limit, (text.get_text(), title.x1, limit)
+
+
+@pytest.mark.parametrize("num_panels", [1, 3])
+def test_the_figure_is_titled_as_asked_not_after_its_last_panel(num_panels: int) -> None:
+    pytest.importorskip("matplotlib")
+    from ctxfold.plot import figure
+
+    fig, _ = figure([_entry(f"conversation {k}", overflows=0) for k in range(num_panels)], context_tokens=16384,
+                    title="ctxfold replay: policy both, ctx 16k")
+    assert fig.get_suptitle() == "ctxfold replay: policy both, ctx 16k"
 
 
 # -- error classes ----------------------------------------------------------------------------------------------

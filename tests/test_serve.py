@@ -478,6 +478,19 @@ def test_health_and_metrics(upstream: tuple[ScriptedUpstream, str], proxy: tuple
     assert "ctxfold_proxy_overhead_seconds_count 1" in text
 
 
+def test_health_says_when_the_upstream_cannot_be_reached(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, srv = start_proxy(f"http://127.0.0.1:{port}/v1", tmp_path / "data")
+    try:
+        h = httpx.get(f"{srv.url}/health", timeout=30)
+        assert h.status_code == 503 and h.json()["status"] == "degraded"
+        assert f"the upstream http://127.0.0.1:{port}/v1/chat/completions cannot be reached" in h.json()["reason"]
+    finally:
+        srv.close()
+
+
 def test_replicas_share_archives_through_an_fsspec_url(upstream: tuple[ScriptedUpstream, str],
                                                        tmp_path: Path) -> None:
     """Two proxies, each with its own data dir, one archive URL: what one archived, the other can recall."""

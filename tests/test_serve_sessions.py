@@ -540,6 +540,25 @@ def test_a_data_dir_that_takes_no_writes_passes_requests_through(
 
 
 @pytest.mark.skipif(not can_mount(), reason="needs unshare -m (mount namespaces) to mount a real file system")
+def test_serve_warns_at_startup_of_no_window_and_a_data_dir_it_cannot_write(tmp_path: Path) -> None:
+    root = tmp_path / "fs"
+    root.mkdir()
+    serve = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "ctxfold", "serve", "--upstream",
+                                              "http://127.0.0.1:9/v1", "--data-dir", str(root), "--port", "0"])
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o ro,mode=0700 tmpfs {root} && exec {serve}"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=ctxfold_env(), text=True)
+    try:
+        assert proc.stderr is not None
+        lines = [proc.stderr.readline() for _ in range(3)]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert "listening on" in lines[0], lines
+    assert lines[1].startswith("ctxfold serve: warning: --context-tokens is not set"), lines
+    assert lines[2].startswith(f"ctxfold serve: warning: the data directory {root} cannot be written"), lines
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs unshare -m (mount namespaces) to mount a real file system")
 def test_a_disk_that_fills_while_a_request_is_out_loses_nothing(
         upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     """A request that nothing compacts goes upstream before its messages are stored. When the disk is

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     from ctxfold.cli.serve import serve_workers
     from ctxfold.serve.app import ProxyConfig
 
-    config = ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=Path(sys.argv[1]), summarizer="extractive",
+    config = ProxyConfig(upstream=sys.argv[3], data_dir=Path(sys.argv[1]), summarizer="extractive",
                          fsync="never")
     sys.exit(serve_workers(config, "127.0.0.1", 0, int(sys.argv[2]), ready=lambda url: print(url, flush=True)))
 """)
@@ -39,8 +40,13 @@ def children(pid: int) -> list[int]:
 
 @contextmanager
 def pool(tmp_path: Path, workers: int) -> Iterator[tuple[subprocess.Popen[str], str, list[int]]]:
-    with subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "data"), str(workers)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ctxfold_env()) as proc:
+    # An upstream that accepts connections (and is never sent a request): /health asks whether it can
+    # be reached, and these tests ask /health whether each worker serves.
+    upstream = socket.create_server(("127.0.0.1", 0))
+    upstream_url = f"http://127.0.0.1:{upstream.getsockname()[1]}/v1"
+    with upstream, subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "data"), str(workers), upstream_url],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=ctxfold_env()) as proc:
         pids: list[int] = []
         try:
             assert proc.stdout is not None

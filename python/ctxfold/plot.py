@@ -129,8 +129,8 @@ def figure(entries: Sequence[Mapping[str, Any]], *, context_tokens: int | None,
         label = str(entry.get("label") or entry.get("conversation") or f"conversation {k}")
         # Wrapped to the panel's width (about 64 characters at this size, 110 in a single panel), so a
         # long label or a list of problems stays above its own panel.
-        title = f"{label}: {what}" + (f" [{'; '.join(problems)}]" if problems else "")
-        ax.set_title(textwrap.fill(title, 110 if ncols == 1 else 64), fontsize=9,
+        panel_title = f"{label}: {what}" + (f" [{'; '.join(problems)}]" if problems else "")
+        ax.set_title(textwrap.fill(panel_title, 110 if ncols == 1 else 64), fontsize=9,
                      color="#b00000" if problems else "black", loc="left")
         ax.set_xlabel("model request (assistant turn)")
         if k % ncols == 0:

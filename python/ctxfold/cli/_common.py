@@ -180,6 +180,8 @@ def reply_reserve_config(config: CompactConfig, explicit: int | None) -> tuple[C
 # A window below this cannot hold a system prompt, a request and an answer: every request would
 # overflow and the run would only print that, once per request.
 MIN_CONTEXT_TOKENS = 512
+# The largest windows models have are around 10M tokens: a larger figure is a typo (a zero too many).
+MAX_CONTEXT_TOKENS = 1 << 24
 # What the reply reserve must leave of the window for the prompt itself.
 MIN_PROMPT_TOKENS = 256
 
@@ -200,6 +202,9 @@ def check_settings(args: argparse.Namespace, config: CompactConfig, *, counter: 
         raise CommandError(f"{source(ctx_flag, ctx_dest, 'context_tokens')}: the context window must be at least "
                            f"{MIN_CONTEXT_TOKENS} tokens; a smaller one cannot hold a prompt and an answer",
                            EXIT_USAGE)
+    if ctx is not None and ctx > MAX_CONTEXT_TOKENS:
+        raise CommandError(f"{source(ctx_flag, ctx_dest, 'context_tokens')}: the context window must be at most "
+                           f"{MAX_CONTEXT_TOKENS:,} tokens (16M); no model has a larger one", EXIT_USAGE)
     if ctx is not None and config.reply_reserve() > ctx - MIN_PROMPT_TOKENS:
         if config.reply_reserve_tokens is not None:
             reserve_flag, reserve_dest = ("--reply-reserve", "reply_reserve") if hasattr(args, "reply_reserve") \

@@ -573,16 +573,25 @@ def shorten(label: str, width: int = 44) -> str:
 def render_table(term: Terminal, entries: Sequence[dict[str, Any]], context_tokens: int | None) -> str:
     headers = ["conversation", "requests", "archive", "summary", "last-resort", "peak", "archived", "summarized",
                "kv-reused", "kv-prefill", "orphans", "overflows", "restore", "ctxfold-s"]
+    # With --verify-with, the overflows that count are the verifying tokenizer's: a column beside them.
+    verified = any(e.get("overflows_verified") is not None for e in entries)
+    if verified:
+        headers.insert(headers.index("overflows") + 1, "verified")
 
     def peak(n: int) -> str:
         return f"{tokens(n)} ({100 * n // context_tokens}%)" if context_tokens else tokens(n)
 
     def row(label: str, e: dict[str, Any]) -> list[object]:
         c = e["compactions"]
-        return [label, e["requests"], c.get("archive", 0), c.get("summary", 0), c.get("last_resort", 0),
-                peak(e["peak_occupancy_tokens"]), tokens(e["tokens_archived"]), tokens(e["tokens_summarized"]),
-                tokens(e["kv_tokens_reused"]), tokens(e["kv_tokens_prefilled"]), e["orphans"], e["overflows"],
-                "exact" if e["restore_exact"] else "FAILED", f"{e['seconds_in_ctxfold']:.2f}"]
+        out: list[object] = [
+            label, e["requests"], c.get("archive", 0), c.get("summary", 0), c.get("last_resort", 0),
+            peak(e["peak_occupancy_tokens"]), tokens(e["tokens_archived"]), tokens(e["tokens_summarized"]),
+            tokens(e["kv_tokens_reused"]), tokens(e["kv_tokens_prefilled"]), e["orphans"], e["overflows"],
+            "exact" if e["restore_exact"] else "FAILED", f"{e['seconds_in_ctxfold']:.2f}"]
+        if verified:
+            v = e.get("overflows_verified")
+            out.insert(headers.index("verified"), "-" if v is None else v)
+        return out
 
     tot = totals(entries)
     return table(headers, [row(shorten(e["label"]), e) for e in entries],

@@ -7,6 +7,7 @@ import asyncio
 import errno
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -220,6 +221,22 @@ def build_config(args: argparse.Namespace) -> Any:
     )
 
 
+def startup_warnings(config: Any) -> list[str]:
+    """What the operator should know before the first request: settings that leave the proxy doing
+    less than they may think, and a data directory it cannot write."""
+    out = []
+    if config.compact.context_tokens is None:
+        out.append("--context-tokens is not set: the model's window is unknown, so nothing is compacted "
+                   "automatically (requests go upstream as they come); give it, e.g. --context-tokens 131072")
+    try:
+        with tempfile.NamedTemporaryFile(dir=config.data_dir, prefix=".startup-probe-"):
+            pass
+    except OSError as e:
+        out.append(f"the data directory {config.data_dir} cannot be written ({e.strerror or e}): every request "
+                   "will pass through uncompacted until it can")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from ctxfold.serve import require_serve_extra
 
@@ -234,10 +251,14 @@ def run(args: argparse.Namespace) -> int:
 
     from ctxfold.serve.app import redact_url
 
+    warnings = startup_warnings(config)
+
     def ready(url: str) -> None:
         where = f"sessions in {redact_url(config.store_url)}" if config.store_url else f"data in {config.data_dir}"
         print(f"ctxfold serve: listening on {url}, forwarding to {redact_url(config.completions_url)}, {where}",
               file=sys.stderr, flush=True)
+        for line in warnings:  # after the line that says it listens: scripts wait for that one first
+            print(f"ctxfold serve: warning: {line}", file=sys.stderr, flush=True)
 
     loop_factory = event_loop_factory(args.event_loop)
     try:

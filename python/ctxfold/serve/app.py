@@ -37,6 +37,7 @@ import contextvars
 import gc
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -85,6 +86,9 @@ from ctxfold.serve.sessions import (
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION, CLIENT_LEFT
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
 from ctxfold.store import BufferedLog, Store, StoreError, open_store
+
+# /health asks whether the upstream can be reached at most this often.
+UPSTREAM_PROBE_INTERVAL_S = 5.0
 
 # Re-exported: the names the proxy's users and tests have imported from here.
 __all__ = ["BadRequest", "BoundedSite", "ProxyApp", "ProxyConfig", "failure_kind", "make_runner", "parse_request",
@@ -212,6 +216,7 @@ class ProxyApp:
                                      store=store, make_store_compactor=self._make_store_compactor,
                                      lease_ms=config.lease_ms)
         self._replayer: asyncio.Task[None] | None = None  # writes the spool back once the store is back
+        self._upstream_probed: tuple[float, str | None] = (-math.inf, None)  # (when, why unreachable)
         self._upstream: UpstreamClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: upstream summaries are asked on it
         self.compaction = CompactionStep(config, self.metrics)
@@ -328,6 +333,8 @@ class ProxyApp:
         problem = await asyncio.to_thread(self.sessions.storage_problem)
         if problem is None:
             problem = await self.sessions.store_problem()
+        if problem is None:
+            problem = await self._upstream_problem()
         report: dict[str, Any] = {"status": "ok" if problem is None else "degraded",
                                   "upstream": redact_url(self.config.completions_url),
                                   "sessions_loaded": self.sessions.num_sessions,
@@ -339,6 +346,18 @@ class ProxyApp:
             report["spool"] = {"pending_batches": spool.num_pending, "refused_batches": spool.num_refused,
                                "unreadable_files": [str(p) for p in spool.set_aside]}
         return web.json_response(report, status=200 if problem is None else 503)
+
+    async def _upstream_problem(self) -> str | None:
+        """Why the upstream cannot be reached, asked at most every UPSTREAM_PROBE_INTERVAL_S (a health
+        check every second must not cost a connection every second)."""
+        now = time.monotonic()
+        if now - self._upstream_probed[0] >= UPSTREAM_PROBE_INTERVAL_S:
+            why = await self._client().unreachable()
+            if why is not None and self._upstream_probed[1] is None:
+                log.warning("the upstream %s cannot be reached: %s", redact_url(self.config.completions_url), why)
+            self._upstream_probed = (now, why)
+        why = self._upstream_probed[1]
+        return None if why is None else f"the upstream {redact_url(self.config.completions_url)} cannot be reached: {why}"
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.sessions.set(self.sessions.num_sessions)

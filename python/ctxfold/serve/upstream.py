@@ -322,6 +322,18 @@ class UpstreamClient:
                                       f"{time.monotonic() - t0:.3g} s: {e}") from None
         return conn
 
+    async def unreachable(self) -> str | None:
+        """Why the upstream cannot be reached now (None: it can): an idle keep-alive connection says it
+        can; else a new one is opened (within the connect timeout) and kept for the next request."""
+        if any(not conn.closed for conn in self._idle):
+            return None
+        try:
+            conn = await self._connection()
+        except UpstreamUnreachable as e:
+            return str(e)
+        self._idle.append(conn)
+        return None
+
     def _release(self, conn: _Connection) -> None:
         self._busy.discard(conn)
         conn.active = False
