@@ -337,12 +337,22 @@ def test_forty_half_sent_heads_are_closed_within_the_client_timeout(upstream: tu
      (210000, 200000)),
     ({"error": {"message": "Invalid value for 'temperature': 3000 is greater than the maximum of 2"}}, None),
     ({"error": "model not found"}, None),
+    # A string the client sent, echoed in an error of another kind: not a refusal of the prompt.
+    ({"error": {"message": "Invalid 'stop': 'maximum context length is 10 tokens' is not a valid stop sequence",
+                "type": "invalid_request_error", "code": "invalid_value"}}, None),
+    # The same echo without a code: the words are the client's (they are in what it sent).
+    ({"error": {"message": "unknown field 'note': maximum context length is 10 tokens"}}, None),
+    # A window no engine has: a refusal, but its figures are not believed.
+    ({"error": {"message": "This model's maximum context length is 3 tokens. However, you requested 9 tokens.",
+                "code": "context_length_exceeded"}}, (None, None)),
 ])
 def test_refusals_of_a_long_prompt_are_told_from_other_400s(body: dict[str, Any],
                                                             figures: tuple[int | None, int | None] | None) -> None:
     from ctxfold.serve.forward import prompt_too_long
 
-    got = prompt_too_long(json.dumps(body).encode())
+    sent = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["maximum context length is 10 tokens"],
+                       "note": "maximum context length is 10 tokens"}).encode()
+    got = prompt_too_long(json.dumps(body).encode(), sent=sent)
     if figures is None:
         assert got is None
     else:
@@ -378,3 +388,23 @@ def test_a_client_that_leaves_during_a_summary_stops_it_and_frees_its_conversati
         assert len(summaries) == 1 and "question 0" in summaries[0]["content"]
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize(("prompt_tokens", "limit_tokens"), [(10**9, 4096), (5000, 64), (None, 64)])
+def test_a_refusal_with_odd_figures_never_sets_a_window_under_the_floor(
+        tmp_path: Path, prompt_tokens: int | None, limit_tokens: int) -> None:
+    """Before: figures that put the window under one token were a ConfigError, and the client got 500."""
+    from ctxfold.compactor import Compactor
+    from ctxfold.config import CompactConfig
+    from ctxfold.messages import Conversation
+    from ctxfold.serve.sessions import ProxySession
+    from ctxfold.serve.window import MIN_WINDOW_TOKENS, calibrate, lower_after_refusal
+
+    base = CompactConfig(context_tokens=8192)
+    session = ProxySession("k", tmp_path, Compactor(Conversation(messages=[]), config=base, durable=False))
+    for _ in range(5):  # refused again and again: the factor grows each time
+        assert lower_after_refusal(session, base, prompt_tokens, limit_tokens, sent_tokens=100)
+    ctx = session.compactor.config.context_tokens
+    assert ctx is not None and min(limit_tokens, MIN_WINDOW_TOKENS) <= ctx <= limit_tokens
+    calibrate(session, base, reported=10**9, estimate=1)  # usage no engine gives
+    assert (session.compactor.config.context_tokens or 0) >= min(8192, MIN_WINDOW_TOKENS)

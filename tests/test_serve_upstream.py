@@ -16,6 +16,7 @@ from ctxfold.serve.upstream import (
     READ_AHEAD_BYTES,
     UpstreamClient,
     UpstreamCut,
+    UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
@@ -181,13 +182,13 @@ def test_silence_times_out_but_a_slow_steady_stream_does_not() -> None:
     run(main())
 
 
-@pytest.mark.parametrize(("reply", "message"), [
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345", "closed the connection before the answer ended"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n", "closed the connection before the answer ended"),
-    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "not valid HTTP/1.1"),
-    (b"", "closed the connection before the answer ended"),
+@pytest.mark.parametrize(("reply", "error", "message"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n12345", UpstreamCut, "closed the connection before the answer ended"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n", UpstreamCut, "closed the connection before the answer ended"),
+    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", UpstreamProtocolError, "not valid HTTP/1.1"),
+    (b"", UpstreamCut, "closed the connection before the answer ended"),
 ])
-def test_a_cut_or_garbled_answer_is_an_error_that_says_so(reply: bytes, message: str) -> None:
+def test_a_cut_or_garbled_answer_is_an_error_that_says_so(reply: bytes, error: type[Exception], message: str) -> None:
     async def answer(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(reply)
         return False
@@ -195,7 +196,7 @@ def test_a_cut_or_garbled_answer_is_an_error_that_says_so(reply: bytes, message:
     async def main() -> None:
         async with RawServer(answer) as url:
             c = client(url)
-            with pytest.raises(UpstreamCut, match=message):
+            with pytest.raises(error, match=message):
                 await post(c)
             assert not c._idle and not c._busy
             await c.close()

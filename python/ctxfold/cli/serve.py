@@ -45,8 +45,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ctxfold.serve import (
         DEFAULT_CLIENT_TIMEOUT_S,
         DEFAULT_ENGINE_CHECK_EVERY,
+        DEFAULT_MAX_ANSWER_BYTES,
         DEFAULT_MAX_BODY_BYTES,
         DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_MAX_EVENT_BYTES,
         DEFAULT_MAX_LOADED_BYTES,
         DEFAULT_MAX_LOADED_CONVERSATIONS,
         DEFAULT_MAX_RECALL_CHARS,
@@ -110,6 +112,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "default: the Authorization header of the client request that triggered the compaction)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--max-answer-bytes", type=positive_int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
+                   help="largest upstream answer relayed: past it a JSON answer is a 502 and a stream ends with "
+                        f"an error event (default {DEFAULT_MAX_ANSWER_BYTES})")
+    p.add_argument("--max-event-bytes", type=positive_int, default=DEFAULT_MAX_EVENT_BYTES, metavar="N",
+                   help="largest event of an upstream stream: past it the stream ends with an error event "
+                        f"(default {DEFAULT_MAX_EVENT_BYTES})")
     p.add_argument("--connect-timeout-s", type=positive_seconds, default=10.0, metavar="S",
                    help="to connect upstream (default 10)")
     p.add_argument("--read-timeout-s", type=positive_seconds, default=600.0, metavar="S",
@@ -208,7 +216,8 @@ def build_config(args: argparse.Namespace) -> Any:
         upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
         summarizer=args.summarizer, summary_model=args.summary_model,
         summary_api_key=os.environ[args.summary_api_key_env] if args.summary_api_key_env else None,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, max_answer_bytes=args.max_answer_bytes,
+        max_event_bytes=args.max_event_bytes,
         connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
         max_recall_rounds=args.max_recall_rounds, max_loaded_conversations=args.max_loaded_conversations,
         max_recall_chars=args.max_recall_chars, client_timeout_s=args.client_timeout_s,

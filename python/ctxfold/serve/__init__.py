@@ -24,6 +24,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # 32 MiB: a long agent history is a few MiB of JSON
+# An answer is one assistant message: a very long one is a few hundred kB, a stream of it a few MB (each
+# delta an event of its own, ~200 bytes of framing). 64 MiB and 8 MiB an event leave room for any model
+# while bounding what one upstream can make the proxy hold.
+DEFAULT_MAX_ANSWER_BYTES = 64 << 20
+DEFAULT_MAX_EVENT_BYTES = 8 << 20
 # Sessions kept in memory: each holds its compactor and, once written to, an open event log, so an
 # unbounded set would run a long-lived proxy out of memory and file descriptors. The least recently
 # used conversations beyond this are closed and read back from disk when they come back.
@@ -79,8 +84,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DEFAULT_CLIENT_TIMEOUT_S",
     "DEFAULT_ENGINE_CHECK_EVERY",
+    "DEFAULT_MAX_ANSWER_BYTES",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_EVENT_BYTES",
     "DEFAULT_MAX_LOADED_BYTES",
     "DEFAULT_MAX_LOADED_CONVERSATIONS",
     "DEFAULT_MAX_RECALL_CHARS",

@@ -506,6 +506,8 @@ class ProxyApp:
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = dict(relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS))
         headers["Content-Type"] = "application/json"
+        # The proxy reads the answer: it asks for it uncompressed (no Accept-Encoding would allow any coding).
+        headers["Accept-Encoding"] = "identity"
         store = out.session.compactor.store
         try:
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,

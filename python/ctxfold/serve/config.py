@@ -14,8 +14,10 @@ from ctxfold.errors import ConfigError
 from ctxfold.serve import (
     DEFAULT_CLIENT_TIMEOUT_S,
     DEFAULT_ENGINE_CHECK_EVERY,
+    DEFAULT_MAX_ANSWER_BYTES,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_EVENT_BYTES,
     DEFAULT_MAX_LOADED_BYTES,
     DEFAULT_MAX_LOADED_CONVERSATIONS,
     DEFAULT_MAX_RECALL_CHARS,
@@ -41,6 +43,11 @@ class ProxyConfig:
     # request that triggered the compaction. Never shown (repr, health, logs).
     summary_api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    # The upstream's answers, bounded as the clients' requests are: a JSON answer (or an error body) past
+    # max_answer_bytes is a 502, a stream past it or one event past max_event_bytes ends with an error
+    # event. An unbounded answer would hold the proxy's memory for as long as the upstream sends.
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES
     connect_timeout_s: float = 10.0  # to open a connection upstream
     read_timeout_s: float = 600.0  # longest silence from the upstream (before the first byte or between chunks)
     max_recall_rounds: int = 4  # read_archive rounds answered by the proxy within one request
@@ -116,7 +123,8 @@ class ProxyConfig:
         if self.store_url is not None and not is_shared_url(self.store_url):
             raise ConfigError(f"store: {redact_url(self.store_url)!r} is not a redis://, rediss://, unix:// or "
                               "valkey:// URL; the local data directory is --data-dir (the default store)")
-        for name, low in (("max_body_bytes", 1), ("spool_max_bytes", 1), ("lease_ms", 100),
+        for name, low in (("max_body_bytes", 1), ("max_answer_bytes", 1), ("max_event_bytes", 1),
+                          ("spool_max_bytes", 1), ("lease_ms", 100),
                           ("max_loaded_conversations", 1), ("max_loaded_bytes", 1), ("max_recall_rounds", 0),
                           ("max_recall_chars", 1), ("max_connections", 1), ("engine_check_every", 1)):
             value = getattr(self, name)

@@ -34,8 +34,15 @@ from ctxfold.serve.config import ProxyConfig, redact_url
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.recall import answer_recall, hold_event, is_recall_round
 from ctxfold.serve.request import OWN_ANSWER_HEADERS, error_response, relayed_headers
-from ctxfold.serve.sse import AnswerAssembler, SseReader
-from ctxfold.serve.upstream import UpstreamClient, UpstreamCut, UpstreamResponse, UpstreamTimeout
+from ctxfold.serve.sse import AnswerAssembler, SseEventTooLarge, SseReader
+from ctxfold.serve.upstream import (
+    UpstreamClient,
+    UpstreamCut,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamTooLarge,
+)
 
 log = logging.getLogger("ctxfold.serve")
 
@@ -70,11 +77,20 @@ _NUMBERS = re.compile(r"\d[\d,]*")
 _LIMIT = re.compile(r"maximum context length is\s*(\d[\d,]*)|(\d[\d,]*)\s*(?:tokens\s*)?maximum", re.IGNORECASE)
 
 
-def prompt_too_long(raw: bytes) -> PromptTooLong | None:
-    """The refusal in a 400 body when it says the prompt is too long (OpenAI's ``context_length_exceeded``
-    code, or the message of vLLM, llama.cpp and others), with the prompt's tokens and the window when
-    it gives them (llama.cpp's ``n_prompt_tokens`` and ``n_ctx``, else read from the message); None
-    for any other 400."""
+# A window named in a refusal is believed only within this range: an engine's window is at least a few
+# hundred tokens (the proxy refuses --context-tokens under 512), and none is over 16M.
+_SANE_WINDOW_TOKENS = (64, 1 << 24)
+
+
+def prompt_too_long(raw: bytes, *, sent: bytes = b"") -> PromptTooLong | None:
+    """The refusal in a 400 body when it says the prompt is too long, with the prompt's tokens and the
+    window when it gives them; None for any other 400.
+
+    Believed from the upstream's own fields: OpenAI's ``context_length_exceeded`` code, llama.cpp's
+    ``n_prompt_tokens`` over ``n_ctx``. Else from the message vLLM, SGLang and others write ("maximum
+    context length is 4096 tokens"), but only when the error names no other code, the phrase is not in
+    what the client ``sent`` (an upstream echoes the client's strings in its errors), and the window it
+    names is sane (_SANE_WINDOW_TOKENS)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: not a refusal we know
@@ -87,19 +103,38 @@ def prompt_too_long(raw: bytes) -> PromptTooLong | None:
     message = err.get("message")
     if not isinstance(message, str):
         message = ""
-    if err.get("code") != "context_length_exceeded" and not _TOO_LONG.search(message):
-        return None
+    code = err.get("code")
+    coded = code == "context_length_exceeded"
+    if isinstance(code, str) and code and not coded:
+        return None  # the upstream says what else is wrong (invalid_value, ...): its message may quote the client
     prompt, limit = err.get("n_prompt_tokens"), err.get("n_ctx")  # llama.cpp says them apart from its message
-    if isinstance(prompt, int) and isinstance(limit, int):
+    if isinstance(prompt, int) and isinstance(limit, int) and _sane(limit) and prompt > limit:
         return PromptTooLong(message[:300], prompt, limit)
-    found = _LIMIT.search(message)
-    if found is None:
+    found = _TOO_LONG.search(message)
+    if not coded and (found is None or _quoted(message, found.start(), sent)):
+        return None
+    figures = _LIMIT.search(message)
+    if figures is None or _quoted(message, figures.start(), sent):
+        return PromptTooLong(message[:300], None, None)  # a refusal whose figures are unknown
+    window = _number(next(g for g in figures.groups() if g is not None))
+    if not _sane(window):
         return PromptTooLong(message[:300], None, None)
-    limit = _number(next(g for g in found.groups() if g is not None))
     # The prompt: the largest other figure (vLLM: "you requested 5000 tokens (4000 in the messages, 1000
     # in the completion)": what was asked for in all, the completion included).
-    others = [n for n in map(_number, _NUMBERS.findall(message)) if n != limit]
-    return PromptTooLong(message[:300], max(others) if others else None, limit)
+    others = [n for n in map(_number, _NUMBERS.findall(message)) if n != window]
+    return PromptTooLong(message[:300], max(others) if others else None, window)
+
+
+def _sane(window_tokens: int) -> bool:
+    return _SANE_WINDOW_TOKENS[0] <= window_tokens <= _SANE_WINDOW_TOKENS[1]
+
+
+def _quoted(message: str, at: int, sent: bytes) -> bool:
+    """Whether the words of ``message`` from ``at`` on (to the end of the figure after them) are in the
+    request the client sent: then they are the client's, echoed, not the upstream's verdict."""
+    figure = _NUMBERS.search(message, at)
+    fragment = message[at : figure.end() if figure is not None else len(message)]
+    return bool(sent) and fragment.encode("utf-8", "replace") in sent
 
 
 def with_stream_usage(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -149,7 +184,7 @@ class _Source:
         """Whether bytes of the answer went out: a failure can only end it with an error event."""
         return False
 
-    async def cut(self, reason: str) -> web.StreamResponse:
+    async def cut(self, reason: str, *, code: str = "upstream_stream_cut") -> web.StreamResponse:
         """End an answer that was started (see :attr:`started`) with an error event."""
         raise NotImplementedError
 
@@ -162,23 +197,24 @@ class _Source:
 
 
 class JsonAnswer(_Source):
-    def __init__(self, request: web.Request, metrics: ProxyMetrics,
+    def __init__(self, request: web.Request, metrics: ProxyMetrics, max_answer_bytes: int,
                  extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple) -> None:
         self.message, self.usage = {}, None
         self.request = request
         self.metrics = metrics
+        self.max_answer_bytes = max_answer_bytes
         self.resp = None
         self._raw = b""
         self._headers: list[tuple[str, str]] = []
         self._extra_headers = extra_headers
 
     async def read(self, up: UpstreamResponse) -> web.StreamResponse | None:
-        self._raw = await up.read()
+        self._raw = await up.read(max_nbytes=self.max_answer_bytes, decoded=True)
         self._headers = relayed_headers(up.header_list, OWN_ANSWER_HEADERS) + list(self._extra_headers())
         try:
             data = fastjson.loads(self._raw)
             message = data["choices"][0]["message"]
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):  # nested past what Python reads too
             message = None
         if not isinstance(message, dict):
             self.metrics.upstream_errors.inc("bad_body")
@@ -206,9 +242,13 @@ class StreamAnswer(_Source):
     the answer. A recall round's text and reasoning reach the client; then the next answer's events.
     Any other answer gets its held events, in order: the bytes the client receives are the upstream's."""
 
-    def __init__(self, request: web.Request, *, recall: bool, read_timeout_s: float, strip_usage: bool = False,
+    def __init__(self, request: web.Request, *, recall: bool, read_timeout_s: float, max_answer_bytes: int,
+                 max_event_bytes: int, strip_usage: bool = False,
                  extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple) -> None:
         self.request = request
+        self.max_answer_bytes = max_answer_bytes
+        self.max_event_bytes = max_event_bytes
+        self.answer_nbytes = 0  # of every round's stream together
         self.recall = recall
         # The proxy asked for usage the client did not: the usage event and the chunks' "usage": null stay here.
         self.strip_usage = strip_usage
@@ -219,7 +259,7 @@ class StreamAnswer(_Source):
         self.next_round()
 
     def next_round(self) -> None:
-        self.reader, self.answer = SseReader(), AnswerAssembler()
+        self.reader, self.answer = SseReader(self.max_event_bytes), AnswerAssembler()
         self.held: list[bytes] = []
         self.recall_calls: set[int] = set()  # tool-call indexes of read_archive calls in this answer
 
@@ -242,7 +282,11 @@ class StreamAnswer(_Source):
             resp.headers.setdefault("Cache-Control", "no-cache")
         reader, answer = self.reader, self.answer
         try:
-            async for chunk in up.iter_chunks():
+            async for chunk in up.decoded_chunks():
+                self.answer_nbytes += len(chunk)
+                if self.answer_nbytes > self.max_answer_bytes:
+                    return await self.cut(f"the upstream's answer is over {self.max_answer_bytes:,} bytes "
+                                          "(--max-answer-bytes)", code="upstream_answer_too_large")
                 if not self.recall and not self.strip_usage:
                     for _, data in reader.feed(chunk):
                         answer.add(data)
@@ -261,8 +305,12 @@ class StreamAnswer(_Source):
                         out.append(raw_event)
                 if out:
                     await self._send(b"".join(out))
+        except SseEventTooLarge as e:
+            return await self.cut(f"the upstream sent {e} (--max-event-bytes)", code="upstream_event_too_large")
         except UpstreamTimeout:
             return await self.cut(f"the upstream sent nothing for {self.read_timeout_s:g} s (--read-timeout-s)")
+        except UpstreamProtocolError as e:
+            return await self.cut(str(e), code="upstream_protocol_error")
         except UpstreamCut as e:
             return await self.cut(f"the upstream stream was cut: {e}")
         if not answer.done:
@@ -270,13 +318,13 @@ class StreamAnswer(_Source):
         self.message, self.usage = answer.message(), answer.usage
         return None
 
-    async def cut(self, reason: str) -> web.StreamResponse:
+    async def cut(self, reason: str, *, code: str = "upstream_stream_cut") -> web.StreamResponse:
         resp = self.resp
         if resp is None or (not resp.prepared and not self.recall and not self.answer.chunks):
-            return error_response(502, reason, kind="upstream_error", code="upstream_stream_cut")
+            return error_response(502, reason, kind="upstream_error", code=code)
         if not resp.prepared:
             await resp.prepare(self.request)
-        await _write_error(resp, reason)
+        await _write_error(resp, reason, code=code)
         return resp
 
     async def refused(self, status: int, raw: bytes, headers: list[tuple[str, str]]) -> web.StreamResponse:
@@ -326,9 +374,11 @@ class Forwarder:
             asking = with_stream_usage(body)
             if asking is not None:
                 body, payload, strip_usage = asking, fastjson.dumps(asking), True
-        source: _Source = (StreamAnswer(request, recall=recall, read_timeout_s=self.config.read_timeout_s,
+        cfg = self.config
+        source: _Source = (StreamAnswer(request, recall=recall, read_timeout_s=cfg.read_timeout_s,
+                                        max_answer_bytes=cfg.max_answer_bytes, max_event_bytes=cfg.max_event_bytes,
                                         strip_usage=strip_usage, extra_headers=extra_headers)
-                           if stream else JsonAnswer(request, self.metrics, extra_headers))
+                           if stream else JsonAnswer(request, self.metrics, cfg.max_answer_bytes, extra_headers))
         rounds = 0
         recall_left = [self.config.max_recall_chars]  # read_archive output this request may still add
         while True:
@@ -336,10 +386,10 @@ class Forwarder:
             try:
                 async with upstream.post(payload, headers, on_sent=on_sent if rounds == 0 else None) as up:
                     if up.status != 200:
-                        raw = await up.read()
+                        raw = await up.read(max_nbytes=cfg.max_answer_bytes, decoded=True)
                         self.metrics.upstream_errors.inc("status")
                         if rounds == 0 and too_long_raises and up.status == 400:
-                            too_long = prompt_too_long(raw)
+                            too_long = prompt_too_long(raw, sent=payload)
                         if too_long is not None:
                             too_long.answer = web.Response(body=raw, status=up.status, headers=relayed_headers(
                                 up.header_list, OWN_ANSWER_HEADERS))
@@ -382,6 +432,14 @@ class Forwarder:
             return resp, Answer(source.message, source.usage, rounds)
 
     def upstream_failure(self, e: BaseException) -> web.Response:
+        if isinstance(e, UpstreamTooLarge):
+            self.metrics.upstream_errors.inc("too_large")
+            return error_response(502, f"the upstream {redact_url(self.config.completions_url)} sent {e} "
+                                       "(--max-answer-bytes)", kind="upstream_error", code="upstream_answer_too_large")
+        if isinstance(e, UpstreamProtocolError):
+            self.metrics.upstream_errors.inc("protocol")
+            return error_response(502, f"the upstream {redact_url(self.config.completions_url)}: {e}",
+                                  kind="upstream_error", code="upstream_protocol_error")
         if isinstance(e, TimeoutError):
             self.metrics.upstream_errors.inc("timeout")
             return error_response(504, f"the upstream {redact_url(self.config.completions_url)} did not answer within "
@@ -392,8 +450,8 @@ class Forwarder:
                               kind="upstream_error", code="upstream_unreachable")
 
 
-async def _write_error(resp: web.StreamResponse, message: str) -> None:
-    event = {"error": {"message": message, "type": "upstream_error", "code": "upstream_stream_cut"}}
+async def _write_error(resp: web.StreamResponse, message: str, *, code: str = "upstream_stream_cut") -> None:
+    event = {"error": {"message": message, "type": "upstream_error", "code": code}}
     try:
         await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         await resp.write_eof()

@@ -10,7 +10,9 @@ the answer: status, headers, and the body, de-chunked.
 
 Errors: :class:`UpstreamUnreachable` (no connection within the connect timeout, refused, TLS failed),
 :class:`UpstreamTimeout` (the upstream sent nothing for the read timeout, before the head or between
-chunks), :class:`UpstreamCut` (the connection closed, or the answer did not parse, before it ended).
+chunks), :class:`UpstreamCut` (the connection closed before the answer ended), :class:`UpstreamProtocolError`
+(the answer is not HTTP/1.1, or is encoded in a way the proxy cannot read), :class:`UpstreamTooLarge`
+(a body read whole is larger than the bound it was read with).
 A request is never sent twice: a POST may have been acted on (billed, generated) even when its answer
 was lost, so the proxy reports the failure and the client decides.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import cast
@@ -49,6 +52,20 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 class UpstreamCut(UpstreamError):
     pass
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The upstream's answer is not HTTP/1.1, or its body is encoded in a way the proxy cannot read."""
+
+
+class UpstreamTooLarge(UpstreamError):
+    """A body is larger than the bound it is read with."""
+
+
+# Content codings the proxy decodes, should an upstream use one although asked for identity.
+_DECODABLE = {"gzip": zlib.MAX_WBITS | 16, "x-gzip": zlib.MAX_WBITS | 16, "deflate": zlib.MAX_WBITS}
+# Decoded bytes made from one piece of input at most: a small compressed chunk can expand a thousandfold.
+_DECODE_STEP_BYTES = 1 << 20
 
 
 class _Connection(asyncio.Protocol):
@@ -133,7 +150,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._fail(UpstreamCut(f"the upstream's answer is not valid HTTP/1.1: {e}"))
+            self._fail(UpstreamProtocolError(f"the upstream's answer is not valid HTTP/1.1: {e}"))
             self.close()
 
     def eof_received(self) -> bool | None:
@@ -207,8 +224,48 @@ class UpstreamResponse:
         self.headers = conn.headers  # lower-case names
         self.header_list = conn.header_list  # as they came, in order, repeated ones included
 
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.iter_chunks()])
+    async def read(self, *, max_nbytes: int | None = None, decoded: bool = False) -> bytes:
+        """The whole body. ``max_nbytes``: UpstreamTooLarge past it (read no further); ``decoded``: see
+        :meth:`decoded_chunks`."""
+        declared = self.headers.get("content-length", "")
+        if max_nbytes is not None and declared.isdigit() and int(declared) > max_nbytes:
+            self.release()  # not read: the connection is closed, not reused
+            raise UpstreamTooLarge(f"an answer of {int(declared):,} bytes, over {max_nbytes:,}")
+        parts: list[bytes] = []
+        nbytes = 0
+        async for chunk in (self.decoded_chunks() if decoded else self.iter_chunks()):
+            nbytes += len(chunk)
+            if max_nbytes is not None and nbytes > max_nbytes:
+                raise UpstreamTooLarge(f"an answer of over {max_nbytes:,} bytes")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def decoded_chunks(self) -> AsyncIterator[bytes]:
+        """:meth:`iter_chunks`, decoded when the upstream used a content coding (gzip, deflate) although
+        the proxy asked for none; UpstreamProtocolError for a coding it cannot read (br, zstd, ...).
+        Decoded in steps of at most _DECODE_STEP_BYTES, so a bound on the caller's side holds."""
+        coding = self.headers.get("content-encoding", "identity").strip().lower()
+        if coding in ("", "identity"):
+            async for chunk in self.iter_chunks():
+                yield chunk
+            return
+        if coding not in _DECODABLE:
+            raise UpstreamProtocolError(f"the upstream encoded its answer as {coding!r}, which the proxy cannot "
+                                        "read (it asks for identity)")
+        inflate = zlib.decompressobj(_DECODABLE[coding])
+        try:
+            async for chunk in self.iter_chunks():
+                data = chunk
+                while data:
+                    out = inflate.decompress(data, _DECODE_STEP_BYTES)
+                    data = inflate.unconsumed_tail
+                    if out:
+                        yield out
+            tail = inflate.flush()
+        except zlib.error as e:
+            raise UpstreamProtocolError(f"the upstream's {coding} answer cannot be decoded: {e}") from None
+        if tail:
+            yield tail
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, de-chunked. Raises UpstreamTimeout or UpstreamCut."""

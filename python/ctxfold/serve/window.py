@@ -5,10 +5,13 @@ upstream that refused a prompt as too long (:func:`lower_after_refusal`): one fa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from ctxfold.config import CompactConfig
 from ctxfold.serve.sessions import ProxySession
+
+log = logging.getLogger("ctxfold.serve")
 
 # The smoothing of the calibration factor: new = old + ALPHA * (observed - old).
 CALIBRATION_ALPHA = 0.5
@@ -16,10 +19,22 @@ CALIBRATION_RANGE = (0.5, 2.0)
 CALIBRATION_MARGIN = 1.02  # keep 2% in hand: the factor is measured on the previous request
 # A refusal that names no figures: the window is taken this much lower (the engine's overshoot unknown).
 REFUSAL_SHRINK = 1.25
+# The factor a refusal may set at most: an engine that counts eight times what ctxfold counts is reading
+# something else (another template, another tokenizer), which no window shrinking makes right.
+MAX_REFUSAL_FACTOR = 8.0
+# The smallest window a conversation is compacted to: room for a system prompt, a short request and a
+# reply. Figures that would put it lower (an engine's odd usage, a refusal's) are held here, with a log line.
+MIN_WINDOW_TOKENS = 256
 
 
 def _apply(session: ProxySession, base: CompactConfig, window_tokens: int) -> None:
     effective = int(window_tokens / (session.calibration * CALIBRATION_MARGIN))
+    floor = min(window_tokens, MIN_WINDOW_TOKENS)
+    if effective < floor:
+        log.warning("conversation %s: the upstream's figures (a factor of %.3g over ctxfold's count, a window of "
+                    "%d tokens) would leave a window of %d tokens; compacting to %d instead", session.key,
+                    session.calibration, window_tokens, effective, floor)
+        effective = floor
     c = session.compactor
     if c.config.context_tokens != effective:
         c.config = replace(base, context_tokens=effective)
@@ -54,7 +69,7 @@ def lower_after_refusal(session: ProxySession, base: CompactConfig, prompt_token
         factor = session.calibration * REFUSAL_SHRINK
     if window == base.context_tokens and factor <= session.calibration:
         factor = session.calibration * REFUSAL_SHRINK  # the same aim again would be refused again
-    session.calibration = factor
+    session.calibration = min(factor, MAX_REFUSAL_FACTOR)
     if base.context_tokens != window:  # the engine's window, from now on, for this conversation
         base = replace(base, context_tokens=window)
     _apply(session, base, window)
