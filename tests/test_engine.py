@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from ctxfold.config import CompactConfig
 from ctxfold.engine import DEEPSEEK_V4, Decision, EngineSequence, SegmentKind, SequenceRegistry
+from ctxfold.tail import DEFAULT_MIN_FILL, NO_TAIL, RAW_CUT
 from subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,6 +121,94 @@ def test_tool_results_are_never_orphaned_by_the_tail() -> None:
     t = s.tail(s.num_tokens - result_begin)
     assert t.start != result_begin
     assert _legal(s, t.start, s.num_tokens)
+
+
+def _message_starts(seq: EngineSequence) -> list[int]:
+    return [b for b, _, _ in seq.segments()]
+
+
+def test_a_control_token_typed_inside_a_user_message_never_starts_the_tail() -> None:
+    # A user who types the literal "<｜User｜>" gets the special id from an HF or vLLM tokenizer (special
+    # tokens are parsed by default), so the marker appears inside the message, not only at its start.
+    s = EngineSequence("typed", context_tokens=100_000)
+    s.append(ids(0, *range(10, 30)), SegmentKind.SYSTEM)
+    s.append(ids(USER, *([7] * 20)), SegmentKind.USER)
+    s.append(ids(ASSISTANT, *([8] * 20), EOS), SegmentKind.ASSISTANT)
+    typed_start = s.num_tokens
+    s.append(ids(USER, *([7] * 10), USER, *([7] * 10)), SegmentKind.USER)  # the typed marker at +11
+    answer_start = s.num_tokens
+    s.append(ids(ASSISTANT, *([9] * 5), EOS), SegmentKind.ASSISTANT)
+    # 20 tokens reach the typed marker (18 from the end) but not the message start (29 from the end):
+    # a scan of raw ids takes the typed marker as a user turn and splits the message.
+    t = s.tail(20)
+    assert t.start in _message_starts(s), f"tail starts at {t.start}, inside the message at {typed_start}"
+    assert (t.start, t.num_tokens, t.rule) == (answer_start, 7, 1)  # the assistant turn that fits
+    # With room for the whole message the tail starts at its real user marker.
+    assert s.tail(29).start == typed_start and s.tail(29).rule == 0
+    # The rebuild keeps whole messages: the tail's first segment is the answer, right after the summary.
+    r = s.rebuild(ids(USER, 5, 5), bottom=s.num_tokens, tail=t)
+    assert s.segments()[-1] == (s.system_tokens + 3, len(r.ids), SegmentKind.ASSISTANT)
+
+
+_SPECIALS = (USER, ASSISTANT, EOS, END_THINK)
+_KINDS = tuple(k for k in SegmentKind if k is not SegmentKind.SYSTEM)
+
+
+@st.composite
+def _messages(draw: st.DrawFn) -> list[tuple[SegmentKind, list[int], int]]:
+    """(kind, ids, chunk size) per message: framed as the template frames it, with the special
+    boundary ids also scattered inside the text (typed by the user, or quoted by a tool)."""
+    out: list[tuple[SegmentKind, list[int], int]] = []
+    for _ in range(draw(st.integers(1, 14))):
+        kind = draw(st.sampled_from(_KINDS))
+        text = draw(st.lists(st.integers(2, 40), min_size=1, max_size=30))
+        for _ in range(draw(st.integers(0, 3))):
+            text.insert(draw(st.integers(1, len(text))), draw(st.sampled_from(_SPECIALS)))
+        lead = {SegmentKind.USER: [USER], SegmentKind.ASSISTANT: [ASSISTANT]}.get(kind, [])
+        tail = [EOS] if draw(st.booleans()) else []
+        out.append((kind, lead + text + tail, draw(st.integers(1, 8))))
+    return out
+
+
+def _reference_tail(seq: EngineSequence, bottom: int, budget_tokens: int) -> tuple[int, int, int]:
+    """The old contract (boundary order, min_fill, no-entry spans, raw cut), with the recorded message
+    starts as the only candidate cuts."""
+    all_ids = seq.ids().tolist()
+    spans = seq.no_entry_spans().tolist()
+    lowest = max(seq.system_tokens, bottom - budget_tokens)
+    cuts = [c for c in _message_starts(seq) if lowest <= c < bottom and not any(b < c < e for b, e in spans)]
+    oldest: dict[int, int] = {}
+    for c in cuts:
+        for r, kind in enumerate(DEEPSEEK_V4.boundaries):
+            marker = all_ids[c - 1] if kind.cut_after else all_ids[c]
+            if marker == kind.token_id and r not in oldest:
+                oldest[r] = c
+    if oldest:
+        want = DEFAULT_MIN_FILL * float(bottom - min(oldest.values()))
+        r = min(r for r, c in oldest.items() if float(bottom - c) >= want)
+        return oldest[r], bottom - oldest[r], r
+    return (cuts[0], bottom - cuts[0], RAW_CUT) if cuts else (bottom, 0, NO_TAIL)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=_messages(), data=st.data())
+def test_tail_starts_only_at_recorded_message_starts(
+    messages: list[tuple[SegmentKind, list[int], int]], data: st.DataObject
+) -> None:
+    s = EngineSequence("p", context_tokens=100_000)
+    s.append(ids(0, USER, 3, ASSISTANT), SegmentKind.SYSTEM)  # markers in the prefix never start a tail
+    for kind, message, chunk_tokens in messages:
+        s.append(ids(*message[:chunk_tokens]), kind)  # prompt chunks and sampled tokens continue it
+        for p in range(chunk_tokens, len(message), chunk_tokens):
+            s.append(ids(*message[p : p + chunk_tokens]))
+    bottom = data.draw(st.integers(s.system_tokens, s.num_tokens), label="bottom")
+    budget_tokens = data.draw(st.integers(0, s.num_tokens + 5), label="budget_tokens")
+    t = s.tail(budget_tokens, bottom=bottom)
+    assert t.start in _message_starts(s) or (t.start == bottom and t.num_tokens == 0)
+    assert s.system_tokens <= t.start <= bottom
+    assert t.num_tokens == bottom - t.start <= budget_tokens
+    assert t.num_tokens == 0 or _legal(s, t.start, bottom)  # an empty tail starts at bottom, wherever it is
+    assert (t.start, t.num_tokens, t.rule) == _reference_tail(s, bottom, budget_tokens)
 
 
 def test_rebuild_splices_system_summary_tail_and_plans_the_kv() -> None:

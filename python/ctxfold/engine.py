@@ -7,9 +7,10 @@ tool call, tool result). In return it gets:
 
 - :meth:`EngineSequence.check`: O(1), whether to compact now (ds4's soft trigger, or the hard one
   when the next append would not fit with the reply reserve), from :class:`~ctxfold.config.CompactConfig`;
-- :meth:`EngineSequence.tail`: where the verbatim tail starts in token space, at a chat boundary of
-  the template (``<｜User｜>``, ``<｜Assistant｜>``, after EOS, after ``</think>``), never inside a
-  thinking block and never between a tool call and its results;
+- :meth:`EngineSequence.tail`: where the verbatim tail starts in token space: at the start of a
+  segment, ranked by the chat boundary of the template found there (``<｜User｜>``, ``<｜Assistant｜>``,
+  after EOS, after ``</think>``), never inside a message (a marker typed in its text does not count),
+  never inside a thinking block and never between a tool call and its results;
 - :meth:`EngineSequence.rebuild`: after the engine has written the summary itself, the rebuilt ids
   (system prefix + summary ids + tail ids + whatever was appended meanwhile) and the KV re-sync plan
   against the engine's block table; the sequence then holds the rebuilt ids.
@@ -278,10 +279,17 @@ class EngineSequence:
 
     def _no_entry(self, bottom: int, lo: int) -> npt.NDArray[np.int64]:
         """The no-entry spans that reach into [lo, bottom), whole. O(segments in that window)."""
+        _, spans = self._window(bottom, lo)
+        return np.array(spans, dtype=np.int64).reshape(-1, 2)
+
+    def _window(self, bottom: int, lo: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """The starts of the segments that reach into [lo, bottom) (from the start of a tool group that
+        began before lo), and the no-entry spans among them, whole. O(segments in that window)."""
         starts_arr = self._seg_starts.view()
-        # The segment holding `lo`, moved back to the start of its tool group so a group that began
-        # before the window is still one span.
-        first = max(int(np.searchsorted(starts_arr, lo, side="right")) - 1, 0)
+        # The segment holding `lo - 1`, moved back to the start of its tool group so a group that began
+        # before the window is still one span. Not the one holding `lo`: a span that ends at lo merges
+        # with one that begins there, which closes the cut at lo (as no_entry_spans() reports it).
+        first = max(int(np.searchsorted(starts_arr, lo - 1, side="right")) - 1, 0)
         last = int(np.searchsorted(starts_arr, bottom, side="left"))
         kinds = self._seg_kinds.data[: self._seg_kinds.size]
         while first > 0 and int(kinds[first]) in _TOOL_KINDS and int(kinds[first]) != _CALL:
@@ -306,11 +314,37 @@ class EngineSequence:
                 i = j
             else:
                 i += 1
-        return np.array(spans, dtype=np.int64).reshape(-1, 2)
+        return starts[:-1], spans
+
+    def _cut_spans(self, bottom: int, lo: int) -> npt.NDArray[np.int64]:
+        """Flat no-entry [begin, end) pairs that leave the token scan no cut in [lo, bottom) but the
+        segment starts outside :meth:`_no_entry`'s spans. O(segments in that window).
+
+        The scan matches marker ids, and a message's text can hold them too: a user who types
+        ``<｜User｜>`` or ``<|im_start|>user`` gets the special id from HF and vLLM tokenizers (they parse
+        special tokens by default), and a tool result can quote them. Only the segments the engine
+        recorded say where a message begins, so every other position is made no-entry."""
+        starts, spans = self._window(bottom, lo)
+        # Touching spans [0, s0), [s0, s1), .., [s_last, bottom): each open start begins one (a cut is
+        # legal there), every other position lies strictly inside one. 0 is a segment start already.
+        edges = [0]
+        j, num_spans = 0, len(spans)
+        for start in starts:  # both sorted: one pass, the span cursor only moves forward
+            while j < num_spans and spans[j][1] <= start:
+                j += 1
+            if start > 0 and (j == num_spans or start <= spans[j][0]):  # not strictly inside spans[j]
+                edges.append(start)
+        edges.append(bottom)
+        return np.repeat(np.array(edges, dtype=np.int64), 2)[1:-1]
 
     def tail(self, budget_tokens: int | None = None, *, bottom: int | None = None) -> TokenTail:
         """The verbatim tail of ids[system_tokens:bottom] within the budget (default
-        :meth:`tail_budget_tokens`), at the template's preferred boundary. O(tokens in the budget)."""
+        :meth:`tail_budget_tokens`), at the template's preferred boundary. O(tokens in the budget).
+
+        The tail starts at a segment start (a message the engine appended), never inside one, whatever
+        ids the message holds: the template's boundaries rank the segment starts that fit, and when none
+        of them is a boundary the oldest that fits is a raw cut. When no segment start fits (the newest
+        message alone is over the budget) there is no tail (NO_TAIL, start == bottom)."""
         with self._lock:
             return self._tail(budget_tokens, bottom)
 
@@ -321,7 +355,7 @@ class EngineSequence:
         budget = self.tail_budget_tokens() if budget_tokens is None else budget_tokens
         return select_token_tail(
             self._ids.view(), budget_tokens=budget, boundaries=self.template.boundaries, bottom=b,
-            floor=self._system_end, no_entry=self._no_entry(b, max(self._system_end, b - budget)),
+            floor=self._system_end, no_entry=self._cut_spans(b, max(self._system_end, b - budget)),
         )
 
     def rebuild(
@@ -369,7 +403,7 @@ class EngineSequence:
             if len(summary):
                 new_starts.append(sys_end)
                 new_kinds.append(int(SegmentKind.SUMMARY))
-            # The segment the tail starts in (a raw cut lands mid-segment) keeps its kind from the tail start.
+            # The segment the tail starts in (a caller's own tail may start mid-segment) keeps its kind.
             seg_at = int(np.searchsorted(starts, tail.start, side="right")) - 1
             for i in range(max(seg_at, 0), len(starts)):
                 s = max(int(starts[i]), tail.start)
