@@ -87,7 +87,7 @@ def _walk_strings(value: Any) -> Iterator[str]:
             yield from _walk_strings(v)
 
 
-def _files(paths: Iterable[str | Path]) -> list[Path]:
+def corpus_files(paths: Iterable[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -111,7 +111,7 @@ def read_corpus(paths: Iterable[str | Path], *,
     from ctxfold import formats  # the importers; imported here so counting does not need them
 
     groups: list[TextGroup] = []
-    for f in _files(paths):
+    for f in corpus_files(paths):
         try:
             convs = formats.load(f)
         except (FormatError, ValueError, OSError):
@@ -157,6 +157,26 @@ def split(groups: Sequence[TextGroup], held_out_fraction: float) -> tuple[list[T
     train = [g for g in groups if not is_held_out(g.key, held_out_fraction)]
     test = [g for g in groups if is_held_out(g.key, held_out_fraction)]
     return train, test
+
+
+MIN_GROUPS_TO_HOLD_OUT = 5  # with fewer, a held-out set of one or two conversations says nothing
+
+
+def why_nothing_held_out(groups: Sequence[TextGroup], held_out_fraction: float) -> str:
+    """Why :func:`calibrate` measures the error on the fitting texts instead of held-out conversations,
+    in plain words; "" when it can hold some out. One rule for the fit and for what is said about it."""
+    n = len(groups)
+    if n < MIN_GROUPS_TO_HOLD_OUT:
+        return (f"only {n} conversation{'' if n == 1 else 's'}; at least {MIN_GROUPS_TO_HOLD_OUT} are needed "
+                "to hold some out")
+    if held_out_fraction <= 0.0:
+        return "the held-out fraction is 0"
+    train, test = split(groups, held_out_fraction)
+    if not test:
+        return f"none of the {n} conversations fell in the held-out {held_out_fraction:.0%}"
+    if not train:
+        return f"all {n} conversations fell in the held-out {held_out_fraction:.0%}, leaving none to fit on"
+    return ""
 
 
 def fit_coefficients(
@@ -556,17 +576,23 @@ def calibrate(
     the held-out groups and on adversarial text from another seed. ``template`` names the chat
     template whose framing the default accounting adds with this calibration.
 
-    With fewer than 5 groups nothing can be held out honestly: the error is then measured on the
-    training texts and the metadata says so.
+    With fewer than :data:`MIN_GROUPS_TO_HOLD_OUT` groups, or a split that leaves either side empty,
+    nothing can be held out honestly (:func:`why_nothing_held_out`): the error is then measured on the
+    training texts, ``error["held_out"]`` is 0 and ``method`` says so.
     """
     if not counter.exact:
         raise ValueError(f"calibrate against an exact tokenizer, not the estimate {counter.name!r}")
     if not 0.0 <= held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction must be in [0, 1), got {held_out_fraction}")
-    train, test = split(groups, held_out_fraction)
-    evaluated_on = "held-out conversations"
-    if len(groups) < 5 or not test or not train:
-        train, test, evaluated_on = list(groups), list(groups), "the fitting texts (corpus too small to hold out)"
+    not_held_out = why_nothing_held_out(groups, held_out_fraction)
+    if not_held_out:
+        train, test = list(groups), list(groups)
+        evaluated_on = (f"the fitting texts themselves, not on held-out conversations ({not_held_out}), "
+                        "which overstates the accuracy")
+    else:
+        train, test = split(groups, held_out_fraction)
+        evaluated_on = ("held-out conversations, split by a hash of the conversation id, "
+                        f"{held_out_fraction:.0%} held out")
     if adversarial_seed is not None:
         # More texts to fit on than to measure on: the rare worst cases of a class must be seen.
         train = [*train, *adversarial_groups(adversarial_seed, texts_per_class=128)]
@@ -590,7 +616,9 @@ def calibrate(
     error: dict[str, float] = {}
     if real_groups:
         error = {**measure(EstimateCounter(provisional), real_groups, real_exact).as_dict(),
-                 **measure(CharsPerTokenCounter(), real_groups, real_exact).as_dict("chars4_")}
+                 **measure(CharsPerTokenCounter(), real_groups, real_exact).as_dict("chars4_"),
+                 # 1: measured on conversations the fit never saw; 0: on the fitting texts themselves.
+                 "held_out": 0.0 if not_held_out else 1.0}
     return Calibration(
         tokenizer=tokenizer or counter.name,
         coefficients=provisional.coefficients,
@@ -603,7 +631,7 @@ def calibrate(
         f"{UNDER_WEIGHT_ADVERSARIAL:g}x on adversarial text; coefficients >= 0), then every coefficient times {margin:.3f} "
         f"(the margin that brings the fitting texts' p{BOUND_PERCENTILE:g} under-count within half of "
         f"{ALLOWANCE_FRACTION:.0%} of a {MIN_WINDOW_TOKENS:,}..{MAX_WINDOW_TOKENS:,}-token window); measured on "
-        f"{evaluated_on}, split by a hash of the conversation id, {held_out_fraction:.0%} held out"
+        f"{evaluated_on}"
         + ("" if adversarial_seed is None else f", and on adversarial text of seed {adversarial_seed + 1}"),
         error=error,
         bounds={"estimate": measure_bounds(EstimateCounter(provisional), test, exact),
