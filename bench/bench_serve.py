@@ -275,7 +275,7 @@ def overhead_from_metrics(proxy_url: str) -> dict[str, Any]:
     for line in text.splitlines():
         if line.startswith("ctxfold_proxy_overhead_seconds_bucket"):
             le = line.split('le="')[1].split('"')[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), int(line.rsplit(" ", 1)[1])))
+            buckets.append((float("inf") if le == "+Inf" else float(le), int(float(line.rsplit(" ", 1)[1]))))
     total = buckets[-1][1] if buckets else 0
     def quantile(q: float) -> float | None:
         for le, n in buckets:

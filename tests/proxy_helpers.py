@@ -41,3 +41,15 @@ def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, st
     data = raw if raw is not None else json.dumps(body).encode()
     return httpx.post(f"{url}/v1/chat/completions", content=data, timeout=timeout,
                       headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def metric(text: str, sample: str, **labels: str) -> float | None:
+    """The value of ``sample`` (a series name, e.g. ``ctxfold_requests_total``) with exactly ``labels`` in
+    a /metrics text, read with the Prometheus client's own parser; None when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and s.labels == labels:
+                return float(s.value)
+    return None

@@ -40,6 +40,7 @@ from llama_server import (
     start_llama_server,
     stop,
 )
+from proxy_helpers import metric
 from subprocess_env import ctxfold_env
 
 N_CTX = 4096
@@ -136,7 +137,7 @@ def test_proxy_before_llama_server_counts_what_the_engine_sees(engine: tuple[str
     assert all(r.predicted is not None and r.predicted + MAX_TOKENS <= N_CTX for r in proxied)
     # Every answer with usage was compared, and agreed; the probe agreed too (the engine's format drops
     # system and tool messages, and the template mirrors it: said, but not a divergence of the counts).
-    assert f'ctxfold_engine_checks_total{{result="agree"}} {len(answered)}' in metrics
+    assert metric(metrics, "ctxfold_engine_checks_total", result="agree") == len(answered)
     assert 'result="differ"' not in metrics
     assert report["state"] == "agree", report
     assert any("drops system messages" in f for f in report["findings"])
@@ -158,6 +159,6 @@ def test_engine_check_names_a_template_the_engine_does_not_use(engine: tuple[str
     assert report["state"] == "differ", report
     assert report["figures"]["system"]["engine"] == report["figures"]["user"]["engine"]
     assert report["figures"]["system"]["ctxfold"] > report["figures"]["user"]["ctxfold"]
-    assert 'ctxfold_engine_divergences_total{kind="system_dropped"} 1' in metrics
+    assert metric(metrics, "ctxfold_engine_divergences_total", kind="system_dropped") == 1
     warnings = [line for line in (tmp_path / "proxy.log").read_text().splitlines() if "engine check" in line]
     assert len(warnings) == 1 and "drops system messages" in warnings[0], warnings

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from conftest import RedisServer
-from proxy_helpers import start_proxy
+from proxy_helpers import metric, start_proxy
 from subprocess_env import ctxfold_env
 
 pytest.importorskip("redis")
@@ -293,7 +293,7 @@ def test_redis_killed_and_restarted_loses_nothing_acknowledged(
         assert any("session store" in w for w in resp.headers.get_list("X-Ctxfold-Warning")), resp.headers
         health = httpx.get(urls[0] + "/health", timeout=30)
         assert health.status_code == 503 and health.json()["status"] == "degraded"
-        assert "ctxfold_store_spool_batches 1\n" in httpx.get(urls[0] + "/metrics", timeout=30).text
+        assert metric(httpx.get(urls[0] + "/metrics", timeout=30).text, "ctxfold_store_spool_batches") == 1
         redis_server.start()  # reads its append-only file back
         deadline = time.monotonic() + 20
         while any(httpx.get(u + "/health", timeout=30).status_code != 200 for u in urls):
@@ -342,7 +342,7 @@ def test_answers_spooled_in_a_partial_outage_are_not_lost_to_a_new_lease(
             resp = turn(proxy, messages, f"turn {k}")
             assert not resp.headers.get_list(WARNING_HEADER), resp.headers
         assert list(stored(redis_server).values()) == [as_pairs(messages)]
-        assert "ctxfold_store_spool_refused_batches 0\n" in httpx.get(proxy + "/metrics", timeout=30).text
+        assert metric(httpx.get(proxy + "/metrics", timeout=30).text, "ctxfold_store_spool_refused_batches") == 0
         spool = tmp_path / "replica0" / "spool" / "main"
         assert not [p.name for p in spool.iterdir()], "nothing refused, nothing left behind"
 
@@ -521,7 +521,7 @@ def test_an_unreachable_store_passes_requests_through_and_health_says_why(
         assert up.received[-1]["messages"] == messages[:-1]  # the client's own request, as it sent it
         health = httpx.get(srv.url + "/health", timeout=30)
         assert health.status_code == 503 and "session store is unreachable" in health.json()["reason"]
-        assert 'ctxfold_bad_requests_total{reason="store_unavailable"} 1' in httpx.get(srv.url + "/metrics").text
+        assert metric(httpx.get(srv.url + "/metrics").text, "ctxfold_bad_requests_total", reason="store_unavailable") == 1
     finally:
         srv.close()
 

@@ -30,7 +30,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, is_summary_request
 from ctxfold.session import Session
-from proxy_helpers import chat, post, start_proxy
+from proxy_helpers import chat, metric, post, start_proxy
 from subprocess_env import can_mount, ctxfold_env
 
 # Spelled out, not imported: the tests must run (and fail) on a proxy that has none of this.
@@ -493,7 +493,7 @@ def test_a_corrupt_session_is_set_aside_and_the_rest_keep_serving(
         assert "could not be read" in r.headers[WARNING_HEADER]
         assert (victim / QUARANTINE_FILE).is_file()
         assert app.sessions.num_quarantined == 1
-        assert "ctxfold_sessions_quarantined 1" in httpx.get(f"{srv.url}/metrics").text
+        assert metric(httpx.get(f"{srv.url}/metrics").text, "ctxfold_sessions_quarantined") == 1
         # A sibling with the same opening, a brand-new one, a retry: all served, no warning.
         for body in (chat(("user", "shared opening"), ("assistant", "x"), ("user", "y")),
                      chat(("user", "shared opening")), chat(*turns)):

@@ -39,11 +39,12 @@ def children(pid: int) -> list[int]:
 
 
 @contextmanager
-def pool(tmp_path: Path, workers: int) -> Iterator[tuple[subprocess.Popen[str], str, list[int]]]:
-    # An upstream that accepts connections (and is never sent a request): /health asks whether it can
-    # be reached, and these tests ask /health whether each worker serves.
+def pool(tmp_path: Path, workers: int, upstream_url: str | None = None
+         ) -> Iterator[tuple[subprocess.Popen[str], str, list[int]]]:
+    # By default an upstream that accepts connections (and is never sent a request): /health asks
+    # whether it can be reached, and these tests ask /health whether each worker serves.
     upstream = socket.create_server(("127.0.0.1", 0))
-    upstream_url = f"http://127.0.0.1:{upstream.getsockname()[1]}/v1"
+    upstream_url = upstream_url or f"http://127.0.0.1:{upstream.getsockname()[1]}/v1"
     with upstream, subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "data"), str(workers), upstream_url],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     env=ctxfold_env()) as proc:
@@ -87,6 +88,32 @@ def test_every_worker_accepts_on_the_shared_socket_and_sigterm_stops_them_all(tm
         assert proc.returncode == 0
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_metrics_count_every_request_of_every_worker(tmp_path: Path) -> None:
+    """Each worker counts its own; /metrics, whichever worker answers it, gives the pool's total."""
+    from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
+    from proxy_helpers import chat, metric, post
+
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as upstream, pool(tmp_path, 3, upstream.url + "/v1") as (proc, url, pids):
+        answered_by: set[str] = set()
+        for k in range(30):  # each on a connection of its own: the kernel spreads them over the workers
+            resp = post(url, chat(("user", f"question {k}")))
+            assert resp.status_code == 200
+            answered_by.add(resp.json()["id"])
+        assert len(answered_by) == 30
+        for _ in range(6):  # any worker may answer the scrape: every one must give the total
+            text = httpx.get(url + "/metrics", timeout=10).text
+            assert metric(text, "ctxfold_requests_total", stream="false", tenant="anonymous") == 30, text
+            assert metric(text, "ctxfold_responses_total", status="200", tenant="anonymous") == 30
+            assert metric(text, "ctxfold_proxy_overhead_seconds_count") == 30
+            assert metric(text, "ctxfold_sessions") == 30  # each worker's loaded sessions, added
+        # Each worker that counted has its own file of figures: more than one, or nothing was summed.
+        counted = {f.stem.rsplit("_", 1)[1] for f in (tmp_path / "data" / "metrics").glob("counter_*.db")}
+        assert counted <= {str(p) for p in pids} and len(counted) >= 2, counted
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=20)
 
 
 def test_a_worker_that_dies_stops_the_pool_with_an_error(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ENGINE_CHECK_MODES,
         FSYNC_MODES,
     )
+    from ctxfold.serve.logs import LOG_FORMATS, LOG_LEVELS
     from ctxfold.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES
 
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -112,6 +113,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "default: the Authorization header of the client request that triggered the compaction)")
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="the least severe log lines written to stderr (default info: one line per request, "
+                        "per compaction and per change of health)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="text (a timestamp, the level, the logger, the message) or json (one object a line, "
+                        "with each line's fields)")
     p.add_argument("--max-answer-bytes", type=positive_int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
                    help="largest upstream answer relayed: past it a JSON answer is a 502 and a stream ends with "
                         f"an error event (default {DEFAULT_MAX_ANSWER_BYTES})")
@@ -270,6 +277,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"ctxfold serve: warning: {line}", file=sys.stderr, flush=True)
 
     loop_factory = event_loop_factory(args.event_loop)
+    # The last step before serving: a command that stops on a bad setting leaves the process's logging as it was.
+    from ctxfold.serve.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     try:
         if args.workers > 1:
             return serve_workers(config, args.host, args.port, args.workers, ready=ready, loop_factory=loop_factory)
@@ -288,6 +299,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def share_metrics_between_workers(folder: Path) -> None:
+    """Make the workers forked from here on write their metrics under ``folder`` (emptied first: an
+    earlier run's figures would be added in), so /metrics sums them all (prometheus_client's
+    multiprocess mode)."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for old in folder.glob("*.db"):
+        old.unlink()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None:
+        # Imported already (an embedder's code, or the proxy's config): the library picks where values
+        # live when it is imported, so it is told again; metrics made from here on (in the workers) use it.
+        values.ValueClass = values.get_value_class()  # type: ignore[attr-defined]
+
+
 def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Callable[[str], None] | None = None,
                   loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
     """Run ``workers`` processes of the proxy, all accepting on one listening socket that this process
@@ -300,7 +326,9 @@ def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Cal
     import socket
     import traceback
 
+    share_metrics_between_workers(config.data_dir / "metrics")
     from ctxfold.serve.app import serve
+    from ctxfold.serve.metrics import mark_worker_dead
 
     if config.tenant_key_file is None and not os.environ.get("CTXFOLD_TENANT_KEY"):
         # Made once here, before the fork: workers that made it at once could read it half written.
@@ -347,6 +375,7 @@ def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Cal
     while pids:
         pid, status = os.wait()
         pids.remove(pid)
+        mark_worker_dead(pid)
         if not stopping:
             print(f"ctxfold serve: worker {pid} exited ({os.waitstatus_to_exitcode(status)}); stopping the others",
                   file=sys.stderr, flush=True)

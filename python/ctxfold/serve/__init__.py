@@ -64,7 +64,7 @@ _LAZY = {
 
 def require_serve_extra() -> None:
     """Raise ModuleNotFoundError with the install line when a package of the proxy is missing."""
-    for name in ("aiohttp", "httptools"):
+    for name in ("aiohttp", "httptools", "prometheus_client"):
         try:
             importlib.import_module(name)
         except ModuleNotFoundError:

@@ -58,6 +58,7 @@ from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.config import ProxyConfig, redact_url
 from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Forwarder, PromptTooLong
+from ctxfold.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.record import prompt_tokens, record
 from ctxfold.serve.request import (
@@ -95,6 +96,7 @@ __all__ = ["BadRequest", "BoundedSite", "ProxyApp", "ProxyConfig", "failure_kind
            "redact_url", "runner_options", "serve", "uncancelled"]
 
 log = logging.getLogger("ctxfold.serve")
+access_log = logging.getLogger("ctxfold.access")
 
 T = TypeVar("T")
 _COUNTED = web.RequestKey("ctxfold_response_counted", bool)  # the response was counted in the metrics
@@ -217,6 +219,7 @@ class ProxyApp:
                                      lease_ms=config.lease_ms)
         self._replayer: asyncio.Task[None] | None = None  # writes the spool back once the store is back
         self._upstream_probed: tuple[float, str | None] = (-math.inf, None)  # (when, why unreachable)
+        self._health_problem: str | None = None  # what /health said last (None: ok), to log its changes
         self._upstream: UpstreamClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: upstream summaries are asked on it
         self.compaction = CompactionStep(config, self.metrics)
@@ -341,6 +344,12 @@ class ProxyApp:
                                   "engine_check": self.engine_check.report.as_dict()}
         if problem is not None:  # requests still pass through, uncompacted: the reason is the operator's to fix
             report["reason"] = problem
+        if problem != self._health_problem:  # said once per change, not once per probe
+            if problem is not None:
+                log.warning("health: degraded: %s", problem, extra={"health": "degraded", "reason": problem})
+            else:
+                log.info("health: ok again", extra={"health": "ok"})
+            self._health_problem = problem
         spool = self.sessions.spool
         if spool is not None:  # refused and unreadable batches are the operator's to look at, not an outage
             report["spool"] = {"pending_batches": spool.num_pending, "refused_batches": spool.num_refused,
@@ -360,16 +369,9 @@ class ProxyApp:
         return None if why is None else f"the upstream {redact_url(self.config.completions_url)} cannot be reached: {why}"
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        self.metrics.sessions.set(self.sessions.num_sessions)
-        self.metrics.sessions_quarantined.set(self.sessions.num_quarantined)
-        self.metrics.sessions_forked.set(self.sessions.num_forks)
-        spool = self.sessions.spool
-        if spool is not None:
-            self.metrics.spool_batches.set(spool.num_pending)
-            self.metrics.spool_refused.set(spool.num_refused)
-            self.metrics.spool_set_aside.set(len(spool.set_aside))
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Options": "nosniff"})
+        self.metrics.note_state(self.sessions)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE,
+                                                                 "X-Content-Type-Options": "nosniff"})
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A request the proxy does not handle, to the upstream and back: method, path and query,
@@ -414,6 +416,26 @@ class ProxyApp:
     # -- a chat completion ---------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await self._completion(request, t0)
+            return resp
+        finally:  # one access line per request, whatever became of it (a client that left: 499)
+            if access_log.isEnabledFor(logging.INFO):
+                self._access_line(request, resp, t0)
+
+    def _access_line(self, request: web.Request, resp: web.StreamResponse | None, t0: float) -> None:
+        status = resp.status if resp is not None else 499
+        headers = resp.headers if resp is not None else {}
+        fields = {"status": status, "tenant": self._tenant_label(request), "ms": round(1e3 * (time.perf_counter() - t0), 2),
+                  "prompt_tokens": int(headers.get("X-Ctxfold-Prompt-Tokens", "0")) or None,
+                  "compactions": int(headers.get("X-Ctxfold-Compactions", "0")),
+                  "warnings": len(request.get(_WARNINGS, ()))}
+        access_log.info("%s %s %d tenant=%s prompt_tokens=%s compactions=%d warnings=%d %.1f ms", request.method,
+                        request.path, status, fields["tenant"], fields["prompt_tokens"], fields["compactions"],
+                        fields["warnings"], fields["ms"], extra=fields)
+
+    async def _completion(self, request: web.Request, t0: float) -> web.StreamResponse:
         try:
             check_one_credential(request.headers, self.config)
             raw = await read_body(request, self.config)
@@ -456,6 +478,7 @@ class ProxyApp:
             finally:  # after the lock is released; also when the client left and the handler is cancelled
                 for evicted in self.sessions.trim():
                     self._models.pop(evicted, None)
+                self.metrics.note_state(self.sessions)
         except asyncio.CancelledError:
             if _COUNTED not in request:
                 self.metrics.responses.inc("499", self._tenant_label(request))  # nginx's "client closed request"

@@ -251,11 +251,17 @@ class CompactionStep:
     def count_events(self, events: list[CompactionEvent]) -> None:
         m = self.metrics
         for e in events:
+            fields = {"kind": e.kind, "trigger": e.trigger, "applied": e.applied, "tokens_before": e.tokens_before,
+                      "tokens_after": e.tokens_after}
             if e.applied:
                 m.compactions.inc(e.kind, e.trigger)
                 m.tokens_saved.inc(amount=max(0, e.tokens_before - e.tokens_after))
+                log.info("compaction: %s (%s): %d -> %d tokens", e.kind, e.reason, e.tokens_before, e.tokens_after,
+                         extra=fields)
             else:
                 m.compaction_failures.inc(e.kind, e.trigger)
+                log.info("compaction not applied: %s (%s): %s", e.kind, e.reason, e.failure or "no change",
+                         extra=fields)
             if e.kind == "summary" and "summary" in e.seconds:
                 m.summary_seconds.observe(e.seconds["summary"])
             if e.summary_fallback:

@@ -1,12 +1,24 @@
-"""Prometheus text-format metrics of the proxy (exposition format 0.0.4), without a client library.
+"""The proxy's metrics, through the Prometheus client library (prometheus_client).
 
-The proxy runs one event loop, so updates need no lock; the figures are read by ``GET /metrics``.
+One process: a registry of the :class:`ProxyMetrics` object's own (several proxies in one process, as
+the tests run them, keep their figures apart). ``--workers N``: the library's multiprocess mode. The
+pool's parent points ``PROMETHEUS_MULTIPROC_DIR`` at an empty directory before any worker imports the
+library (:func:`use_multiprocess_dir`); each worker writes its figures to files there, and ``GET
+/metrics``, whichever worker the kernel hands it to, sums them all. The gauges say how (``livesum``:
+the live workers' values added; ``mostrecent``: the last one set).
+
+The objects below keep the small surface the proxy and its tests use (``inc``, ``set``, ``observe``,
+``get``, ``values``); the library does the counting, the locking and the exposition format.
 """
 
 from __future__ import annotations
 
-import bisect
+import os
 from collections.abc import Sequence
+from typing import Any, Literal
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 # Summary generation takes from tens of milliseconds (extractive) to minutes (a model on a slow GPU).
 SUMMARY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -14,33 +26,38 @@ SUMMARY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 OVERHEAD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 10.0)
 # Tenants given a label of their own in the request and response counters, the first seen first; the
 # rest share "other". A label per credential would grow the metrics without bound (every series is
-# kept, scraped and stored for ever), so the set is capped.
+# kept, scraped and stored for ever), so the set is capped (per worker, under --workers).
 MAX_TENANT_LABELS = 32
 TENANT_LABEL_CHARS = 12  # of the tenant's name (an HMAC, so its prefix tells nothing of the credential)
 ANONYMOUS_LABEL = "anonymous"
 OTHER_LABEL = "other"
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def _labels(names: Sequence[str], values: Sequence[str]) -> str:
-    if not names:
-        return ""
-    inner = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + inner + "}"
+def mark_worker_dead(pid: int) -> None:
+    """A worker of the pool exited: its live gauges stop counting (its counters stay)."""
+    if os.environ.get(MULTIPROC_ENV):
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Metric:
+    """One metric family and the sample that holds its value (``name`` for a gauge, ``name_total``
+    for a counter, ``name_count`` for a histogram's number of observations)."""
 
-
-class Counter:
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
+    def __init__(self, metric: Any, sample: str, labels: Sequence[str]) -> None:
+        self._metric = metric
+        self._sample = sample
         self.label_names = tuple(labels)
-        self.values: dict[tuple[str, ...], float] = {}
 
-    def inc(self, *labels: str, amount: float = 1.0) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + amount
+    def _child(self, labels: tuple[str, ...]) -> Any:
+        return self._metric.labels(*labels) if labels else self._metric
+
+    @property
+    def values(self) -> dict[tuple[str, ...], float]:
+        """This process's value of every label set seen."""
+        return {tuple(sample.labels[n] for n in self.label_names): sample.value
+                for family in self._metric.collect() for sample in family.samples if sample.name == self._sample}
 
     def get(self, *labels: str) -> float:
         return self.values.get(labels, 0.0)
@@ -49,47 +66,38 @@ class Counter:
         """The sum over every label set."""
         return sum(self.values.values())
 
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        if not self.values and not self.label_names:
-            out.append(f"{self.name} 0")
-        for labels, v in sorted(self.values.items()):
-            out.append(f"{self.name}{_labels(self.label_names, labels)} {v:g}")
-        return out
+
+class Counter(_Metric):
+    def __init__(self, registry: CollectorRegistry, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+        base = name.removesuffix("_total")
+        super().__init__(prometheus_client.Counter(base, help_text, labels, registry=registry), f"{base}_total",
+                         labels)
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        self._child(labels).inc(amount)
 
 
-class Gauge(Counter):
+class Gauge(_Metric):
+    def __init__(self, registry: CollectorRegistry, name: str, help_text: str, labels: Sequence[str] = (),
+                 *, across_workers: Literal["livesum", "mostrecent"] = "livesum") -> None:
+        super().__init__(prometheus_client.Gauge(name, help_text, labels, registry=registry,
+                                                 multiprocess_mode=across_workers), name, labels)
+
     def set(self, value: float, *labels: str) -> None:
-        self.values[labels] = value
-
-    def render(self) -> list[str]:
-        return [line.replace(" counter", " gauge") if line.startswith("# TYPE") else line for line in super().render()]
+        self._child(labels).set(value)
 
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        self.name = name
-        self.help = help_text
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
+class Histogram(_Metric):
+    def __init__(self, registry: CollectorRegistry, name: str, help_text: str, buckets: Sequence[float]) -> None:
+        super().__init__(prometheus_client.Histogram(name, help_text, buckets=buckets, registry=registry),
+                         f"{name}_count", ())
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+        self._metric.observe(value)
 
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, n in zip(self.buckets, self.counts, strict=False):
-            running += n
-            out.append(f'{self.name}_bucket{{le="{bound:g}"}} {running}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{self.name}_sum {self.sum:.9g}")
-        out.append(f"{self.name}_count {self.count}")
-        return out
+    @property
+    def count(self) -> int:
+        return int(self.get())
 
 
 class TenantLabels:
@@ -120,57 +128,69 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self.tenants = TenantLabels()
-        self.requests = Counter("ctxfold_requests_total", "Chat completion requests received, by tenant (the first "
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(r, "ctxfold_requests_total", "Chat completion requests received, by tenant (the first "
                                 f"{MAX_TENANT_LABELS} seen; the rest as other).", ["stream", "tenant"])
-        self.responses = Counter("ctxfold_responses_total", "Chat completion responses sent, by HTTP status and "
+        self.responses = Counter(r, "ctxfold_responses_total", "Chat completion responses sent, by HTTP status and "
                                  "tenant.", ["status", "tenant"])
-        self.bad_requests = Counter("ctxfold_bad_requests_total", "Requests refused, or passed through "
+        self.bad_requests = Counter(r, "ctxfold_bad_requests_total", "Requests refused, or passed through "
                                     "uncompacted (storage_error, store_unavailable, template_refused, internal_error), by reason.",
                                     ["reason"])
         self.upstream_errors = Counter(
-            "ctxfold_upstream_errors_total", "Upstream failures: connect, timeout, status, cut_stream.", ["kind"])
-        self.compactions = Counter("ctxfold_compactions_total", "Compaction passes applied.", ["kind", "trigger"])
+            r, "ctxfold_upstream_errors_total", "Upstream failures: connect, timeout, status, cut_stream.", ["kind"])
+        self.compactions = Counter(r, "ctxfold_compactions_total", "Compaction passes applied.", ["kind", "trigger"])
         self.compaction_failures = Counter(
-            "ctxfold_compaction_failures_total", "Compaction passes that were not applied.", ["kind", "trigger"])
+            r, "ctxfold_compaction_failures_total", "Compaction passes that were not applied.", ["kind", "trigger"])
         self.summary_fallbacks = Counter(
-            "ctxfold_summary_fallbacks_total", "Summaries written by the extractive fallback after a failure, by "
+            r, "ctxfold_summary_fallbacks_total", "Summaries written by the extractive fallback after a failure, by "
             "why the summarizer failed (its reason without the details).", ("reason",))
-        self.tokens_saved = Counter("ctxfold_tokens_saved_total", "Tokens removed from requests by compaction.")
-        self.sessions_quarantined = Gauge("ctxfold_sessions_quarantined",
+        self.tokens_saved = Counter(r, "ctxfold_tokens_saved_total", "Tokens removed from requests by compaction.")
+        self.sessions_quarantined = Gauge(r, "ctxfold_sessions_quarantined",
                                           "Sessions set aside since start because their event log could not be read.")
-        self.sessions_forked = Gauge("ctxfold_sessions_forked",
+        self.sessions_forked = Gauge(r, "ctxfold_sessions_forked",
                                      "Sessions forked from another since start (a history edited or answered anew).")
-        self.recall_calls = Counter("ctxfold_recall_calls_total", "read_archive calls answered by the proxy.")
-        self.spool_batches = Gauge("ctxfold_store_spool_batches",
+        self.recall_calls = Counter(r, "ctxfold_recall_calls_total", "read_archive calls answered by the proxy.")
+        self.spool_batches = Gauge(r, "ctxfold_store_spool_batches",
                                    "Session writes waiting in the local spool for the shared store to come back.")
         self.spool_refused = Gauge(
-            "ctxfold_store_spool_refused_batches", "Spooled session writes the shared store refused on replay since "
+            r, "ctxfold_store_spool_refused_batches", "Spooled session writes the shared store refused on replay since "
             "start (another replica took the session over): kept as .refused files in the spool directory.")
         self.spool_set_aside = Gauge(
-            "ctxfold_store_spool_unreadable_files", "Spool files that could not be read at startup, set aside as .corrupt.")
-        self.sessions = Gauge("ctxfold_sessions", "Sessions held in memory.")
+            r, "ctxfold_store_spool_unreadable_files", "Spool files that could not be read at startup, set aside as .corrupt.")
+        self.sessions = Gauge(r, "ctxfold_sessions", "Sessions held in memory.")
         self.engine_checks = Counter(
-            "ctxfold_engine_checks_total", "Answers whose usage.prompt_tokens was compared with ctxfold's count of "
+            r, "ctxfold_engine_checks_total", "Answers whose usage.prompt_tokens was compared with ctxfold's count of "
             "the prompt sent (--engine-check), by whether they agree.", ("result",))
         self.engine_prompt_tokens_diff = Gauge(
-            "ctxfold_engine_prompt_tokens_diff", "The engine's prompt tokens minus ctxfold's count, last compared.")
+            r, "ctxfold_engine_prompt_tokens_diff", "The engine's prompt tokens minus ctxfold's count, last compared.",
+            across_workers="mostrecent")
         self.engine_divergences = Counter(
-            "ctxfold_engine_divergences_total", "What the startup probe found the engine does otherwise than "
+            r, "ctxfold_engine_divergences_total", "What the startup probe found the engine does otherwise than "
             "ctxfold counts: template, tokenizer, system_dropped, tool_dropped, tool_refused, ...", ("kind",))
         self.summary_seconds = Histogram(
-            "ctxfold_summary_seconds", "Wall time of summary generation.", SUMMARY_BUCKETS_S)
+            r, "ctxfold_summary_seconds", "Wall time of summary generation.", SUMMARY_BUCKETS_S)
         self.overhead_seconds = Histogram(
-            "ctxfold_proxy_overhead_seconds",
+            r, "ctxfold_proxy_overhead_seconds",
             "Time from a request's arrival to its forwarding upstream (parsing, matching, compaction).",
             OVERHEAD_BUCKETS_S)
 
-    def render(self) -> str:
-        lines: list[str] = []
-        for m in (self.requests, self.responses, self.bad_requests, self.upstream_errors, self.compactions,
-                  self.compaction_failures, self.summary_fallbacks, self.tokens_saved, self.recall_calls,
-                  self.sessions, self.sessions_quarantined, self.sessions_forked, self.spool_batches,
-                  self.spool_refused, self.spool_set_aside,
-                  self.engine_checks, self.engine_prompt_tokens_diff, self.engine_divergences,
-                  self.summary_seconds, self.overhead_seconds):
-            lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+    def note_state(self, sessions: Any) -> None:
+        """The gauges that follow the sessions' state (``sessions``: the proxy's SessionStore), set after
+        each request and before each scrape: under --workers each worker keeps its own up to date, and
+        the scrape adds the live ones."""
+        self.sessions.set(sessions.num_sessions)
+        self.sessions_quarantined.set(sessions.num_quarantined)
+        self.sessions_forked.set(sessions.num_forks)
+        spool = sessions.spool
+        if spool is not None:
+            self.spool_batches.set(spool.num_pending)
+            self.spool_refused.set(spool.num_refused)
+            self.spool_set_aside.set(len(spool.set_aside))
+
+    def render(self) -> bytes:
+        """The exposition text: this process's figures, or with --workers every worker's, summed."""
+        if os.environ.get(MULTIPROC_ENV):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return generate_latest(registry)
+        return generate_latest(self.registry)
