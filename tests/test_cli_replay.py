@@ -492,3 +492,22 @@ def test_compact_of_a_conversation_too_small_to_shrink(tmp_path: Path) -> None:
     assert line.startswith("ctxfold: problem: tiny: not compacted (")
     written = formats.load(out)[0]  # unchanged, in the shape asked for
     assert [(m.role, m.text) for m in written.messages] == [(m.role, m.text) for m in formats.load(trace)[0].messages]
+
+
+def test_replay_and_compact_say_when_a_trace_lacks_what_the_agent_sent(traces_dir: Path, tmp_path: Path) -> None:
+    """A Claude Code transcript records neither the system prompt nor the tools (about 25k tokens):
+    replaying it without them must say so, with how far the recorded usage is above the count."""
+    trace = traces_dir / "claude_code_small" / "short.jsonl"
+    for argv in (("replay", str(trace), "--quiet"), ("compact", str(trace), "-o", str(tmp_path / "out.json"))):
+        proc = ctxfold(*argv)
+        notes = [line for line in proc.stderr.splitlines() if line.startswith("ctxfold: note: ")]
+        assert len(notes) == 1, proc.stderr
+        assert "lacks the system prompt and tool definitions Claude Code sends" in notes[0]
+        assert re.search(r"recorded usage is [\d.]+k tokens above the count", notes[0]) and "--tools FILE" in notes[0]
+    # Given them, nothing is said.
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}]))
+    system = tmp_path / "system.txt"
+    system.write_text("You are Claude Code.")
+    proc = ctxfold("replay", str(trace), "--quiet", "--tools", str(tools), "--system", str(system))
+    assert "ctxfold: note:" not in proc.stderr, proc.stderr

@@ -84,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     check_settings(args, config, counter=counter)
     convs = [c for f in loaded for c in f.conversations]
     labels = unique_labels(convs)
+    from ctxfold.cli.count import trace_header_notes
+
+    for note in trace_header_notes([(label, loaded[0].format, c) for label, c in zip(labels, convs, strict=True)],
+                                   counter, template):
+        print(f"ctxfold: note: {note}", file=term.stream)
     if args.session_dir is not None:
         for label in labels:
             d = Path(args.session_dir) / label

@@ -175,6 +175,16 @@ def _steady(gaps: Sequence[int]) -> bool:
     return max(gaps) - min(gaps) <= max(32, abs(mid) // 10)
 
 
+def trace_header_notes(convs: Sequence[tuple[str, str, Conversation]], counter: Any, template: Any) -> list[str]:
+    """:func:`header_notes` for the conversations (label, format, conversation) whose system prompt or
+    tools were filled in or are missing: what replay and compact say before they run, as count does.
+    Only those are counted (the gap to the recorded usage needs a count of each request)."""
+    incomplete = [(label, fmt, c) for label, fmt, c in convs
+                  if c.meta.get(FILLED_IN) or "missing" in header_status(c).values()]
+    return header_notes([count_conversation(c, counter, template, label=label, format=fmt)
+                         for label, fmt, c in incomplete])
+
+
 def header_notes(reports: Sequence[CountReport]) -> list[str]:
     """One line for the header parts that were filled in, and one for those the trace lacks, with
     how far the lack explains the gap between the count and the recorded usage."""

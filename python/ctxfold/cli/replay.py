@@ -389,8 +389,13 @@ def run(args: argparse.Namespace) -> int:
 
     # Load what can fail for the environment before any replay: an unknown tokenizer is exit 4 at once.
     counter = load_counter(args.tokenizer)
-    load_template(args.template)
+    template = load_template(args.template)
     check_settings(args, config, counter=counter)
+    if not args.demo:  # a trace without the system prompt or tools the agent sent replays without them
+        from ctxfold.cli.count import trace_header_notes
+
+        for note in trace_header_notes([(j.label, j.format, j.conversation) for j in jobs], counter, template):
+            print(f"ctxfold: note: {note}", file=term.stream)
 
     if args.session_dir is not None:
         for j in jobs:
