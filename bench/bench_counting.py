@@ -1,6 +1,6 @@
 """Token counting speed, each group with its baseline in the same run.
 
-    PYTHONPATH=python pytest bench/bench_counting.py --benchmark-enable
+    pytest bench/bench_counting.py --benchmark-enable
 
 Groups and targets:
 - estimate: the C++ estimator on real trace text, >= 500 MB/s on one core; baselines chars/4 in

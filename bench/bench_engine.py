@@ -1,6 +1,6 @@
 """The engine-facing API on a 128k-token sequence: the decision, the tail, the rebuild with its KV plan.
 
-    PYTHONPATH=python pytest bench/bench_engine.py --benchmark-enable --benchmark-group-by=group
+    pytest bench/bench_engine.py --benchmark-enable --benchmark-group-by=group
 
 Each group has the plain-Python way beside it (what an engine would write without ctxfold): summing
 segment lengths for the decision, ds4's scan over a Python list of ids for the tail, list splicing

@@ -1,6 +1,6 @@
 """Import of the whole traces folder, against plain json parsing of the same files.
 
-    PYTHONPATH=python pytest bench/bench_import.py --benchmark-enable
+    pytest bench/bench_import.py --benchmark-enable
 
 The baseline reads and parses every file with ``json`` (one ``json.loads`` per JSONL line) and
 builds nothing: the ratio is what detection, conversion and ids cost on top of parsing.

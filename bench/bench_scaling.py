@@ -1,7 +1,7 @@
 """Cost against size: which parts of ctxfold grow with the conversation and which stay constant.
 
     python bench/run.py                       # the whole suite, rendered into docs/benchmarks.md
-    PYTHONPATH=python pytest bench/bench_scaling.py --benchmark-enable
+    pytest bench/bench_scaling.py --benchmark-enable
 
 Every benchmark here is parametrized by size, 1k to 1M tokens or 10 to 100,000 messages, over the
 synthetic transcripts of ``synth`` (the real traces repeated), and records ``size`` and

@@ -1,6 +1,6 @@
 """Speed of the tail scans and the KV plan, each beside its baseline in the same run.
 
-    PYTHONPATH=python pytest bench/bench_tail.py --benchmark-enable --benchmark-group-by=group
+    pytest bench/bench_tail.py --benchmark-enable --benchmark-group-by=group
 
 Inputs are real: a 2,000-message transcript stitched from the tau-bench trajectories in
 ../shared/traces (or $CTXFOLD_TRACES), counted with the DeepSeek V4 tokenizer; the token buffer

@@ -1,6 +1,6 @@
 """Incremental accounting with a model's own Jinja chat template, beside the preset of the same format.
 
-    PYTHONPATH=python pytest bench/bench_templates.py --benchmark-enable
+    pytest bench/bench_templates.py --benchmark-enable
 
 Group jinja-turn-by-turn: a real agent conversation (tau-bench airline runs one after another: a 6K-char
 policy, tool calls and results; 120 messages, 59 requests; with a definition for each tool it calls, as

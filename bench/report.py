@@ -2,6 +2,10 @@
 
     python bench/report.py RESULTS_DIR [--out docs/benchmarks.md]   # re-render a finished run
 
+Only a complete run (see ``partial_reasons``) is rendered into ``--out``; the page of a partial one goes to
+``--partial-out`` (default ``RESULTS_DIR/partial/benchmarks.md``), so the published page and its plots are
+never replaced by a page with holes in it.
+
 RESULTS_DIR holds what ``bench/run.py`` wrote: ``benchmarks.json`` (pytest-benchmark's
 ``--benchmark-json``), ``junit.xml`` (what was skipped or failed, and why), ``machine.json`` and
 ``quality.json``, ``serve.json`` and ``serve_fsync_always.json`` (bench/bench_serve.py with the
@@ -37,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The published page; its plots are in docs/bench/. Only a complete run writes them.
+COMMITTED_PAGE = REPO_ROOT / "docs" / "benchmarks.md"
 
 # Lower-case substrings that mark a test as a baseline when it does not say so itself.
 BASELINE_HINTS = (
@@ -528,6 +534,116 @@ def render_serve(runs: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+# ---- complete or partial ------------------------------------------------------------------------------
+
+REASON_CHARS = 200  # one reason, cut to a line
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def partial_reasons(results: Path) -> tuple[list[str], list[str]]:
+    """Why the run in RESULTS is not the whole suite, as ``(left_out, not_measured)``: what the run was
+    told to leave out (``-k``, ``--quick``, ``--no-quality``, ``--no-serve``, extra pytest arguments) and
+    what it was meant to measure but did not (real traces missing, benchmarks skipped, failed or not
+    importable, quality figures or proxy latency not computed). Both empty: a complete run, the only
+    kind whose page is published."""
+    machine = _read_json(results / "machine.json")
+    run = machine.get("run", {}) if isinstance(machine.get("run"), dict) else {}
+    left_out = [str(x) for x in run.get("left_out", [])]
+    if "left_out" not in run and run.get("quick"):  # results of an older run.py
+        left_out.append("--quick (fewer rounds, largest sizes left out)")
+    missing: list[str] = []
+    if not machine:
+        missing.append("no machine.json: not a bench/run.py run")
+    if run.get("traces_found") is False:
+        missing.append(
+            f"real traces not found at {run.get('traces', '?')} "
+            "(put them in ../shared/traces beside the clone or set CTXFOLD_TRACES)"
+        )
+    rc = run.get("pytest_rc")
+    if rc not in (None, 0, 5):  # 5: nothing collected, said below as "no benchmark results"
+        missing.append(f"pytest exited with status {rc}")
+    if not load_entries(_read_json(results / "benchmarks.json")):
+        missing.append("no benchmark results (benchmarks.json missing or empty)")
+    junit = read_junit(results / "junit.xml")
+    for kind, what in (("error", "could not run"), ("failed", "failed"), ("skipped", "skipped")):
+        items = junit.get(kind, [])
+        if items:
+            reasons = list(dict.fromkeys(re.sub(r"^Skipped: ", "", m) or "no reason given" for _, m in items))
+            n, others = len(items), len(reasons) - 1
+            more = f" (and {others} other reason{'s' if others > 1 else ''})" if others else ""
+            missing.append(_cut(f"{n} benchmark{'s' if n != 1 else ''} {what}{more}: {reasons[0]}"))
+    if run.get("quality", True):
+        sections = _read_json(results / "quality.json").get("sections", [])
+        if not sections:
+            missing.append("quality figures not computed")
+        for sec in sections:
+            if sec.get("status", "ok") != "ok":
+                title = str(sec.get("title", "?"))
+                what = "quality figures" + ("" if title.lower() == "quality figures" else f", {title}")
+                missing.append(_cut(f"{what}: {sec['status']}"))
+    if run.get("serve", True):
+        for name, label in (("serve.json", "default fsync"), ("serve_fsync_always.json", "--fsync always")):
+            r = _read_json(results / name)
+            if not r:
+                missing.append(f"proxy latency ({label}) not measured")
+            elif r.get("status", "ok") != "ok":
+                missing.append(_cut(f"proxy latency ({label}): {r['status']}"))
+            else:
+                for phase, v in r.items():
+                    if isinstance(v, dict) and "status" in v:
+                        missing.append(_cut(f"proxy latency ({label}), {phase} phase: {v['status']}"))
+    return left_out, missing
+
+
+def shown(path: Path) -> str:
+    """A path as the user would type it: relative to the current folder when under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def same_folder(out: Path, partial_out: Path) -> bool:
+    """True when the two pages would share a plots folder (``bench/`` beside the page), so that writing one
+    would delete the other's plots."""
+    return out.resolve().parent == partial_out.resolve().parent
+
+
+def publish(results: Path, out: Path, partial_out: Path) -> tuple[Path, list[str], list[str]]:
+    """Render RESULTS into OUT when the run was complete, else into PARTIAL_OUT, leaving OUT and its plots
+    as they were. Returns the page written and ``partial_reasons(results)``."""
+    left_out, missing = partial_reasons(results)
+    page = render(results, partial_out if left_out or missing else out)
+    return page, left_out, missing
+
+
+def explain(prog: str, out: Path, page: Path, left_out: Sequence[str], missing: Sequence[str]) -> list[str]:
+    """What a partial run tells the user (stderr): the published page untouched, where this one went, why."""
+    if not left_out and not missing:
+        return []
+    plots = shown(out.parent / "bench")
+    lines = [
+        f"{prog}: partial run: {shown(out)} and its plots ({plots}/) were left as they were; "
+        + "only a complete run writes them",
+        f"{prog}: this run's page: {shown(page)}",
+    ]
+    lines += [f"{prog}:   left out: {r}" for r in left_out]
+    lines += [f"{prog}:   not measured: {r}" for r in missing]
+    return lines
+
+
 # ---- the page ---------------------------------------------------------------------------------------
 
 
@@ -558,9 +674,16 @@ def render(results: Path, out: Path) -> Path:
     plain = sorted(g for g in groups if g not in scaling)
 
     run = machine.get("run", {})
+    left_out, missing = partial_reasons(results)
+    banner = [
+        "> **Partial run**, not the published page: "
+        + "; ".join([f"left out: {r}" for r in left_out] + [f"not measured: {r}" for r in missing]),
+        "",
+    ]
     lines = [
         "# Benchmarks",
         "",
+        *(banner if left_out or missing else []),
         (
             "Generated by `python bench/run.py` "
             f"({run.get('date', 'date unknown')}; suite took {run.get('wall_s', '?')} s"
@@ -611,7 +734,17 @@ def render(results: Path, out: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("results", type=Path, help="the folder bench/run.py wrote its results into")
-    ap.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "benchmarks.md")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=COMMITTED_PAGE,
+        help="the page of a complete run (plots go to bench/ beside it); default docs/benchmarks.md",
+    )
+    ap.add_argument(
+        "--partial-out",
+        type=Path,
+        help="the page of a partial run, which never goes to --out; default RESULTS/partial/benchmarks.md",
+    )
     args = ap.parse_args(argv)
     if not args.results.is_dir():
         print(
@@ -619,8 +752,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(render(args.results, args.out))
-    return 0
+    partial_out = args.partial_out or args.results / "partial" / "benchmarks.md"
+    if same_folder(args.out, partial_out):
+        print(f"report: --partial-out must be in another folder than --out ({args.out.parent}): "
+              "its plots would replace the published ones", file=sys.stderr)
+        return 2
+    page, left_out, missing = publish(args.results, args.out, partial_out)
+    for line in explain("report", args.out, page, left_out, missing):
+        print(line, file=sys.stderr)
+    print(page)
+    return 3 if missing else 0
 
 
 if __name__ == "__main__":

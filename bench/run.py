@@ -5,6 +5,12 @@
     python bench/run.py -k tail          # only the benchmarks pytest's -k selects
     python bench/run.py --render-only    # re-render the page from the last run's results
 
+Only a complete run writes docs/benchmarks.md and docs/bench/*.png: the whole suite (no ``-k``, ``--quick``,
+``--no-quality``, ``--no-serve`` or extra pytest arguments) with nothing skipped, failed or not measured (the
+real traces found, every optional package installed). Any other run writes its page to ``--partial-out``
+(default build/bench/partial/benchmarks.md), leaves the published page and plots as they were, and says on
+stderr where the page went and what is missing from it.
+
 Four steps, each allowed to fail without stopping the others:
 1. pytest over bench/ with pytest-benchmark enabled (the project's pytest settings disable it so
    that a plain ``pytest`` stays fast), ``--benchmark-json`` and a junit XML that records what was
@@ -14,7 +20,8 @@ Four steps, each allowed to fail without stopping the others:
    tokens prefilled again);
 3. the proxy's latency under load, ``bench/bench_serve.py``, with its default fsync mode and with
    ``--fsync always`` (left out with ``-k`` or ``--no-serve``);
-4. machine and versions, then ``bench/report.py`` renders the page.
+4. machine and versions, then ``bench/report.py`` renders the page (``--out`` for a complete run, else
+   ``--partial-out``; ``report.partial_reasons`` decides).
 
 Results go to build/bench/ (or --results). Needs ctxfold importable: a built extension in
 python/ctxfold (the development build) or an installed ctxfold.
@@ -41,6 +48,23 @@ REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import report
+
+TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))  # as synth.py
+
+EPILOG = """\
+Only a complete run writes --out (docs/benchmarks.md) and its plots
+(docs/bench/*.png): the whole suite (no -k, --quick, --no-quality, --no-serve
+or pytest arguments) with nothing skipped, failed or not measured (real traces
+in ../shared/traces or $CTXFOLD_TRACES, every optional package installed).
+Any other run writes its page to --partial-out, leaves the published page and
+plots as they were, and says on stderr where the page went and why.
+
+exit status:
+  0  everything selected ran (published only if that was the whole suite)
+  1  a benchmark failed or could not be imported (pytest failed)
+  3  something was skipped or not measured (no real traces, a package
+     missing, quality figures or proxy latency not computed)
+  2  nothing ran (ctxfold not importable, bad arguments)"""
 
 # Versions shown on the page: what the numbers depend on.
 PACKAGES = (
@@ -230,14 +254,23 @@ def run_serve(results: Path, env: dict[str, str], timeout_s: float) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description="Run ctxfold's benchmark suite (pytest-benchmark over bench/, baselines in the same run) "
-        "and write the results page."
+        description="Run ctxfold's benchmark suite (pytest-benchmark over bench/, baselines in the\n"
+        "same run) and write the results page.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--out",
         type=Path,
-        default=REPO_ROOT / "docs" / "benchmarks.md",
-        help="the page to write (plots go to a bench/ folder beside it); default docs/benchmarks.md",
+        default=report.COMMITTED_PAGE,
+        help="the page of a complete run (plots go to a bench/ folder beside it); default docs/benchmarks.md",
+    )
+    ap.add_argument(
+        "--partial-out",
+        type=Path,
+        metavar="PATH",
+        help="the page of a partial run, which never goes to --out (plots go to a bench/ folder beside it; "
+        "must be in another folder than --out); default RESULTS/partial/benchmarks.md",
     )
     ap.add_argument(
         "--results",
@@ -274,18 +307,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.min_rounds, args.max_time = 3, 0.1
     results: Path = args.results
+    partial_out: Path = args.partial_out or results / "partial" / "benchmarks.md"
+    if report.same_folder(args.out, partial_out):
+        print(f"run: --partial-out must be in another folder than --out ({args.out.parent}): "
+              "its plots would replace the published ones", file=sys.stderr)
+        return 2
     if args.render_only:
         if not (results / "benchmarks.json").is_file():
             print(f"run: no results in {results}; run without --render-only first", file=sys.stderr)
             return 2
-        print(report.render(results, args.out))
-        return 0
+        page, left_out, missing = report.publish(results, args.out, partial_out)
+        for line in report.explain("run", args.out, page, left_out, missing):
+            print(line, file=sys.stderr)
+        print(page)
+        return 3 if missing else 0
 
     env = _env()
     problem = _check_import(env)
     if problem:
         print(f"run: {problem}", file=sys.stderr)
         return 2
+    left_out = _left_out(args)
+    traces_found = TRACES_DIR.is_dir()
+    if left_out or not traces_found:  # known before anything runs: say so now, not after minutes
+        why = "; ".join(left_out + ([] if traces_found else [f"no real traces at {TRACES_DIR}"]))
+        print(f"run: partial run ({why}): its page goes to {report.shown(partial_out)}, "
+              f"not {report.shown(args.out)}", file=sys.stderr)
     results.mkdir(parents=True, exist_ok=True)
     for name in ("benchmarks.json", "junit.xml", "quality.json", "machine.json", "serve.json",
                  "serve_fsync_always.json"):
@@ -293,7 +340,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     machine = machine_info()
-    machine["run"] = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "quick": args.quick}
+    machine["run"] = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": args.quick,
+        # What report.partial_reasons reads to tell a complete run from a partial one.
+        "left_out": left_out,
+        "quality": not args.no_quality,
+        "serve": not args.no_serve and not args.k,
+        "traces": str(TRACES_DIR),
+        "traces_found": traces_found,
+    }
     if args.cpu is not None:
         if shutil.which("taskset") is None:
             print("run: --cpu needs taskset (util-linux)", file=sys.stderr)
@@ -307,13 +363,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine["load_after"] = _load()
     machine["run"].update(wall_s=round(time.monotonic() - started), pytest_rc=rc)
     (results / "machine.json").write_text(json.dumps(machine, indent=1), encoding="utf-8")
-    page = report.render(results, args.out)
+    page, left_out, missing = report.publish(results, args.out, partial_out)
     text = page.read_text(encoding="utf-8")
     if "## At a glance" in text:  # the headline figures on the terminal too
         print(text.split("## At a glance", 1)[1].split("\n## ", 1)[0].strip())
     print(f"wrote {page}")
+    for line in report.explain("run", args.out, page, left_out, missing):
+        print(line, file=sys.stderr)
     # Failed benchmarks (a missed target) are on the page; the exit status still says so.
-    return 0 if rc in (0, 5) else 1
+    if rc not in (0, 5):
+        return 1
+    return 3 if missing else 0
+
+
+def _left_out(args: argparse.Namespace) -> list[str]:
+    """What this run was told to leave out of the suite: any of it makes the run partial."""
+    out = []
+    if args.k:
+        out.append(f"-k {args.k!r}")
+    if args.quick:
+        out.append("--quick (fewer rounds, largest sizes left out)")
+    if args.no_quality:
+        out.append("--no-quality")
+    if args.no_serve:
+        out.append("--no-serve")
+    if args.pytest_args:
+        out.append("pytest arguments " + " ".join(args.pytest_args))
+    return out
 
 
 if __name__ == "__main__":

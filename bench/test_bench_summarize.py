@@ -1,6 +1,6 @@
 """Speed of the extractive summary and of the stream cutter, each beside a naive baseline in the same run.
 
-Run: ``PYTHONPATH=python pytest bench/test_bench_summarize.py --benchmark-enable``. Groups:
+Run: ``pytest bench/test_bench_summarize.py --benchmark-enable``. Groups:
 
 - ``extractive-2000``: the extractive summary of 2,000 real messages (tool outputs included) against two
   baselines over the same messages: Datus's request-size estimate (``len(json.dumps(item)) // 4`` per item,
