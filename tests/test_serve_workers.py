@@ -53,7 +53,10 @@ def pool(tmp_path: Path, workers: int, upstream_url: str | None = None
             assert proc.stdout is not None
             url = proc.stdout.readline().split()[0]
             assert url.startswith("http://127.0.0.1:"), url
-            pids = children(proc.pid)
+            # The pool says it listens before it forks (connections queue on the socket): wait for the workers.
+            deadline = time.monotonic() + 30
+            while len(pids := children(proc.pid)) < workers and time.monotonic() < deadline:
+                time.sleep(0.02)
             assert len(pids) == workers
             yield proc, url, pids
         finally:

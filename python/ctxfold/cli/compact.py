@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     labels = unique_labels(convs)
     from ctxfold.cli.count import trace_header_notes
 
-    for note in trace_header_notes([(label, loaded[0].format, c) for label, c in zip(labels, convs, strict=True)],
-                                   counter, template):
+    for note in [] if args.quiet else trace_header_notes(
+            [(label, loaded[0].format, c) for label, c in zip(labels, convs, strict=True)], counter, template):
         print(f"ctxfold: note: {note}", file=term.stream)
     if args.session_dir is not None:
         for label in labels:

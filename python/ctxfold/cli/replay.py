@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
     counter = load_counter(args.tokenizer)
     template = load_template(args.template)
     check_settings(args, config, counter=counter)
-    if not args.demo:  # a trace without the system prompt or tools the agent sent replays without them
+    if not args.demo and not args.quiet:  # a trace without the system prompt or tools the agent sent replays without them
         from ctxfold.cli.count import trace_header_notes
 
         for note in trace_header_notes([(j.label, j.format, j.conversation) for j in jobs], counter, template):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import logging
 import os
 import sys
 import tempfile
@@ -275,12 +276,15 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         for line in warnings:  # after the line that says it listens: scripts wait for that one first
             print(f"ctxfold serve: warning: {line}", file=sys.stderr, flush=True)
+        logging.getLogger("ctxfold").setLevel(args.log_level.upper())  # the lines below warning, from now on
 
     loop_factory = event_loop_factory(args.event_loop)
-    # The last step before serving: a command that stops on a bad setting leaves the process's logging as it was.
+    # The last step before serving: a command that stops on a bad setting leaves the process's logging as it
+    # was. Warnings and errors from now on; the rest once the listening line is out (ready), which scripts
+    # read first.
     from ctxfold.serve.logs import configure_logging
 
-    configure_logging(args.log_level, args.log_format)
+    configure_logging("error" if args.log_level == "error" else "warning", args.log_format)
     try:
         if args.workers > 1:
             return serve_workers(config, args.host, args.port, args.workers, ready=ready, loop_factory=loop_factory)
@@ -338,6 +342,8 @@ def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Cal
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=1024)
     bound = sock.getsockname()[1]
+    if ready is not None:  # listening already (connections queue until a worker accepts), and said first
+        ready(f"http://{host}:{bound} ({workers} workers)")
     pids: list[int] = []
     for worker in range(workers):
         pid = os.fork()
@@ -369,8 +375,6 @@ def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Cal
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    if ready is not None:
-        ready(f"http://{host}:{bound} ({workers} workers)")
     code = 0
     while pids:
         pid, status = os.wait()
