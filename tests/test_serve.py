@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -476,6 +477,32 @@ def test_health_and_metrics(upstream: tuple[ScriptedUpstream, str], proxy: tuple
     assert metric(text, "ctxfold_bad_requests_total", reason="invalid_json") == 1
     assert "# TYPE ctxfold_summary_seconds histogram" in text
     assert metric(text, "ctxfold_proxy_overhead_seconds_count") == 1
+
+
+def test_an_operator_token_guards_metrics_and_health_details(upstream: tuple[ScriptedUpstream, str],
+                                                            tmp_path: Path) -> None:
+    """/metrics shows every tenant's labels and counts; with a token set, a client without it gets a 404
+    there and only the status from /health. The token never goes upstream."""
+    up, url = upstream
+    token = "operator-secret-0123456789"
+    _, srv = start_proxy(url, tmp_path / "data", operator_token=token)
+    try:
+        assert post(srv.url, chat(("user", "hi")), headers={"Authorization": "Bearer sk-a"}).status_code == 200
+        assert httpx.get(f"{srv.url}/metrics", timeout=30).status_code == 404
+        assert httpx.get(f"{srv.url}/metrics", timeout=30, headers={"X-Ctxfold-Operator-Token": "wrong"}).status_code == 404
+        text = httpx.get(f"{srv.url}/metrics", timeout=30, headers={"X-Ctxfold-Operator-Token": token}).text
+        assert re.search(r'ctxfold_responses_total\{status="200",tenant="[0-9a-f]{12}"\} 1\.0', text), text
+        assert httpx.get(f"{srv.url}/health", timeout=30).json() == {"status": "ok"}
+        details = httpx.get(f"{srv.url}/health", timeout=30, headers={"X-Ctxfold-Operator-Token": token}).json()
+        assert details["status"] == "ok" and "upstream" in details and "sessions_loaded" in details
+        httpx.post(f"{srv.url}/v1/embeddings", json={"input": "x"}, timeout=30,
+                   headers={"X-Ctxfold-Operator-Token": token})
+        assert up.other_requests and all(k.lower() != "x-ctxfold-operator-token"
+                                         for k, _ in up.other_requests[-1]["headers"])
+    finally:
+        srv.close()
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        ProxyConfig(upstream=url, data_dir=tmp_path / "d", operator_token="short")
 
 
 def test_health_says_when_the_upstream_cannot_be_reached(tmp_path: Path) -> None:

@@ -161,6 +161,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tenant-key-file", type=Path, metavar="FILE",
                    help="the secret the tenant hash is keyed with (default: $CTXFOLD_TENANT_KEY, else "
                    "<data-dir>/tenant.key, made once)")
+    p.add_argument("--operator-token-env", metavar="VAR",
+                   help="the environment variable holding a secret (16+ characters) that GET /metrics and the "
+                        "details of GET /health then require in an X-Ctxfold-Operator-Token header; without it "
+                        "they are open to every client that reaches the port")
     p.add_argument("--store", metavar="URL",
                    help="a session store shared by several proxy processes or machines: redis://HOST:PORT/DB, "
                    "rediss://, unix://, valkey:// (options: ?prefix=, durability=always|everysec, blobs=<fsspec "
@@ -196,6 +200,9 @@ def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
         raise CommandError(f"--summary-api-key-env {args.summary_api_key_env}: that environment variable is not set "
                            "or empty; export the key in it, or leave the option out to send the client's own "
                            "Authorization header", EXIT_USAGE)
+    if args.operator_token_env is not None and not os.environ.get(args.operator_token_env):
+        raise CommandError(f"--operator-token-env {args.operator_token_env}: that environment variable is not set or "
+                           "empty; export the secret in it (16 characters or more)", EXIT_USAGE)
     check_settings(args, compact)
     check_workers(args.workers, getattr(args, "store", None))
 
@@ -231,6 +238,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_recall_chars=args.max_recall_chars, client_timeout_s=args.client_timeout_s,
         max_connections=args.max_connections, max_loaded_bytes=args.max_loaded_bytes,
         tenant_header=args.tenant_header, tenant_key_file=args.tenant_key_file,
+        operator_token=os.environ[args.operator_token_env] if args.operator_token_env else None,
         fsync=args.fsync, tokenizer=args.tokenizer, store_url=args.store, spool_max_bytes=args.spool_max_bytes,
         lease_ms=args.store_lease_ms,
         template=None if args.template == "none" else args.template,

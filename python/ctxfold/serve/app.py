@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import hmac
 import json
 import logging
 import math
@@ -62,7 +63,9 @@ from ctxfold.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.record import prompt_tokens, record
 from ctxfold.serve.request import (
+    OPERATOR_HEADER,
     OWN_REQUEST_HEADERS,
+    RELAY_DROPPED_HEADERS,
     BadRequest,
     ParsedRequest,
     check_one_credential,
@@ -332,6 +335,12 @@ class ProxyApp:
         await asyncio.to_thread(self.sessions.close)
         await self.sessions.aclose()
 
+    def _operator(self, request: web.Request) -> bool:
+        """Whether ``request`` may read the operator's figures (``operator_token``, when one is set)."""
+        token = self.config.operator_token
+        given = request.headers.get(OPERATOR_HEADER, "")
+        return token is None or hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
+
     async def health(self, request: web.Request) -> web.Response:
         problem = await asyncio.to_thread(self.sessions.storage_problem)
         if problem is None:
@@ -344,6 +353,8 @@ class ProxyApp:
                                   "engine_check": self.engine_check.report.as_dict()}
         if problem is not None:  # requests still pass through, uncompacted: the reason is the operator's to fix
             report["reason"] = problem
+        if not self._operator(request):  # a load balancer's check: the status alone, no details
+            report = {"status": report["status"]}
         if problem != self._health_problem:  # said once per change, not once per probe
             if problem is not None:
                 log.warning("health: degraded: %s", problem, extra={"health": "degraded", "reason": problem})
@@ -369,6 +380,9 @@ class ProxyApp:
         return None if why is None else f"the upstream {redact_url(self.config.completions_url)} cannot be reached: {why}"
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
+        if not self._operator(request):
+            return error_response(404, f"no such path without the {OPERATOR_HEADER} header",
+                                  code="not_found")
         self.metrics.note_state(self.sessions)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE,
                                                                  "X-Content-Type-Options": "nosniff"})
@@ -383,7 +397,7 @@ class ProxyApp:
             refused = error_response(e.status, e.message, code=e.code, param=e.param)
             refused.force_close()
             return refused
-        headers = relayed_headers(request.headers.items(), frozenset({"host", "content-length", "expect"}))
+        headers = relayed_headers(request.headers.items(), RELAY_DROPPED_HEADERS)
         return await self._relay_body(request, self.config.upstream_target(request.raw_path), body, headers)
 
     async def _relay_body(self, request: web.Request, target: str, body: bytes,

@@ -70,6 +70,10 @@ class ProxyConfig:
     tenant_header: str = "Authorization"
     # The tenant HMAC key's file; None: $CTXFOLD_TENANT_KEY, else <data_dir>/tenant.key (made once).
     tenant_key_file: Path | None = None
+    # A secret that /metrics and the details of /health ask for (the X-Ctxfold-Operator-Token header):
+    # they show every tenant's labels and counts, the upstream and the spool. None: open to every
+    # client that reaches the port (put the proxy where only operators reach its port, or set this).
+    operator_token: str | None = field(default=None, repr=False)
     # fsync of the session logs. "compactions" (default): what the client cannot send again (compactions
     # and their summaries, archives) is fsynced; the session's start and its messages are written (a
     # killed proxy loses nothing) and become durable with the next fsync, since every request carries
@@ -118,6 +122,8 @@ class ProxyConfig:
         if port == -1 or not urlsplit(self.upstream).hostname:
             raise ConfigError(f"upstream: {redact_url(self.upstream)!r} has no host or a port outside 0-65535")
         # Every number the proxy is run with, checked here once: the CLI, tests and embedders all build one.
+        if self.operator_token is not None and len(self.operator_token) < 16:
+            raise ConfigError("operator token: at least 16 characters (it guards every tenant's figures)")
         if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", self.tenant_header):
             raise ConfigError(f"tenant_header: {self.tenant_header!r} is not an HTTP header name")
         if self.store_url is not None and not is_shared_url(self.store_url):

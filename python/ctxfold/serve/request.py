@@ -27,10 +27,14 @@ from ctxfold.serve.sessions import SESSION_HEADER
 # Those a Connection header names are dropped too.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                          "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
+OPERATOR_HEADER = "X-Ctxfold-Operator-Token"  # carries ProxyConfig.operator_token: never sent upstream
 # Request headers the proxy writes itself on a chat completion: the body may be rewritten (length,
 # type), and the proxy reads the answer, so it must come uncompressed (no Accept-Encoding).
 OWN_REQUEST_HEADERS = frozenset({"host", "content-length", "content-type", "accept-encoding", "expect",
-                                 SESSION_HEADER.lower()})
+                                 SESSION_HEADER.lower(), OPERATOR_HEADER.lower()})
+# Request headers a relayed request does not carry upstream: framing the proxy writes, and the operator's
+# secret, which is the proxy's alone.
+RELAY_DROPPED_HEADERS = frozenset({"host", "content-length", "expect", OPERATOR_HEADER.lower()})
 # Answer headers aiohttp writes for the body the client receives (a completion's body may be the last of
 # several recall rounds, and is sent with the proxy's own framing).
 OWN_ANSWER_HEADERS = frozenset({"content-length", "content-encoding"})
