@@ -95,7 +95,7 @@ from ctxfold.store import BufferedLog, Store, StoreError, open_store
 UPSTREAM_PROBE_INTERVAL_S = 5.0
 
 # Re-exported: the names the proxy's users and tests have imported from here.
-__all__ = ["BadRequest", "BoundedSite", "ProxyApp", "ProxyConfig", "failure_kind", "make_runner", "parse_request",
+__all__ = ["BadRequest", "BoundedListener", "ProxyApp", "ProxyConfig", "failure_kind", "make_runner", "parse_request",
            "redact_url", "runner_options", "serve", "uncancelled"]
 
 log = logging.getLogger("ctxfold.serve")
@@ -692,7 +692,7 @@ class _Gate(asyncio.Protocol):
 
     __slots__ = ("_inner", "_site")
 
-    def __init__(self, site: BoundedSite) -> None:
+    def __init__(self, site: BoundedListener) -> None:
         self._site = site
         self._inner: asyncio.Protocol | None = None
 
@@ -728,32 +728,46 @@ class _Gate(asyncio.Protocol):
             self._inner.connection_lost(exc)
 
 
-class BoundedSite(web.TCPSite):
-    """aiohttp's TCP site with at most ``max_connections`` client connections open at once. With
-    ``sock``, it accepts on that listening socket (bound by a parent, shared by several workers)."""
+# Connections the kernel queues before the proxy accepts them (it caps this at net.core.somaxconn).
+LISTEN_BACKLOG = 1024
 
-    __slots__ = ("factory", "max_connections", "open_connections", "refused", "sock")
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int,
-                 sock: socket.socket | None = None) -> None:
-        super().__init__(runner, host, port, reuse_address=True)
+class BoundedListener:
+    """The proxy's listening socket, with at most ``max_connections`` client connections open at once:
+    each accepted connection goes to aiohttp's protocol (the runner's public ``server`` factory) through
+    a :class:`_Gate`. Public APIs only (asyncio's ``create_server`` and the runner's ``server``): no
+    subclass of aiohttp's sites, whose internals change between releases. With ``sock``, it accepts on
+    that listening socket (bound by a parent, shared by several workers)."""
+
+    def __init__(self, runner: web.AppRunner, *, max_connections: int) -> None:
+        self.runner = runner
         self.max_connections = max_connections
         self.open_connections = 0
         self.refused = 0  # connections answered 503 since the start
         self.factory: Callable[[], asyncio.Protocol] | None = None
-        self.sock = sock
+        self._server: asyncio.Server | None = None
 
-    async def start(self) -> None:
-        await super(web.TCPSite, self).start()  # BaseSite's: TCPSite's would build a server of its own
-        self.factory = self._runner.server
+    async def start(self, host: str, port: int, *, sock: socket.socket | None = None) -> int:
+        """Listen (or accept on ``sock``); returns the port bound."""
+        server = self.runner.server
+        if server is None:
+            raise RuntimeError("the runner is not set up")
+        self.factory = server
         loop = asyncio.get_running_loop()
-        if self.sock is not None:
-            self._server = await loop.create_server(lambda: _Gate(self), sock=self.sock, backlog=self._backlog)
+        if sock is not None:
+            self._server = await loop.create_server(lambda: _Gate(self), sock=sock, backlog=LISTEN_BACKLOG)
         else:
-            self._server = await loop.create_server(lambda: _Gate(self), self._host, self._port,
-                                                    backlog=self._backlog, reuse_address=True)
-        sockets = getattr(self._server, "sockets", None) or []
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+            self._server = await loop.create_server(lambda: _Gate(self), host, port, backlog=LISTEN_BACKLOG,
+                                                    reuse_address=True)
+        sockets = self._server.sockets
+        return int(sockets[0].getsockname()[1]) if sockets else port
+
+    async def stop(self) -> None:
+        """Accept no more connections (those open are closed by the runner's cleanup)."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
 
 
 async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,
@@ -772,10 +786,9 @@ async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[s
     proxy = ProxyApp(config, worker=worker)
     runner = make_runner(proxy)
     await runner.setup()
+    listener = BoundedListener(runner, max_connections=config.max_connections)
     try:
-        site = BoundedSite(runner, host, port, max_connections=config.max_connections, sock=sock)
-        await site.start()
-        bound = site.port
+        bound = await listener.start(host, port, sock=sock)
         # What startup built (modules, tokenizer tables, the app) lives as long as the process: frozen,
         # a full collection does not scan it again. On the trace replay this cut the collector's
         # time per request by two fifths and its longest pauses from 43 to 16 ms.
@@ -785,4 +798,5 @@ async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[s
             ready(f"http://{host}:{bound}")
         await stop.wait()
     finally:
+        await listener.stop()
         await runner.cleanup()
