@@ -536,10 +536,10 @@ def test_read_archive_is_answered_from_the_store_on_any_replica(
         text = "archived by replica a\n" * 20
         aid = hashlib.sha256(text.encode()).hexdigest()
 
-        async def put() -> None:  # what replica A's archive pass commits: a blob of the key's archive
-            store = RedisStore(redis_server.url)
+        async def put() -> None:  # what replica A's archive pass commits: a blob of the conversation's
+            store = RedisStore(redis_server.url)  # archive (no credential: the conversation's own, not the key's)
             try:
-                await store.put_blob(sid.rsplit("/", 1)[0] + "/archive", f"archive/{aid}.txt", text.encode())
+                await store.put_blob(sid + "/archive", f"archive/{aid}.txt", text.encode())
             finally:
                 await store.close()
 

@@ -168,6 +168,47 @@ def test_tenants_with_the_same_opening_share_no_session_and_no_archive(
     assert key.stat().st_mode & 0o777 == 0o600
 
 
+def test_anonymous_conversations_with_one_guessable_key_share_no_archive(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
+    """Without a credential, a key is no secret (a guessable X-Ctxfold-Session, a common opening): each
+    anonymous conversation has its own archive, so B's model asking for A's archived output gets "not
+    found". A fork still reads what its copied history refers to."""
+    up, url = upstream
+    app, srv = start_proxy(url, tmp_path / "data")
+    key = {"X-Ctxfold-Session": "demo"}
+    try:
+        answer(post(srv.url, chat(("user", "A starts")), headers=key))
+        store_a = app.sessions.loaded()[0].compactor.store
+        aid = store_a.put("anonymous A's secret text\n" * 40)
+        answer(post(srv.url, chat(("user", "B starts")), headers=key))  # the same key, another conversation
+        settle(app)
+        assert len(app.sessions.loaded()) == 2
+        call = {"id": "c1", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
+        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "assistant", "content": "done"}])
+        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+        body = chat(("user", "B starts"), ("assistant", "echo: B starts"), ("user", "recall it"),
+                    tools=[{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}])
+        assert answer(post(srv.url, body, headers=key)) == "done"
+        recalled = up.received[-1]["messages"][-1]["content"]
+        assert "secret text" not in recalled and recalled.startswith(f"Error: no archived output with id {aid}")
+    finally:
+        srv.close()
+    archives = sorted(p.relative_to(tmp_path / "data").as_posix() for p in (tmp_path / "data").rglob("archive"))
+    # A's (B archived nothing), in its conversation's folder: sessions/<key>/<n>/archive, not the key's.
+    assert len(archives) == 1 and archives[0].count("/") == 3, archives
+
+
+def test_an_anonymous_fork_copies_the_archived_outputs_its_history_refers_to(tmp_path: Path) -> None:
+    from ctxfold.serve.sessions import copy_referenced_archive
+
+    held = {"a" * 64: b"kept", "b" * 64: b"not referred to"}
+    copied: dict[str, bytes] = {}
+    history = b'{"seq": 3, "type": "view", "view": [{"message": {"content": "[ctxfold archived id=' + b"a" * 64 + b'"}}]}'
+    assert copy_referenced_archive(history + b"c" * 64, held.get, copied.__setitem__) == 1
+    assert copied == {"a" * 64: b"kept"}
+
+
 def test_tenants_survive_a_restart(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     _, url = upstream
     a = {"Authorization": "Bearer sk-a"}

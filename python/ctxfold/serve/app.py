@@ -247,13 +247,12 @@ class ProxyApp:
 
     # -- compactors ----------------------------------------------------------------------------------
     def _make_compactor(self, header: Conversation, path: Path) -> Compactor:
-        # One archive per key, shared by the sessions a key forks into: they share their early history,
-        # and a marker copied from one must still resolve in the other. Content-addressed, so sharing is safe.
+        # A tenant's archive is its key's, an anonymous conversation's its own (SessionStore.archive_dir).
         # With archive_url, replicas share it through object storage; event logs stay on local disk.
         if self.config.archive_url is not None:
             store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
         else:
-            store = ArchiveStore(path.parent / "archive")
+            store = ArchiveStore(self.sessions.archive_dir(path))
         return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
                          summarizer=self._summarizer(path), session_dir=path, store=store,
                          durable=self.config.fsync != "never", fsync_appends=self.config.fsync == "always")

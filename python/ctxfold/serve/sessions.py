@@ -47,6 +47,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import time
 import weakref
@@ -57,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxfold import fastjson
+from ctxfold.archive import ArchiveStore
 from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compactor import Compactor
 from ctxfold.eventlog import encode_event
@@ -293,6 +295,28 @@ def scope_of(tenant: str, key: str) -> str:
     return f"sessions/{key}" if tenant == ANONYMOUS_TENANT else f"tenants/{tenant}/sessions/{key}"
 
 
+def is_anonymous_key(key: str) -> bool:
+    """Whether ``key`` (from :func:`scope_of`) is the anonymous tenant's."""
+    return key.startswith("sessions/")
+
+
+_ARCHIVE_ID = re.compile(rb"[0-9a-f]{64}")
+
+
+def copy_referenced_archive(history: bytes, read: Callable[[str], bytes | None], write: Callable[[str, bytes], None]
+                            ) -> int:
+    """Copy the archived outputs that ``history`` (a forked session's copied events) refers to: each id
+    in it that ``read`` finds (``read(id)``: the bytes, None when absent) is written with ``write``.
+    Ids are content digests, so a copy is the same bytes under the same name. Returns how many."""
+    copied = 0
+    for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(history)):
+        data = read(aid)
+        if data is not None:
+            write(aid, data)
+            copied += 1
+    return copied
+
+
 WARNING_HEADER = "X-Ctxfold-Warning"  # what the proxy could not do for a request, one header each
 # OSError numbers that mean the data directory cannot take a write: the request then passes through
 # uncompacted (the client sends its history again with the next request, so nothing is lost).
@@ -404,10 +428,19 @@ class SessionStore:
         return Path(session_dir).parent.relative_to(self.data_dir).as_posix()
 
     def archive_prefix(self, session_dir: Path) -> str:
-        """The archive's place in shared object storage: the key digest for the anonymous tenant (as
-        before tenants), ``tenants/<tenant>/<key>`` for the others."""
+        """The archive's place in shared object storage: ``tenants/<tenant>/<key>`` for a tenant (its
+        conversations with one key share it), ``<key>/<n>`` for the anonymous tenant (each conversation
+        its own: see :meth:`archive_dir`)."""
         parts = self.key_of(session_dir).split("/")
-        return parts[1] if parts[0] == "sessions" else f"tenants/{parts[1]}/{parts[3]}"
+        return f"{parts[1]}/{session_dir.name}" if parts[0] == "sessions" else f"tenants/{parts[1]}/{parts[3]}"
+
+    def archive_dir(self, session_dir: Path) -> Path:
+        """Where a session's archive is kept in the data directory. A tenant's sessions of one key share
+        one (they fork from each other, and a marker copied from one resolves in the other). Without a
+        credential there is no tenant to keep clients apart, and a key (a guessable X-Ctxfold-Session, a
+        common opening) is no secret: each anonymous conversation has its own, and a fork copies the
+        archived outputs its copied history refers to (:func:`copy_referenced_archive`)."""
+        return session_dir / "archive" if is_anonymous_key(self.key_of(session_dir)) else session_dir.parent / "archive"
 
     def lock(self, key: str) -> asyncio.Lock:
         lock = self._loaded_locks.get(key) or self._locks.get(key)
@@ -599,6 +632,16 @@ class SessionStore:
             dst = path / dump
             make_private_dir(dst.parent)
             LocalBackend(dst.parent).write_atomic(dst.name, src.read_bytes())
+        if is_anonymous_key(key):  # its own archive: what its history refers to, nothing else of the parent's
+            from_parent, to_fork = ArchiveStore(self.archive_dir(parent.path)), ArchiveStore(self.archive_dir(path))
+
+            def read(aid: str) -> bytes | None:
+                return from_parent.get(aid).encode("utf-8", "surrogatepass") if from_parent.exists(aid) else None
+
+            def write(aid: str, data: bytes) -> None:
+                to_fork.put(data.decode("utf-8", "surrogatepass"))
+
+            copy_referenced_archive(b"".join(kept), read, write)
         LocalBackend(path).write_atomic(EVENTS_FILE, b"".join(kept))
         compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
         s = ProxySession(key, path, compactor, calibration=parent.calibration,
@@ -700,8 +743,10 @@ class SessionStore:
         found = [i for i in ids if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
         return sorted(found, key=lambda i: int(i.rsplit("/", 1)[1]))
 
-    def _archive_id(self, key: str) -> str:
-        return f"{key}/archive"
+    def _archive_id(self, key: str, session_id: str) -> str:
+        """The store's id of a session's archive: the key's for a tenant, the session's own for the
+        anonymous tenant (see :meth:`archive_dir`)."""
+        return f"{session_id}/archive" if is_anonymous_key(key) else f"{key}/archive"
 
     def _store(self) -> Store:
         if self.store is None:  # not an assert: python -O must not turn this into an AttributeError
@@ -780,7 +825,7 @@ class SessionStore:
     async def _get_blob(self, key: str, session_id: str, name: str) -> bytes:
         store = self._store()
         try:
-            return await store.get_blob(self._archive_id(key), name)
+            return await store.get_blob(self._archive_id(key, session_id), name)
         except FileNotFoundError:
             return await store.get_blob(session_id, name)
 
@@ -923,6 +968,16 @@ class SessionStore:
                     event["conversation"] = {**event["conversation"], "id": session_id}
                 event["seq"] = len(kept)
                 kept.append(event)
+            if is_anonymous_key(key):  # its own archive: what its history refers to (see archive_dir)
+                found: dict[str, bytes] = {}
+                for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(
+                        b"".join(encode_event(e) for e in kept))):
+                    try:
+                        found[aid] = await self._get_blob(key, parent_id, f"archive/{aid}.txt")
+                    except FileNotFoundError:
+                        continue
+                for aid, data in found.items():
+                    await store.put_blob(self._archive_id(key, session_id), f"archive/{aid}.txt", data)
             await store.append(lease, Batch(tuple(blobs), tuple(kept)))
             compactor, blog = await self._build(key, session_id, Conversation(messages=[]),
                                                 StoredSession(session_id, kept))
@@ -972,7 +1027,7 @@ class SessionStore:
             if archive:
                 try:
                     for name, data in archive:
-                        await store.put_blob(self._archive_id(session.key), name, data)
+                        await store.put_blob(self._archive_id(session.key, session.store_id or ""), name, data)
                     rest = Batch(tuple((n, d) for n, d in batch.blobs if not n.startswith("archive/")), batch.events)
                 except StoreUnavailable:
                     pass  # all of it under the session's own name: spooled with its events
