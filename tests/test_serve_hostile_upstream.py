@@ -49,6 +49,14 @@ class HostileUpstream:
         self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
         self._ready.set()
         self._loop.run_forever()
+        # Stopped: close the listening socket, the connections still open and the loop's own sockets,
+        # which the garbage collector would otherwise report in whichever test runs next.
+        server.close()
+        self._loop.run_until_complete(server.wait_closed())
+        for task in asyncio.all_tasks(self._loop):
+            task.cancel()
+        self._loop.run_until_complete(asyncio.sleep(0))
+        self._loop.close()
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -62,7 +70,7 @@ class HostileUpstream:
             await reader.readexactly(length)
             self.headers_seen.append(head)
             await getattr(self, f"_{self.mode}")(writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
             writer.close()

@@ -85,3 +85,35 @@ def test_text_lines_have_a_timestamp_and_the_level_filters(tmp_path: Path) -> No
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO ctxfold\.access: POST /v1/chat/completions 200 "
                         r"tenant=anonymous prompt_tokens=\S+ compactions=0 warnings=0 [\d.]+ ms", access), access
     assert not [line for line in quiet_lines if "ctxfold.access" in line]
+
+
+def test_a_stderr_nobody_reads_never_blocks_the_proxy(tmp_path: Path) -> None:
+    """A script that reads the listening line and nothing more: once the pipe is full, a log write
+    that waited would stop the proxy's loop (the bench's 64 conversations hung so), and its exit."""
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as upstream:
+        proc, url = run_proxy(upstream.url + "/v1", tmp_path / "data", "--log-level", "debug")
+        try:
+            with httpx.Client(timeout=30) as client:
+                for k in range(1500):  # ~200 bytes of access line each: several times a pipe's 64 kB
+                    r = client.post(url + "/v1/chat/completions", json=chat(("user", f"hello {k}")))
+                    assert r.status_code == 200
+        finally:
+            t0 = time.monotonic()
+            proc.terminate()
+            proc.wait(timeout=30)
+        assert proc.returncode == 0 and time.monotonic() - t0 < 10
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def test_a_full_log_queue_drops_and_counts_instead_of_waiting() -> None:
+    import logging
+    import queue
+
+    from ctxfold.serve.logs import _DroppingQueueHandler
+
+    handler = _DroppingQueueHandler(queue.Queue(3))
+    for k in range(10):
+        handler.handle(logging.LogRecord("ctxfold.access", logging.INFO, "", 0, "line %d", (k,), None))
+    assert handler.dropped == 7 and handler.queue.qsize() == 3

@@ -366,6 +366,9 @@ def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Cal
                 traceback.print_exc()
                 code = 1
             finally:
+                from ctxfold.serve.logs import stop_logging
+
+                stop_logging()  # os._exit runs no atexit hook: the lines still queued are written first
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)

@@ -7,17 +7,29 @@ formatter is a dozen lines: written here rather than a dependency added for it.
 
 Loggers: ``ctxfold.access`` (one line per chat completion, INFO), ``ctxfold.serve`` (compactions,
 fallbacks, pass-throughs, quarantines, changes of health), ``ctxfold.store`` (the spool).
+
+The event loop never waits on a log write: a line goes into a bounded queue, and a thread of its own
+writes the queue to stderr. A stderr nobody reads (a pipe whose reader took the first line and stopped)
+would otherwise block the whole proxy once the pipe is full; instead the lines past the queue's bound
+are dropped and counted (:func:`dropped_lines`). Each worker of a pool starts its own writer thread
+(threads do not survive a fork).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
-import sys
+import logging.handlers
+import os
+import queue
+import threading
 import time
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+QUEUE_LINES = 10_000  # lines waiting for the writer thread at most; more are dropped and counted
 LOG_FORMATS = ("text", "json")
 # The attributes every LogRecord has: what is not among them was passed with extra= and is a field.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -43,16 +55,100 @@ class JsonFormatter(_UtcFormatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
+class _DroppingQueueHandler(logging.handlers.QueueHandler):
+    """Puts each record (formatted here, so the writer thread formats nothing) on a bounded queue; a
+    full queue drops the record and counts it rather than wait."""
+
+    def __init__(self, lines: queue.Queue[Any]) -> None:
+        super().__init__(lines)
+        self.dropped = 0
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        try:
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+
+_state: dict[str, Any] = {}  # the queue's handler, the writer thread, the stream handler it writes through
+
+
+class _StderrWriter(logging.Handler):
+    """What the writer thread writes through: each line straight to file descriptor 2. No lock (one
+    thread uses it) and nothing to flush, so neither the interpreter's exit (logging.shutdown) nor
+    anything else ever waits on a write the pipe's reader never takes."""
+
+    def createLock(self) -> None:
+        self.lock = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            os.write(2, (self.format(record) + "\n").encode("utf-8", "backslashreplace"))
+        except OSError:
+            pass  # stderr is gone (closed, a broken pipe): the line with it
+
+    def flush(self) -> None:
+        return None
+
+
 def configure_logging(level: str = "info", fmt: str = "text") -> None:
-    """Send ctxfold's log lines to stderr at ``level`` and above, as ``fmt`` ("text" or "json"). Its own
-    loggers only: an embedder's root logger is left as it is."""
+    """Send ctxfold's log lines to stderr at ``level`` and above, as ``fmt`` ("text" or "json"), through
+    a bounded queue and a writer thread (see the module docstring). Its own loggers only: an embedder's
+    root logger is left as it is."""
     if level not in LOG_LEVELS or fmt not in LOG_FORMATS:
         raise ValueError(f"log level {level!r} / format {fmt!r}: expected one of {LOG_LEVELS} / {LOG_FORMATS}")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    stop_logging()
+    out = _StderrWriter()
+    out.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler = _start(out)
     logger = logging.getLogger("ctxfold")
     for old in list(logger.handlers):
         logger.removeHandler(old)
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
+    if not _state.get("hooks"):
+        os.register_at_fork(after_in_child=_restart_in_child)
+        atexit.register(stop_logging)
+        _state["hooks"] = True
+
+
+def _start(out: logging.Handler) -> _DroppingQueueHandler:
+    lines: queue.Queue[Any] = queue.Queue(QUEUE_LINES)
+    handler = _DroppingQueueHandler(lines)
+    writer = threading.Thread(target=_write, args=(lines, out), name="ctxfold-log-writer", daemon=True)
+    writer.start()
+    _state.update(handler=handler, writer=writer, out=out)
+    return handler
+
+
+def _write(lines: queue.Queue[Any], out: logging.Handler) -> None:
+    while (record := lines.get()) is not None:  # None: stop
+        out.handle(record)
+
+
+def _restart_in_child() -> None:
+    """After a fork: the writer thread stayed in the parent; the child gets a queue and a thread of its own."""
+    old = _state.get("handler")
+    if old is None:
+        return
+    logger = logging.getLogger("ctxfold")
+    logger.removeHandler(old)
+    logger.addHandler(_start(_state["out"]))
+
+
+def dropped_lines() -> int:
+    """Lines dropped since logging was configured because the writer could not keep up."""
+    handler = _state.get("handler")
+    return handler.dropped if handler is not None else 0
+
+
+def stop_logging(timeout_s: float = 2.0) -> None:
+    """Write what waits in the queue and stop the writer thread, waiting ``timeout_s`` at most (a stderr
+    nobody reads must not keep the process from exiting)."""
+    handler, writer = _state.pop("handler", None), _state.pop("writer", None)
+    if handler is None or writer is None:
+        return
+    with contextlib.suppress(queue.Full):
+        handler.queue.put(None, timeout=timeout_s)
+    writer.join(timeout_s)

@@ -20,6 +20,8 @@ from typing import Any, Literal
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
+from ctxfold.serve.logs import dropped_lines
+
 # Summary generation takes from tens of milliseconds (extractive) to minutes (a model on a slow GPU).
 SUMMARY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # What the proxy adds before a request leaves for the upstream: well under a millisecond when nothing fires.
@@ -158,6 +160,8 @@ class ProxyMetrics:
         self.spool_set_aside = Gauge(
             r, "ctxfold_store_spool_unreadable_files", "Spool files that could not be read at startup, set aside as .corrupt.")
         self.sessions = Gauge(r, "ctxfold_sessions", "Sessions held in memory.")
+        self.log_lines_dropped = Gauge(
+            r, "ctxfold_log_lines_dropped", "Log lines dropped since start because stderr did not take them in time.")
         self.engine_checks = Counter(
             r, "ctxfold_engine_checks_total", "Answers whose usage.prompt_tokens was compared with ctxfold's count of "
             "the prompt sent (--engine-check), by whether they agree.", ("result",))
@@ -179,6 +183,7 @@ class ProxyMetrics:
         each request and before each scrape: under --workers each worker keeps its own up to date, and
         the scrape adds the live ones."""
         self.sessions.set(sessions.num_sessions)
+        self.log_lines_dropped.set(dropped_lines())
         self.sessions_quarantined.set(sessions.num_quarantined)
         self.sessions_forked.set(sessions.num_forks)
         spool = sessions.spool
