@@ -55,6 +55,20 @@ class TemplateRenderError(CtxfoldError, ValueError):
     """The model's chat template refused a conversation (its own ``raise_exception``) or failed on it."""
 
 
+class TemplateBoundsError(TemplateRenderError):
+    """A render of the chat template went past a bound (:mod:`ctxfold.template_guard`): its time, its loop
+    iterations, the size of a value or of its output, memory, call depth. The template is broken or
+    hostile, and is stopped rather than run on. ``reason``: "time", "iterations", "size", "output",
+    "memory" (the process grew too much), "oom" (out of memory), "recursion"; ``what``: what it did."""
+
+    def __init__(self, what: str, *, reason: str, template: str | None = None) -> None:
+        self.what = what
+        self.reason = reason
+        self.template = template
+        super().__init__(f"chat template {template}: stopped: {what}; fix the template or choose another"
+                         if template is not None else what)
+
+
 @dataclass(frozen=True, slots=True)
 class JinjaChatTemplate:
     """One model's Jinja chat template and what it is rendered with."""
@@ -96,7 +110,6 @@ def _compile(source: str) -> Any:
         import jinja2.nodes
         import jinja2.parser
         import jinja2.utils
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ConfigError("a model's own chat template needs jinja2: pip install 'ctxfold[templates]'") from None
 
@@ -149,17 +162,22 @@ def _compile(source: str) -> Any:
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    from ctxfold import template_guard as guard
+
+    # transformers' ImmutableSandboxedEnvironment, with bounds on what one render may spend.
+    env = guard.bounded_environment(trim_blocks=True, lstrip_blocks=True,
+                                    extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
     try:
-        return env.from_string(source)
+        return guard.compile_bounded(env, source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ConfigError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
+    except RecursionError:
+        raise ConfigError("the chat template does not parse: it nests deeper than Python can follow") from None
 
 
 # -- messages as the template sees them ----------------------------------------------------------------------
@@ -237,6 +255,23 @@ _PROBES = (Message(role=Role.TOOL, content=_PROBE_TEXT, tool_call_id="probe", na
 _separable: dict[tuple[str, str, tuple[tuple[str, int], ...], bool], tuple[bool, str, bool]] = {}
 
 
+def _probe_key(template: JinjaChatTemplate) -> tuple[str, str, tuple[tuple[str, int], ...], bool]:
+    ids = {v[0]: v[1] for v in template.specials.values()}
+    return (template.source + "\0" + template.tool_use_source,
+            json.dumps(dict(template.variables), sort_keys=True, default=str), tuple(sorted(ids.items())),
+            template.object_arguments)
+
+
+def remember_probe(template: JinjaChatTemplate, known: tuple[bool, str, bool]) -> None:
+    """Probe results (separable, turn sensitivity, alternating roles) found for ``template`` elsewhere (in
+    the child process that checked it, :func:`ctxfold.template_loader.load_checked`): its renderers in this
+    process take them instead of probing again."""
+    if not known[0] and _probe_key(template) not in _separable:
+        log.warning("chat template %s cannot be cut into per-message segments; every boundary is rendered "
+                    "whole (O(messages) per message)", template.name)
+    _separable[_probe_key(template)] = known
+
+
 class JinjaRenderer:
     """Renders conversations with one Jinja template, whole or as segments. Thread-safe: no mutable
     state but the ``separable`` flag, which only ever goes from True to False."""
@@ -255,8 +290,7 @@ class JinjaRenderer:
         # When a new last user turn re-derives the turn before it: "never", "reasoning" (when one of its
         # messages has reasoning), "always". Probed, as is separability.
         self.turn_sensitive = "always"
-        key = (template.source + "\0" + template.tool_use_source, json.dumps(dict(template.variables), sort_keys=True, default=str),
-               tuple(sorted(ids.items())), template.object_arguments)
+        key = _probe_key(template)
         known = _separable.get(key)
         probed = known is None
         if known is None:
@@ -276,14 +310,22 @@ class JinjaRenderer:
         dicts = [message_dict(m, self.template.object_arguments) for m in msgs]
         if system is not None:
             dicts = [{"role": "system", "content": system}, *dicts]
+        name = self.template.name
         try:
             compiled = self._compiled_tools if tools else self._compiled
             return str(compiled.render(messages=dicts, tools=tools_list(tools), documents=None,
                                              add_generation_prompt=generation_prompt, **self.template.variables))
+        except TemplateBoundsError as e:
+            raise TemplateBoundsError(e.what, reason=e.reason, template=name) from None
+        except RecursionError:
+            raise TemplateBoundsError("it recursed too deep (a macro or loop that calls itself without end)",
+                                      reason="recursion", template=name) from None
+        except MemoryError:
+            raise TemplateBoundsError("it ran out of memory", reason="oom", template=name) from None
         except jinja2.exceptions.TemplateError as e:
-            raise TemplateRenderError(f"chat template {self.template.name}: {e.message or type(e).__name__}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-            raise TemplateRenderError(f"chat template {self.template.name} failed: {e}") from None
+            raise TemplateRenderError(f"chat template {name}: {e.message or type(e).__name__}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+            raise TemplateRenderError(f"chat template {name} failed: {e}") from None
 
     def render_text(self, conversation: Conversation, *, generation_prompt: bool = True) -> str:
         """The whole request as text, as ``apply_chat_template(..., tokenize=False)`` returns it."""
@@ -321,6 +363,8 @@ class JinjaRenderer:
             return self._segments_whole(system, tools, msgs, start)
         try:
             return self._segments_windowed(system, tools, msgs, start)
+        except TemplateBoundsError:
+            raise
         except TemplateRenderError:
             # A window can fail where the whole request does not (a gap the template notices): then the
             # template is not separable. Where the whole request fails too, that is the error to report.
@@ -349,6 +393,8 @@ class JinjaRenderer:
         for k in cuts:
             try:
                 head = self._render(system, tools, window[:k], False)
+            except TemplateBoundsError:
+                raise
             except TemplateRenderError:
                 out.append(last)  # this prefix alone does not render (a template that needs a user turn)
                 continue
@@ -357,6 +403,8 @@ class JinjaRenderer:
                 for probe in _PROBES:
                     try:
                         agreed, full = self._agreement(self._render(system, tools, [*window[:k], probe], False), whole)
+                    except TemplateBoundsError:
+                        raise
                     except TemplateRenderError:
                         continue
                     b = max(b, agreed)
@@ -504,10 +552,14 @@ class JinjaRenderer:
         u, a = Role.USER, Role.ASSISTANT
         try:
             self._render(None, (), [Message(u, "one"), Message(a, "two"), Message(u, "three")], True)
+        except TemplateBoundsError:
+            raise
         except TemplateRenderError:
             return False  # it refuses plain turns too: nothing a rewrite could keep
         try:
             self._render(None, (), [Message(u, "one"), Message(u, "two")], True)
+        except TemplateBoundsError:
+            raise
         except TemplateRenderError:
             return True
         return False
@@ -519,6 +571,8 @@ class JinjaRenderer:
         for conv in _probes():
             try:
                 self._render(conv.system, conv.tools, conv.messages, True)
+            except TemplateBoundsError:
+                raise  # not a refusal: a template that does this is not used at all
             except TemplateRenderError:
                 continue  # a shape this template refuses: nothing to check on it
             convs.append(conv)
@@ -526,6 +580,8 @@ class JinjaRenderer:
         def passes(rule: bool, cs: Sequence[Conversation]) -> bool:
             try:
                 return all(self.check(c, turn_rule=rule) is None for c in cs) and self.separable
+            except TemplateBoundsError:
+                raise
             except TemplateRenderError:
                 return False
 
@@ -705,6 +761,21 @@ def from_gguf(path: str | Path) -> JinjaChatTemplate:
 _ARCHITECTURE_PRESETS = {"gemma3": "gemma-3"}
 
 
+def load_model_template(spec: str) -> JinjaChatTemplate:
+    """The template ``spec`` names (``hf:PATH`` a tokenizer config or its directory, ``gguf:PATH``,
+    ``file:PATH``), loaded in this process, unchecked: :func:`ctxfold.templates.get_template` loads it
+    through :func:`ctxfold.template_loader.load_checked`, which calls this in a child process first."""
+    kind, _, rest = spec.partition(":")
+    if kind == "gguf":
+        return from_gguf(rest)
+    if kind == "file":
+        return from_file(rest)
+    if kind != "hf" or not rest:
+        raise ConfigError(f"chat template {spec!r}: not hf:PATH, gguf:PATH or file:PATH")
+    path = Path(rest)
+    return from_tokenizer_config(path / "tokenizer_config.json" if path.is_dir() else path)
+
+
 def from_file(path: str | Path) -> JinjaChatTemplate:
     """A plain Jinja template file: no special tokens known (give them with :meth:`JinjaChatTemplate.with_specials`,
     or let the accounting take them from an exact tokenizer)."""
@@ -749,12 +820,15 @@ def jinja_presets() -> dict[str, JinjaChatTemplate]:
 __all__ = [
     "JinjaChatTemplate",
     "JinjaRenderer",
+    "TemplateBoundsError",
     "TemplateRenderError",
     "from_file",
     "from_gguf",
     "from_tokenizer_config",
     "jinja_presets",
+    "load_model_template",
     "message_dict",
+    "remember_probe",
     "renderer_for",
     "tools_list",
 ]

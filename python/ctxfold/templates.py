@@ -27,7 +27,6 @@ import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ctxfold.errors import ConfigError
@@ -548,7 +547,9 @@ JINJA_PRESETS: tuple[str, ...] = ("gemma-3", "gemma3", "llama-3", "llama-3.1", "
 def get_template(spec: str) -> ChatTemplate | JinjaChatTemplate:
     """The chat template ``spec`` names: a preset, or ``hf:PATH``, ``gguf:PATH``, ``file:PATH`` (a model's
     own Jinja template, rendered as transformers renders it; needs jinja2). Raises ConfigError with one
-    line a user can act on: an unknown name, a missing file, a file without a template."""
+    line a user can act on: an unknown name, a missing file, a file without a template, a template that
+    took too long, too much memory or recursed without end when loaded and test-rendered
+    (:func:`ctxfold.template_loader.load_checked`)."""
     hit = PRESETS.get(spec)
     if hit is not None:
         return hit
@@ -558,13 +559,10 @@ def get_template(spec: str) -> ChatTemplate | JinjaChatTemplate:
 
         return jinja_presets()[spec]
     if sep and kind in ("hf", "gguf", "file") and rest:
-        from ctxfold import jinja_template as jt
+        from ctxfold.template_loader import load_checked
 
-        if kind == "gguf":
-            return jt.from_gguf(rest)
-        if kind == "file":
-            return jt.from_file(rest)
-        path = Path(rest)
-        return jt.from_tokenizer_config(path / "tokenizer_config.json" if path.is_dir() else path)
+        # A template from a model file is hostile input: loaded, compiled and test-rendered in a child
+        # process with a timeout and a memory limit before this process runs it.
+        return load_checked(spec)
     names = ", ".join(sorted({*PRESETS, *JINJA_PRESETS}))
     raise ConfigError(f"unknown chat template {spec!r}; presets: {names}; or hf:PATH, gguf:PATH, file:PATH")
