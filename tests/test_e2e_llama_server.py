@@ -49,6 +49,8 @@ TURN_CHARS = 1200  # the user side of a turn, capped: about 300 tokens
 TURNS = 13  # about three windows' worth: the control is refused around turn 10, the proxy compacts
 TRACE = ("openhands", "multi_swe_bench_output.jsonl")
 
+pytestmark = pytest.mark.e2e  # real engine and proxy processes: minutes (the llama extras)
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:

@@ -140,6 +140,7 @@ def _whole_count(renderer: JinjaRenderer, counter: HFTokenizerCounter, text: str
     return sum(counter.count(p) if isinstance(p, str) else 1 for p in renderer.split(text))
 
 
+@pytest.mark.slow  # every request of every shared trace rendered whole: 10-20 s a template
 @pytest.mark.parametrize("case", CASES)
 def test_every_request_of_every_trace_renders_and_counts_as_the_reference(
         case: str, conversations: list[tuple[str, Conversation]], counter: HFTokenizerCounter) -> None:

@@ -211,6 +211,7 @@ def words(share: float, ctx: int) -> int:
     return max(1, int(share * ctx * 1.6))
 
 
+@pytest.mark.slow  # every request of 25 long conversations counted exactly: about two minutes on 2 cores
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plan=conversations())
 def test_no_request_over_the_window_while_a_fit_exists(plan: dict[str, Any], exact: TokenCounter,
