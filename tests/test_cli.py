@@ -14,29 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import one_error_line, run_main
 from ctxfold import __version__, formats
-from ctxfold.cli import COMMANDS, EXIT_INPUT, EXIT_OK, EXIT_USAGE, main
+from ctxfold.cli import COMMANDS, EXIT_INPUT, EXIT_OK, EXIT_USAGE
 from ctxfold.cli._common import positive_int, table, tokens
 from ctxfold.session import Session
 from subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse: --help, --version and usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert "Traceback" not in err
-    return lines[0]
 
 
 # -- help and version -------------------------------------------------------------------------------------

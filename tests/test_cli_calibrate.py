@@ -14,25 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold.cli import EXIT_INPUT, EXIT_OK, main
+from cli_helpers import one_error_line, run_main
+from ctxfold.cli import EXIT_INPUT, EXIT_OK
 
 TOKENIZER = "o200k_base"  # tiktoken's encoding: exact and available offline
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse: usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def conversation(i: int) -> dict[str, object]:

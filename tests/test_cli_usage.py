@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold.cli import EXIT_INPUT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, main
+from cli_helpers import run_main
+from ctxfold.cli import EXIT_INPUT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from ctxfold.cli.replay import trigger_lines
 from ctxfold.config import CompactConfig
 from ctxfold.errors import CtxfoldError
@@ -24,15 +25,6 @@ from subprocess_env import ctxfold_env
 def ctxfold(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ctxfold", *argv], capture_output=True, text=True,
                           env=ctxfold_env(), timeout=timeout, check=False)
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

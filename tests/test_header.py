@@ -22,9 +22,10 @@ from typing import Any
 
 import pytest
 
+from cli_helpers import run_main
 from ctxfold import formats
 from ctxfold.accounting import RequestAccounting
-from ctxfold.cli import EXIT_INPUT, EXIT_OK, main
+from ctxfold.cli import EXIT_INPUT, EXIT_OK
 from ctxfold.counting import load_counter
 from ctxfold.errors import FormatError
 from ctxfold.formats.header import (
@@ -41,15 +42,6 @@ BASH_OPENAI = {"type": "function", "function": {"name": "bash", "description": "
                                                 "parameters": dict(MINI_SWE_AGENT_BASH.parameters)}}
 BASH_ANTHROPIC = {"name": "bash", "description": "Execute a bash command",
                   "input_schema": dict(MINI_SWE_AGENT_BASH.parameters)}
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def count_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[dict[str, Any], str]:

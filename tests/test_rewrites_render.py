@@ -19,6 +19,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.counting import _package_file, load_counter
 from ctxfold.jinja_template import JinjaChatTemplate, TemplateRenderError, from_tokenizer_config, renderer_for
 from ctxfold.messages import Conversation, Message, Role, ToolCall
+from ctxfold.replay import feed_recorded
 from ctxfold.templates import JINJA_PRESETS, PRESETS, get_template
 
 pytest.importorskip("jinja2")
@@ -55,13 +56,7 @@ def check_every_rewrite(template: JinjaChatTemplate, conversation: Conversation,
     checked = 0
     for message in conversation.messages:
         seen = len(compactor.events)
-        if message.role is Role.ASSISTANT:
-            compactor.before_request()
-            compactor.append(message)
-        elif message.role is Role.TOOL:
-            compactor.append_tool_result(message)
-        else:
-            compactor.append(message)
+        feed_recorded(compactor, message)  # as an agent loop would: a request before each answer
         applied = [e for e in compactor.events[seen:] if e.applied]
         if not applied or renders(template, header, compactor.originals) is not None:
             continue  # no rewrite, or a conversation the template refuses anyway: nothing to keep

@@ -133,6 +133,19 @@ def proxy_process(upstream_url: str, data_dir: Path, *, nofile: int | None = Non
 
 # -- tenants ---------------------------------------------------------------------------------------------
 
+def recall_through(up: ScriptedUpstream, url: str, opening: str, aid: str, headers: dict[str, str]) -> str:
+    """The conversation that opened with ``opening`` goes on, and its model asks read_archive for ``aid``:
+    what the proxy answered the call with."""
+    call = {"id": "c1", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
+    answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "assistant", "content": "done"}])
+    up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+    body = chat(("user", opening), ("assistant", f"echo: {opening}"), ("user", "recall it"),
+                tools=[{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}])
+    assert answer(post(url, body, headers=headers)) == "done"
+    return str(up.received[-1]["messages"][-1]["content"])
+
+
 def test_tenants_with_the_same_opening_share_no_session_and_no_archive(
         upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     """Tenant B's model asking read_archive for the id of A's archived output gets "not found"."""
@@ -147,14 +160,7 @@ def test_tenants_with_the_same_opening_share_no_session_and_no_archive(
         answer(post(srv.url, chat(("user", "start")), headers=b))  # the same opening: its own session
         settle(app)
         assert len(app.sessions.loaded()) == 2
-        call = {"id": "c1", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
-        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
-                        {"role": "assistant", "content": "done"}])
-        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
-        body = chat(("user", "start"), ("assistant", "echo: start"), ("user", "recall it"),
-                    tools=[{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}])
-        assert answer(post(srv.url, body, headers=b)) == "done"
-        recalled = up.received[-1]["messages"][-1]["content"]
+        recalled = recall_through(up, srv.url, "start", aid, b)
         assert "secret text" not in recalled and recalled.startswith(f"Error: no archived output with id {aid}")
     finally:
         srv.close()
@@ -183,14 +189,7 @@ def test_anonymous_conversations_with_one_guessable_key_share_no_archive(
         answer(post(srv.url, chat(("user", "B starts")), headers=key))  # the same key, another conversation
         settle(app)
         assert len(app.sessions.loaded()) == 2
-        call = {"id": "c1", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
-        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
-                        {"role": "assistant", "content": "done"}])
-        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
-        body = chat(("user", "B starts"), ("assistant", "echo: B starts"), ("user", "recall it"),
-                    tools=[{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}])
-        assert answer(post(srv.url, body, headers=key)) == "done"
-        recalled = up.received[-1]["messages"][-1]["content"]
+        recalled = recall_through(up, srv.url, "B starts", aid, key)
         assert "secret text" not in recalled and recalled.startswith(f"Error: no archived output with id {aid}")
     finally:
         srv.close()
