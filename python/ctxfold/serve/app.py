@@ -491,7 +491,8 @@ class ProxyApp:
             finally:  # after the lock is released; also when the client left and the handler is cancelled
                 for evicted in self.sessions.trim():
                     self._models.pop(evicted, None)
-                self.metrics.note_state(self.sessions)
+                if self.metrics.per_request_state:
+                    self.metrics.note_state(self.sessions)
         except asyncio.CancelledError:
             if _COUNTED not in request:
                 self.metrics.responses.inc("499", self._tenant_label(request))  # nginx's "client closed request"

@@ -131,6 +131,9 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.tenants = TenantLabels()
         r = self.registry = CollectorRegistry()
+        # Under --workers each worker sets its state gauges after every request (a scrape reaches one
+        # worker, and sums the files of all); alone, the scrape sets them, and requests need not.
+        self.per_request_state = bool(os.environ.get(MULTIPROC_ENV))
         self.requests = Counter(r, "ctxfold_requests_total", "Chat completion requests received, by tenant (the first "
                                 f"{MAX_TENANT_LABELS} seen; the rest as other).", ["stream", "tenant"])
         self.responses = Counter(r, "ctxfold_responses_total", "Chat completion responses sent, by HTTP status and "
@@ -179,9 +182,8 @@ class ProxyMetrics:
             OVERHEAD_BUCKETS_S)
 
     def note_state(self, sessions: Any) -> None:
-        """The gauges that follow the sessions' state (``sessions``: the proxy's SessionStore), set after
-        each request and before each scrape: under --workers each worker keeps its own up to date, and
-        the scrape adds the live ones."""
+        """The gauges that follow the sessions' state (``sessions``: the proxy's SessionStore), set before
+        each scrape and, under --workers, after each request (see ``per_request_state``)."""
         self.sessions.set(sessions.num_sessions)
         self.log_lines_dropped.set(dropped_lines())
         self.sessions_quarantined.set(sessions.num_quarantined)
