@@ -554,8 +554,8 @@ def test_before_request_far_from_the_window_measures_only_what_is_new(counter: T
     c.before_request()
     c.before_request()  # counted once; from here on only new messages are measured
     measured: list[Message] = []
-    real = compactor_module._tokens_bound
-    monkeypatch.setattr(compactor_module, "_tokens_bound", lambda m: measured.append(m) or real(m))
+    real = compactor_module.tokens_bound
+    monkeypatch.setattr(compactor_module, "tokens_bound", lambda m: measured.append(m) or real(m))
     for k in range(5):
         c.append(user(f"follow-up {k}"))
         assert c.before_request() is None

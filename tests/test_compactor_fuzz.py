@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ctxfold.archive import ArchiveParams, turn_start_cutoff
+from ctxfold.compaction import archive_pass
 from ctxfold.compactor import Compactor
 from ctxfold.config import CompactConfig
 from ctxfold.counting import load_counter
@@ -95,11 +96,11 @@ def test_random_agent_loops_keep_the_view_whole(tmp_path: Path, interjections: f
                 c.before_request()
             assert problems(c.view) == [], f"seed {seed}, step {n}"
             # The index of user turns follows every append, rewrite and resume of the view.
-            assert c._user_turns == [i for i, m in enumerate(c.view) if m.is_user_turn], f"seed {seed}, step {n}"
+            assert c.state.user_turns == [i for i, m in enumerate(c.view) if m.is_user_turn], f"seed {seed}, step {n}"
             extra = [Message(Role.USER, "next", id=f"x{n}")] * rng.randint(0, 2)
             for k in (0, 1, 2):
                 c._archive_params = replace(c._archive_params, keep_recent_user_turns=k)
-                assert c._turn_start_cutoff(extra) == turn_start_cutoff([*c.view, *extra], k), f"seed {seed}, step {n}"
+                assert archive_pass.turn_start_cutoff(c, extra) == turn_start_cutoff([*c.view, *extra], k), f"seed {seed}, step {n}"
             c._archive_params = ArchiveParams.from_config(config.minor)
             if rng.random() < 0.2:
                 live = signature(c.view)

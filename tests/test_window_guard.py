@@ -250,7 +250,7 @@ def test_no_request_over_the_window_while_a_fit_exists(plan: dict[str, Any], exa
 
 def breaker_set(run: Run) -> None:
     """A turn whose policy summary could not help: the breaker stops the policy for the rest of it."""
-    run.compactor._turn.gave_up = True
+    run.compactor.state.turn.gave_up = True
 
 
 def test_archive_all_makes_a_parallel_group_fit(exact: TokenCounter, template: ChatTemplate, tmp_path: Path) -> None:
@@ -327,9 +327,9 @@ def test_fold_newest_when_the_newest_call_alone_is_too_big(exact: TokenCounter, 
 def test_without_any_one_step_some_conversation_does_not_fit(step: str, exact: TokenCounter, template: ChatTemplate,
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Undo one step: the conversation that needs it is refused (NoFitError) or sent over the window."""
-    import ctxfold.compactor as compactor_module
+    from ctxfold.compaction import events
 
-    monkeypatch.setattr(compactor_module, "GUARD_STEPS", tuple(s for s in GUARD_STEPS if s != step))
+    monkeypatch.setattr(events, "GUARD_STEPS", tuple(s for s in GUARD_STEPS if s != step))
     tests = {
         "archive_all": test_archive_all_makes_a_parallel_group_fit,
         "extractive_summary": test_extractive_summary_when_the_breaker_is_set,
@@ -406,4 +406,4 @@ def test_the_breaker_resets_at_an_imported_summary(exact: TokenCounter, template
     run.answer(20)
     run.user(300, imported_summary=True)
     assert run.request()
-    assert not run.compactor._turn.gave_up
+    assert not run.compactor.state.turn.gave_up

@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ctxfold._arrays import as_view
+from ctxfold.compaction.policy import Policy
 from ctxfold.config import CompactConfig
 from ctxfold.kvplan import KvPlan, plan_kv_resync
 from ctxfold.tail import Boundary, TokenTail, select_token_tail
@@ -170,11 +171,13 @@ class EngineSequence:
         self._seg_kinds = _Growable(np.uint8, 64)  # SegmentKind of each segment
         self._system_end = 0  # end of the leading SYSTEM segments
         # Thresholds precomputed so that check() is a handful of integer comparisons.
-        self._reserve = self.config.reply_reserve()
-        self._soft_line = self._soft_free = 0
+        policy = Policy(self.config)
+        self._reserve = policy.reply_reserve_tokens(context_tokens)
+        self._soft_line: int | None = None  # the soft trigger's line (None: off, or no window)
+        self._trigger_line = 0  # the line a rebuild must stay under
         if context_tokens is not None:
-            self._soft_line = int(context_tokens * self.config.soft.percent / 100)
-            self._soft_free = self.config.soft.free_threshold_tokens(context_tokens)
+            self._soft_line = policy.soft_line_tokens(context_tokens)
+            self._trigger_line = context_tokens if self._soft_line is None else self._soft_line
 
     # -- feeding ------------------------------------------------------------------------------------
     def append(self, ids: Any, kind: SegmentKind | None = None) -> None:
@@ -256,7 +259,7 @@ class EngineSequence:
         used = self._ids.size + next_tokens + self._reserve
         if used > ctx and self.config.hard.enabled:
             return Decision.HARD
-        if self.config.soft.enabled and (used >= self._soft_line or ctx - used <= self._soft_free):
+        if self._soft_line is not None and used >= self._soft_line:
             return Decision.SOFT
         return Decision.NONE
 
@@ -268,7 +271,7 @@ class EngineSequence:
         if ctx is None:
             return self.config.tail.cap_tokens
         budget = self.config.tail.budget_tokens(ctx)
-        room = min(self._soft_line, ctx - self._soft_free) - self._system_end - summary_tokens - self._reserve - 1
+        room = self._trigger_line - self._system_end - summary_tokens - self._reserve - 1
         return max(0, min(budget, room))
 
     def no_entry_spans(self) -> npt.NDArray[np.int64]:

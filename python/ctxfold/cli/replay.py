@@ -50,6 +50,7 @@ from ctxfold.cli._common import (
     wrap,
     write_output,
 )
+from ctxfold.compaction.policy import Policy
 from ctxfold.messages import Conversation, Role
 
 if TYPE_CHECKING:
@@ -604,19 +605,9 @@ def render_table(term: Terminal, entries: Sequence[dict[str, Any]], context_toke
 
 
 def trigger_lines(config: CompactConfig) -> dict[str, int]:
-    """Occupancy levels at which the configured passes fire (for the plot)."""
+    """Occupancy levels at which the configured passes fire (for the plot): the passes' own lines."""
     ctx = config.context_tokens
-    if ctx is None:
-        return {}
-    lines: dict[str, int] = {}
-    if config.soft.enabled:
-        lines["soft trigger (ds4 policy)"] = min(int(ctx * config.soft.percent / 100),
-                                          ctx - config.soft.free_threshold_tokens(ctx))
-    if config.major.enabled:
-        lines["summary threshold (datus policy)"] = int(ctx * config.major.token_threshold)
-    if config.minor.enabled and config.minor.mid_turn_enabled:
-        lines["mid-turn archive threshold (datus policy)"] = int(ctx * config.minor.mid_turn_token_threshold)
-    return lines
+    return {} if ctx is None else Policy(config).lines(ctx)
 
 
 def fallback_summary(entries: Sequence[dict[str, Any]]) -> str | None:

@@ -87,7 +87,7 @@ from ctxfold.serve.sessions import (
     load_tenant_key,
     tenant_of,
 )
-from ctxfold.serve.summaries import CLIENT_AUTHORIZATION, CLIENT_LEFT
+from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
 from ctxfold.store import BufferedLog, Store, StoreError, open_store
 
@@ -224,7 +224,7 @@ class ProxyApp:
         self._upstream_probed: tuple[float, str | None] = (-math.inf, None)  # (when, why unreachable)
         self._health_problem: str | None = None  # what /health said last (None: ok), to log its changes
         self._upstream: UpstreamClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: upstream summaries are asked on it
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: the store's reads are asked on it
         self.compaction = CompactionStep(config, self.metrics)
         self.forwarder = Forwarder(config, self.metrics, self._client)
         self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
@@ -276,7 +276,7 @@ class ProxyApp:
             from ctxfold.serve.summaries import UpstreamSummarizer
 
             model = self.config.summary_model or self._models.get(self.sessions.key_of(path)) or "default"
-            summarizer = UpstreamSummarizer(self.config.base_url, model, loop=lambda: self._loop, client=self._client,
+            summarizer = UpstreamSummarizer(self.config.base_url, model, client=self._client,
                                             api_key=self.config.summary_api_key,
                                             timeout_s=self.config.compact.summary.timeout_s)
         return summarizer
@@ -535,10 +535,10 @@ class ProxyApp:
     async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
         """Under the conversation's lock: route, compact, forward, record."""
         left = asyncio.Event()  # set when the client leaves: the summaries of this request stop
-        CLIENT_LEFT.set(left)
-        # Eager without a shared store: the work then waits on worker threads alone (see uncancelled).
+        # Eager without a shared store: the work then waits on worker threads alone (see uncancelled), and
+        # a summary, whose client has timers of its own, only ever after one (CompactionStep.inline).
         eager = self.sessions.store is None
-        out = await uncancelled(self._route_and_compact(parsed, key, request_warnings(request)), left.set,
+        out = await uncancelled(self._route_and_compact(parsed, key, request_warnings(request), left), left.set,
                                 eager=eager)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
         headers = dict(relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS))
@@ -558,7 +558,7 @@ class ProxyApp:
             log.warning("the upstream refused a prompt as too long (%s); compacting further and retrying once", e)
             lowered = None
             if out.stored:  # else the session lacks the request: a view built from it would too
-                lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens), left.set)
+                lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens, left), left.set)
             if lowered is None:  # no window to aim lower at, or no request stored: the client gets the refusal
                 refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)
@@ -608,12 +608,13 @@ class ProxyApp:
             own.append(("X-Ctxfold-Kv-Reused-Tokens", str(out.kv_reused_tokens)))
         return own
 
-    async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str]) -> Outgoing:
+    async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str],
+                                 left: asyncio.Event) -> Outgoing:
         """The session the request continues (a new one when none), with its new messages stored and
         compacted: what goes upstream. Loading a key's sessions or building one may take a worker
         thread; run to its end even when the client leaves (see :func:`uncancelled`)."""
         session = await self.sessions.find(key, parsed.system, parsed.messages, warnings)
-        out = await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv))
+        out = await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv), left)
         # With a shared store: what the step compacted is stored (or spooled) before anything goes upstream
         # (a summary is costly to write again); messages alone go with the answer's commit.
         await self.sessions.commit(out.session, unless_only_appends=True)
@@ -624,8 +625,8 @@ class ProxyApp:
         await self.sessions.commit(session, release=True)
 
     async def _lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
-                     limit_tokens: int | None) -> Outgoing | None:
-        lowered = await self.compaction.lower(parsed, out, prompt_tokens, limit_tokens)
+                     limit_tokens: int | None, left: asyncio.Event) -> Outgoing | None:
+        lowered = await self.compaction.lower(parsed, out, prompt_tokens, limit_tokens, left)
         await self.sessions.commit(out.session)
         return lowered
 

@@ -5,8 +5,11 @@ Called under the conversation's lock, after the request was routed to its sessio
 (:mod:`ctxfold.serve.sessions`). It runs to its end even when the client leaves (the caller shields
 it): a compactor left half way through an append would not match its log.
 
-Appending costs a thread hop only when something may fire or be flushed (:meth:`CompactionStep.inline`):
-the common request appends on the event loop. When, besides, the view is the client's messages as
+The compactor's work is a step of its core (:mod:`ctxfold.compaction.effects`), driven here on the
+proxy's event loop: a summary it asks for is awaited on the loop, through the proxy's own upstream client,
+and stops early when the client leaves. The core's own work between summaries (counting, the session
+log's writes) costs a thread hop only when something may fire or be flushed
+(:meth:`CompactionStep.inline`): the common request appends on the event loop. When, besides, the view is the client's messages as
 they came (nothing was ever compacted), what goes upstream does not depend on the append: the request
 goes out first and the append runs while the upstream works (:attr:`Outgoing.pending`). On the
 benchmark machine that took about 0.6 ms off the median latency the proxy adds with 64 paced
@@ -25,6 +28,7 @@ from typing import Any
 from ctxfold import fastjson
 from ctxfold.archive import READ_ARCHIVE, read_archive_tool_openai
 from ctxfold.archive.marker import MARKER_PREFIX
+from ctxfold.compaction.effects import Step, no_calls, run_async
 from ctxfold.compactor import CompactionEvent, Compactor
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.serve.config import ProxyConfig
@@ -94,12 +98,14 @@ class CompactionStep:
         self.metrics = metrics
 
     async def prepare(self, parsed: ParsedRequest, session: ProxySession | None,
-                      create: Callable[[Conversation], Awaitable[ProxySession]]) -> Outgoing:
+                      create: Callable[[Conversation], Awaitable[ProxySession]],
+                      left: asyncio.Event | None = None) -> Outgoing:
         """Store the request's new messages in ``session`` (None: a new conversation, made by
         ``create``), compact, and build what goes upstream; or, when nothing can fire and what goes
         upstream is the client's messages, build it and leave the append to :attr:`Outgoing.pending`.
         Raises BadRequest for a message or tool that is wrong (before anything is stored) and
-        NoFitError when no compaction can fit it."""
+        NoFitError when no compaction can fit it. ``left``: set when the client leaves (a summary in
+        progress stops; the extractive summary stands in)."""
         known = session.num_known if session is not None else 0
         new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
         tools = parsed.body.get("tools") or []
@@ -131,10 +137,9 @@ class CompactionStep:
         # runs while the upstream works (Outgoing.pending).
         defer = quiet and not session.resend_drop and c.view == c.originals
         events: list[CompactionEvent] = []
-        if quiet and not defer:
-            events = self._ingest(session, new, parsed.messages, quiet=True)
-        elif not quiet:
-            events = await asyncio.to_thread(self._ingest, session, new, parsed.messages)
+        if not defer:
+            events = await run_async(self._ingest(session, new, parsed.messages, quiet=quiet), c._lock,
+                                     in_thread=not quiet, cancel=left)
         self.count_events(events)
         if not has_own_recall and not session.inject_recall:
             # Offer the tool once the conversation has archived outputs: from a pass of this request, in
@@ -156,14 +161,15 @@ class CompactionStep:
 
     def _append_quiet(self, session: ProxySession, new: list[Message], sent: list[dict[str, Any]]) -> None:
         """The append of a request whose sending did not wait for it (:attr:`Outgoing.pending`)."""
-        self.count_events(self._ingest(session, new, sent, quiet=True))
+        self.count_events(no_calls(self._ingest(session, new, sent, quiet=True)))
 
     async def lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
-                    limit_tokens: int | None) -> Outgoing | None:
+                    limit_tokens: int | None, left: asyncio.Event | None = None) -> Outgoing | None:
         """The upstream refused ``out`` as too long: compact to a lower window (:mod:`ctxfold.serve.window`)
         and build the request again; None when there is no window to aim at."""
         session = out.session
-        events = await asyncio.to_thread(self._lower, session, out.first_new, prompt_tokens, limit_tokens)
+        events = await run_async(self._lower(session, out.first_new, prompt_tokens, limit_tokens),
+                                 session.compactor._lock, cancel=left)
         if events is None:
             return None
         self.count_events(events)
@@ -175,14 +181,14 @@ class CompactionStep:
         return lowered
 
     def _lower(self, session: ProxySession, first_new: int, prompt_tokens: int | None, limit_tokens: int | None
-               ) -> list[CompactionEvent] | None:
+               ) -> Step[list[CompactionEvent] | None]:
         c = session.compactor
         sent_tokens = c.occupancy_tokens() - c.reply_reserve_tokens()  # the view as it went out
         if not lower_after_refusal(session, self.config.compact, prompt_tokens, limit_tokens, sent_tokens):
             return None
         first = len(c.events)
         c.mark_unseen(first_new)  # the model never read the request: the passes judge it as new again
-        c.before_request()  # the window guard makes it fit the lower window (it may summarize)
+        yield from c.before_request_step()  # the window guard makes it fit the lower window (it may summarize)
         return list(c.events[first:])
 
     def _outgoing(self, parsed: ParsedRequest, session: ProxySession, *, recall: bool, own_recall: bool) -> Outgoing:
@@ -220,9 +226,9 @@ class CompactionStep:
 
     @staticmethod
     def _ingest(session: ProxySession, new: list[Message], sent: list[dict[str, Any]], *,
-                quiet: bool = False) -> list[CompactionEvent]:
-        """Append the request's new messages and run the automatic passes (inline or in a worker thread:
-        see :meth:`inline`). ``sent``: the request's messages, as it sent them. ``quiet``: the caller
+                quiet: bool = False) -> Step[list[CompactionEvent]]:
+        """Append the request's new messages and run the automatic passes (the driver runs the work
+        inline or in a worker thread: see :meth:`inline`). ``sent``: the request's messages, as it sent them. ``quiet``: the caller
         found that nothing can fire (:meth:`Compactor.quiet`), the hard trigger of tool results
         included: they go in with the rest, in one append (one write to the log)."""
         c = session.compactor
@@ -237,12 +243,12 @@ class CompactionStep:
                         if plain:
                             c.append(*plain)
                             plain = []
-                        c.append_tool_result(m)
+                        yield from c.append_tool_result_step(m)
                     else:
                         plain.append(m)
                 if plain:
                     c.append(*plain)
-            c.before_request()
+            yield from c.before_request_step()
         finally:
             # Whatever was stored before a failure is known, so a retry does not store it twice.
             session.note_wire(sent)

@@ -1,13 +1,12 @@
 """Summaries written by the upstream model, asked through the proxy's own upstream client.
 
-The compactor is synchronous and runs its passes in a worker thread; the proxy's pooled client lives
-on the event loop. :class:`UpstreamSummarizer` bridges the two: its blocking ``summarize`` (called in
-the worker thread) submits the streaming call to the proxy's loop and waits for it, so a summary
-shares the proxy's connections, connect and read timeouts, and metrics, and is sent with credentials:
+The compaction driver awaits a summary on the proxy's event loop (:mod:`ctxfold.compaction.effects`), so
+:class:`UpstreamSummarizer` sends it through the proxy's pooled client: a summary shares the proxy's
+connections, connect and read timeouts, and metrics, and is sent with credentials:
 
 - ``--summary-api-key-env NAME``: the key in that environment variable, when set;
 - else the ``Authorization`` header of the client request that triggered the compaction
-  (:data:`CLIENT_AUTHORIZATION`, set per request; worker threads inherit it with the context).
+  (:data:`CLIENT_AUTHORIZATION`, set by the handler in the request's own task, where the summary runs).
 
 A failed summary is a result, never an exception: the compactor falls back to the extractive summary,
 and the proxy logs the reason and counts it by reason (``ctxfold_summary_fallbacks_total``).
@@ -16,7 +15,6 @@ and the proxy logs the reason and counts it by reason (``ctxfold_summary_fallbac
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -29,16 +27,10 @@ from ctxfold.summarize.base import SummaryResult, TokenCallback, failed
 from ctxfold.summarize.openai import SummaryAnswer, SummaryTransportError
 from ctxfold.summarize.request import SummaryRequest
 
-# The Authorization header of the request being handled (None: it sent none). Set by the handler;
-# asyncio.to_thread copies the context, so the compactor's worker thread reads the request's own.
+# The Authorization header of the request being handled (None: it sent none). Set by the handler in the
+# request's task; the summaries that request triggers are awaited in that task.
 CLIENT_AUTHORIZATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("ctxfold_client_authorization",
                                                                                   default=None)
-# Set when the client of the request being handled has left: its summaries stop (the compactor falls
-# back to the extractive summary) so that its conversation is free at once. An event of the proxy's loop.
-CLIENT_LEFT: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("ctxfold_client_left",
-                                                                                   default=None)
-
-_GRACE_S = 5.0
 CLIENT_LEFT_REASON = "the client left"  # a summary stopped because of it (the fallback's metric label)
 
 
@@ -90,40 +82,23 @@ class UpstreamTransport:
 
 
 class UpstreamSummarizer(OpenAICompatibleSummarizer):
-    """:class:`OpenAICompatibleSummarizer` over :class:`UpstreamTransport`, run on the proxy's loop."""
+    """:class:`OpenAICompatibleSummarizer` over :class:`UpstreamTransport`, awaited on the proxy's loop by
+    the compaction driver (:func:`ctxfold.compaction.effects.run_async`)."""
 
-    def __init__(self, base_url: str, model: str, *, loop: Callable[[], asyncio.AbstractEventLoop | None],
-                 client: Callable[[], UpstreamClient], api_key: str | None, timeout_s: float) -> None:
+    def __init__(self, base_url: str, model: str, *, client: Callable[[], UpstreamClient], api_key: str | None,
+                 timeout_s: float) -> None:
         # The key goes through the transport (it chooses between it and the client's header).
         super().__init__(base_url, model, timeout_s=timeout_s, transport=UpstreamTransport(client, api_key))
-        self._loop = loop
 
     def summarize(self, request: SummaryRequest, *, on_token: TokenCallback | None = None,
                   cancel: threading.Event | None = None, timeout_s: float | None = None) -> SummaryResult:
-        loop = self._loop()
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if loop is None or loop.is_closed() or running is loop:
-            # Waiting here for the loop would block the loop: the compactor's passes run in a worker thread.
-            return failed(self.name, "no event loop to ask the upstream from", 0.0)
-        authorization, left = CLIENT_AUTHORIZATION.get(), CLIENT_LEFT.get()
+        # The proxy's client lives on its event loop: a blocking call from elsewhere has no loop to ask on.
+        return failed(self.name, "summaries through the proxy's upstream client are awaited on its event loop", 0.0)
 
-        async def call() -> SummaryResult:
-            CLIENT_AUTHORIZATION.set(authorization)  # this task's own context: the request's credentials
-            # The compactor passes no cancel flag of its own; one given wins over the client's leaving.
-            if cancel is not None or left is None:
-                return await self.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s)
-            result = await self.asummarize(request, on_token=on_token, cancel=left, timeout_s=timeout_s)
-            if result.failure == "cancelled":  # a failure, not a cancel: the extractive summary stands in
-                result = replace(result, failure=CLIENT_LEFT_REASON)
-            return result
-
-        limit_s = self._timeout_s if timeout_s is None else timeout_s
-        future = asyncio.run_coroutine_threadsafe(call(), loop)
-        try:  # the call times out by itself; this only guards against a loop that stopped meanwhile
-            return future.result(limit_s + _GRACE_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            return failed(self.name, f"timeout after {limit_s:g} s", limit_s + _GRACE_S)
+    async def asummarize(self, request: SummaryRequest, *, on_token: TokenCallback | None = None,
+                         cancel: threading.Event | asyncio.Event | None = None,
+                         timeout_s: float | None = None) -> SummaryResult:
+        result = await super().asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s)
+        if result.failure == "cancelled":  # its client left: a failure, so the extractive summary stands in
+            result = replace(result, failure=CLIENT_LEFT_REASON)
+        return result
