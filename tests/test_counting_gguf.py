@@ -125,7 +125,7 @@ def test_errors_are_one_plain_line(tmp_path: Path) -> None:
 
 def test_without_llama_cpp_python_the_error_says_what_to_install(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import ctxfold.engines.llama_cpp as adapter
+    import ctxfold.llama_model as adapter
 
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGUF" + bytes(60))

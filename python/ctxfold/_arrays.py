@@ -32,3 +32,12 @@ def as_view(x: Any, dtype: type[np.generic], name: str) -> npt.NDArray[Any]:
         except OverflowError as e:
             raise ValueError(f"{name}: a value does not fit {np.dtype(dtype)} ({e})") from e
     raise ValueError(f"{name}: expected a numpy array, a CPU tensor or a list, got {type(x).__name__}")
+
+
+def ids_view(ids: Any, name: str = "ids") -> npt.NDArray[np.int32]:
+    """:func:`as_view` of token ids, checked to be int32[n] here (the engines hand them to llama.cpp)."""
+    v = as_view(ids, np.int32, name)
+    if v.dtype != np.int32 or v.ndim != 1:
+        raise ValueError(f"{name}: expected int32[n] token ids, got {v.dtype}{list(v.shape)}; "
+                         "convert once with np.ascontiguousarray(x, dtype=np.int32)")
+    return v

@@ -33,7 +33,7 @@ from ctxfold import _core
 from ctxfold.errors import TokenizerError
 
 if TYPE_CHECKING:
-    from ctxfold.engines.llama_cpp import LlamaCppModel
+    from ctxfold.llama_model import LlamaCppModel
 
 Text = str | bytes
 
@@ -261,7 +261,7 @@ class GgufCounter:
 
         p = Path(path).expanduser()
         try:
-            from ctxfold.engines.llama_cpp import LlamaCppModel, check_gguf
+            from ctxfold.llama_model import LlamaCppModel, check_gguf
 
             check_gguf(p)  # a plain message for a wrong file before the one for a missing package
             self._model = LlamaCppModel(p, vocab_only=True)

@@ -34,7 +34,7 @@ from typing import Any, NewType
 import numpy as np
 import numpy.typing as npt
 
-from ctxfold._arrays import as_view
+from ctxfold._arrays import ids_view
 from ctxfold.compaction.policy import Policy
 from ctxfold.config import CompactConfig
 from ctxfold.kvplan import KvPlan, plan_kv_resync
@@ -131,14 +131,6 @@ class _Growable:
         self.extend(values)
 
 
-def _ids_view(ids: Any, name: str = "ids") -> npt.NDArray[np.int32]:
-    v = as_view(ids, np.int32, name)
-    if v.dtype != np.int32 or v.ndim != 1:
-        raise ValueError(f"{name}: expected int32[n] token ids, got {v.dtype}{list(v.shape)}; "
-                         "convert once with np.ascontiguousarray(x, dtype=np.int32)")
-    return v
-
-
 class EngineSequence:
     """Compaction state of one engine sequence: its token ids and their segments. Thread-safe.
 
@@ -183,7 +175,7 @@ class EngineSequence:
     def append(self, ids: Any, kind: SegmentKind | None = None) -> None:
         """Append token ids (int32[n], a CPU tensor or a list). ``kind`` starts a new segment of that kind
         at the first of them; None continues the current segment (sampled tokens, prompt chunks)."""
-        v = _ids_view(ids)
+        v = ids_view(ids)
         with self._lock:
             if kind is not None:
                 self._begin(SegmentKind(kind))
@@ -379,7 +371,7 @@ class EngineSequence:
         the old buffer, for the plan's kept and freed blocks. The sequence holds the rebuilt ids
         afterwards, segmented as SYSTEM, SUMMARY, then the old segments of the tail.
         """
-        summary = _ids_view(summary_ids, "summary_ids")
+        summary = ids_view(summary_ids, "summary_ids")
         with self._lock:
             old = self._ids.view()
             if not self._system_end <= bottom <= len(old):

@@ -44,29 +44,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ctxfold.errors import ConfigError, CtxfoldError
+from ctxfold.errors import (  # the template errors, re-exported where they were first defined
+    ConfigError,
+    TemplateBoundsError,
+    TemplateRenderError,
+)
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.templates import RenderedRequest, RenderOptions, Segment, tool_schema
+from ctxfold.template_presets import RenderedRequest, RenderOptions, Segment, tool_schema
 
 log = logging.getLogger(__name__)
-
-
-class TemplateRenderError(CtxfoldError, ValueError):
-    """The model's chat template refused a conversation (its own ``raise_exception``) or failed on it."""
-
-
-class TemplateBoundsError(TemplateRenderError):
-    """A render of the chat template went past a bound (:mod:`ctxfold.template_guard`): its time, its loop
-    iterations, the size of a value or of its output, memory, call depth. The template is broken or
-    hostile, and is stopped rather than run on. ``reason``: "time", "iterations", "size", "output",
-    "memory" (the process grew too much), "oom" (out of memory), "recursion"; ``what``: what it did."""
-
-    def __init__(self, what: str, *, reason: str, template: str | None = None) -> None:
-        self.what = what
-        self.reason = reason
-        self.template = template
-        super().__init__(f"chat template {template}: stopped: {what}; fix the template or choose another"
-                         if template is not None else what)
 
 
 @dataclass(frozen=True, slots=True)

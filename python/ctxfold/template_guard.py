@@ -41,9 +41,7 @@ from contextvars import ContextVar
 from functools import lru_cache, wraps
 from typing import Any, NoReturn
 
-from ctxfold.jinja_template import (
-    TemplateBoundsError,
-)
+from ctxfold.errors import TemplateBoundsError
 
 # -- the bounds ---------------------------------------------------------------------------------------------
 # Module attributes, read when used, so a deployment (or a test) can set them.

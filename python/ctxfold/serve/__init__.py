@@ -10,7 +10,7 @@
 - :mod:`ctxfold.serve.record`: recording the answer; :mod:`ctxfold.serve.window`: calibration.
 - :mod:`ctxfold.serve.summaries`: upstream summaries through the proxy's own client.
 - :mod:`ctxfold.serve.upstream`: the HTTP/1.1 client the proxy asks its upstream with.
-- :mod:`ctxfold.serve.sse`: reading an event stream (the package's one SSE reader).
+- :mod:`ctxfold.serve.sse`: folding a streamed answer into the message it carries (the SSE reader itself is :mod:`ctxfold.wire.sse`).
 - :mod:`ctxfold.serve.metrics`: Prometheus text metrics.
 - :mod:`ctxfold.serve.testing`: a scripted upstream for tests and benchmarks.
 

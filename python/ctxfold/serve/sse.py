@@ -1,9 +1,9 @@
 """Reading an OpenAI chat.completions event stream on the side, while its bytes pass through unchanged.
 
-:class:`SseReader` splits the bytes into events (``data:`` payloads) as they arrive, whatever the
-chunking (the package's one SSE reader: the summarizer reads its streams with it too; it needs
-nothing of the proxy's dependencies); :class:`AnswerAssembler` folds the chunks' deltas into the one assistant message they
-stream (content, reasoning, tool calls, finish reason, usage) so the proxy can record it.
+:class:`~ctxfold.wire.sse.SseReader` (the package's one SSE reader, shared with the summarizer) splits
+the bytes into events as they arrive, whatever the chunking; :class:`AnswerAssembler` folds the chunks'
+deltas into the one assistant message they stream (content, reasoning, tool calls, finish reason,
+usage) so the proxy can record it.
 """
 
 from __future__ import annotations
@@ -12,73 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ctxfold import fastjson
+from ctxfold.wire.sse import DONE, SseEventTooLarge, SseReader
 
-DONE = "[DONE]"
-
-
-class SseEventTooLarge(ValueError):
-    """An event (its lines so far) is larger than the reader's bound: a stream no client should be held
-    for, whose bytes would otherwise pile up in memory until it ends."""
-
-
-class SseReader:
-    """Incremental parser: feed bytes, get each complete event as (its raw bytes, its ``data`` payload).
-
-    The raw bytes of the events, in order, followed by :meth:`rest`, are exactly the bytes fed, so a
-    proxy can forward event by event without changing a byte. The payload is None for an event without
-    ``data`` lines (a comment, a keep-alive).
-
-    Linear in the bytes fed, however they are chunked: each chunk is searched for line ends once, and a
-    line that spans chunks is joined once, when it ends. ``max_event_bytes``: an event (the lines read of
-    it, the unfinished one included) larger than this raises :class:`SseEventTooLarge`.
-    """
-
-    def __init__(self, max_event_bytes: int | None = None) -> None:
-        self.max_event_bytes = max_event_bytes
-        self._partial: list[bytes] = []  # the pieces of a line that has not ended yet
-        self._event_nbytes = 0  # bytes of the event being read: its complete lines and the partial one
-        self._raw: list[bytes] = []  # complete lines of the event being read
-        self._data: list[str] = []
-
-    def feed(self, chunk: bytes) -> list[tuple[bytes, str | None]]:
-        out: list[tuple[bytes, str | None]] = []
-        start = 0
-        self._event_nbytes += len(chunk)  # an over-count where events end in the chunk: reset at each end
-        while True:
-            nl = chunk.find(b"\n", start)
-            if nl < 0:
-                break
-            piece = chunk[start : nl + 1]
-            start = nl + 1
-            if self._partial:
-                self._partial.append(piece)
-                line = b"".join(self._partial)
-                self._partial = []
-            else:
-                line = piece
-            self._line(line, out)
-            if not self._raw:  # an event ended: what is left of the chunk is the next one's
-                self._event_nbytes = len(chunk) - start
-        if start < len(chunk):
-            self._partial.append(chunk[start:])
-        if self.max_event_bytes is not None and self._event_nbytes > self.max_event_bytes:
-            raise SseEventTooLarge(f"an event of over {self.max_event_bytes:,} bytes")
-        return out
-
-    def _line(self, line: bytes, out: list[tuple[bytes, str | None]]) -> None:
-        self._raw.append(line)
-        body = line.rstrip(b"\r\n")
-        if not body:  # a blank line ends the event
-            out.append((b"".join(self._raw), "\n".join(self._data) if self._data else None))
-            self._raw, self._data = [], []
-        elif body.startswith(b"data:"):
-            value = body[5:]
-            self._data.append((value[1:] if value.startswith(b" ") else value).decode("utf-8", "replace"))
-        # comments (":") and other fields (event:, id:, retry:) carry nothing the proxy needs
-
-    def rest(self) -> bytes:
-        """Bytes fed that no complete event holds yet (an unterminated last event)."""
-        return b"".join(self._raw) + b"".join(self._partial)
+__all__ = ["DONE", "AnswerAssembler", "SseEventTooLarge", "SseReader"]
 
 
 @dataclass(slots=True)

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import httpx
 
 from ctxfold.errors import ConfigError
-from ctxfold.serve.sse import SseReader
 from ctxfold.summarize._run import run_limited
 from ctxfold.summarize.base import (
     CoroutineSummarizer,
@@ -34,6 +33,7 @@ from ctxfold.summarize.base import (
 )
 from ctxfold.summarize.postprocess import StreamCutter, result_from_cutter
 from ctxfold.summarize.request import SummaryRequest
+from ctxfold.wire.sse import SseReader
 
 _MAX_ERROR_BODY_CHARS = 2000
 
