@@ -20,8 +20,19 @@ from typing import Any
 
 from ctxfold.errors import ConfigError
 
+REQUIRED: Any = MISSING  # setting()'s default for a field without one (an embedder must give it)
 # A Flag's cli_default when the command line's default is the field's own (the usual case).
 SAME: Any = object()
+
+
+class SettingError(ConfigError):
+    """A value a :class:`Check` refused. The message starts with the setting's key; ``problem`` is the rest,
+    for a caller that names the setting its own way (a flag)."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+        self.problem = problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,44 +92,44 @@ def fmt_number(x: float) -> str:
 
 def check_value(key: str, value: Any, check: Check) -> Any:
     """Validate one value; returns it normalised (int -> float for float fields, text -> Path for paths).
-    Raises :class:`ConfigError` starting with ``key``."""
+    Raises :class:`SettingError` (a ConfigError) starting with ``key``."""
     if value is None:
         if check.optional:
             return None
-        raise ConfigError(f"{key}: null is not allowed; expected {check.allowed()}")
+        raise SettingError(key, f"null is not allowed; expected {check.allowed()}")
     value = _kind_checked(key, value, check)
     if check.rule is not None:
         problem = check.rule(value)
         if problem is not None:
-            raise ConfigError(f"{key}: {problem}")
+            raise SettingError(key, problem)
     return value
 
 
 def _kind_checked(key: str, value: Any, check: Check) -> Any:
     if check.kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: {value!r} is not a boolean; expected true or false")
+            raise SettingError(key, f"{value!r} is not a boolean; expected true or false")
         return value
     if check.kind is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: {value!r} is not a string; expected {check.allowed()}")
+            raise SettingError(key, f"{value!r} is not a string; expected {check.allowed()}")
         if check.choices and value not in check.choices:
             hint = did_you_mean(value, check.choices)
-            raise ConfigError(f"{key}: {value!r} is not {check.allowed()}{hint}")
+            raise SettingError(key, f"{value!r} is not {check.allowed()}{hint}")
         return value
     if check.kind is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: {value!r} is not a mapping")
+            raise SettingError(key, f"{value!r} is not a mapping")
         return dict(value)
     if check.kind is Path:
         text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
         # Path("") is ".": an empty setting (an unset shell variable) would quietly mean the working directory.
         if not isinstance(text, str) or not text or "\0" in text:
-            raise ConfigError(f"{key}: {value!r} is not a path; expected the name of a file or directory")
+            raise SettingError(key, f"{value!r} is not a path; expected the name of a file or directory")
         return Path(text)
     if check.kind not in (int, float):
         if not isinstance(value, check.kind):
-            raise ConfigError(f"{key}: {value!r} is not {check.allowed()}")
+            raise SettingError(key, f"{value!r} is not {check.allowed()}")
         return value
     return _number(key, value, check)
 
@@ -128,23 +139,23 @@ def _number(key: str, value: Any, check: Check) -> Any:
         try:
             float(value)
         except ValueError:
-            raise ConfigError(f"{key}: {value!r} is not {check.allowed()}") from None
-        raise ConfigError(
-            f"{key}: {value!r} is a quoted string, expected {check.allowed()}; write the number without quotes"
+            raise SettingError(key, f"{value!r} is not {check.allowed()}") from None
+        raise SettingError(
+            key, f"{value!r} is a quoted string, expected {check.allowed()}; write the number without quotes"
         )
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: {value!r} is not {check.allowed()}")
+        raise SettingError(key, f"{value!r} is not {check.allowed()}")
     if check.kind is int:
         if isinstance(value, float):
             if not value.is_integer():
-                raise ConfigError(f"{key}: {value!r} is not {check.allowed()}")
+                raise SettingError(key, f"{value!r} is not {check.allowed()}")
             value = int(value)
     else:
         if not math.isfinite(value):
-            raise ConfigError(f"{key}: {value!r} is not {check.allowed()}")
+            raise SettingError(key, f"{value!r} is not {check.allowed()}")
         value = float(value)
     if not check.in_range(value):
-        raise ConfigError(f"{key}: {value!r} is out of range {check.interval()}")
+        raise SettingError(key, f"{value!r} is out of range {check.interval()}")
     return value
 
 
@@ -167,7 +178,7 @@ class Flag:
     null_text: str | None = None  # the flag's text that means None ("none" for --template)
 
 
-def setting(default: Any = MISSING, check: Check | None = None, *flag_names: str, help: str = "",
+def setting(default: Any = REQUIRED, check: Check | None = None, *flag_names: str, help: str = "",
             metavar: str | None = None, group: str = "", cli_default: Any = SAME, null_text: str | None = None,
             via: str = "", default_factory: Any = MISSING, repr: bool = True) -> Any:
     """A dataclass field with its check and, given ``flag_names``, its flag. ``via`` names what sets the
