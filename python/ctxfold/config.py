@@ -168,9 +168,8 @@ class SummarizerConfig:
     temperature: float = setting(0.0, Check(float, 0.0, 2.0))  # ds4 samples the summary greedily
     send_tools: bool = setting(True, Check(bool))  # keep the tool definitions so the request is a cached prefix
     connect_timeout_s: float = setting(10.0, Check(float, 0.0, lo_open=True, unit="seconds"))
-    extra_body: dict[str, Any] = field(  # extra JSON fields for the endpoint (e.g. chat_template_kwargs)
-        default_factory=dict, metadata={"check": Check(dict)}
-    )
+    extra_body: dict[str, Any] = setting(  # extra JSON fields for the endpoint (e.g. chat_template_kwargs)
+        check=Check(dict), default_factory=dict)
 
     def __post_init__(self) -> None:
         validate_fields(self, self._SECTION)

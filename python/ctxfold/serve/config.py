@@ -6,7 +6,7 @@ command makes its flags from them and reads them back (ctxfold.cli._flags)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -96,9 +96,9 @@ class ProxyConfig:
         REQUIRED, _PATH, "--data-dir", cli_default=CLI_DATA_DIR, group=STORAGE,
         help="sessions, history dumps and archives (default ./{default})")
     # context_tokens: the upstream's window.
-    compact: CompactConfig = field(default_factory=CompactConfig, metadata={
-        "check": Check(CompactConfig),
-        "via": "--config, --context-tokens, --max-output-tokens, --reply-reserve-tokens, --summary-timeout-s"})
+    compact: CompactConfig = setting(
+        check=Check(CompactConfig), default_factory=CompactConfig,
+        via="--config, --context-tokens, --max-output-tokens, --reply-reserve-tokens, --summary-timeout-s")
     archive_url: str | None = setting(  # fsspec URL for archives shared by replicas (s3://..., memory://...)
         None, _TEXT, "--archive-url", metavar="URL", group=STORAGE,
         help="fsspec URL for archives shared by several proxy replicas (s3://bucket/prefix, ...)")
