@@ -118,8 +118,9 @@ def test_strict_summarizer_in_compact(closed_port: int, tmp_path: Path, traces_d
          ("ctxfold: error: --max-output-tokens 16384: the reply reserve (16384 tokens) must leave at least 256 "
          "tokens of the 16384-token window for the prompt, so 0 to 16128; lower it or widen the window with "
          "--context-tokens")),
-        (["serve", "--upstream", "127.0.0.1:8000"], ("ctxfold: error: upstream: '127.0.0.1:8000' is not an http(s) "
-         "URL; expected the base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")),
+        (["serve", "--upstream", "127.0.0.1:8000"], ("ctxfold serve: error: argument --upstream: '127.0.0.1:8000' is "
+         "not an http(s) URL; expected the base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1 "
+         "(see ctxfold serve --help)")),
         (["serve", "--upstream", "http://127.0.0.1:9/v1", "--port", "99999"], ("ctxfold serve: error: argument "
          "--port: 99999 is outside the port range 0 to 65535 (see ctxfold serve --help)")),
         (["serve", "--upstream", "http://127.0.0.1:9/v1", "--connect-timeout-s", "-1"], ("ctxfold serve: error: "

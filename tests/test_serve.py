@@ -547,15 +547,17 @@ def test_replicas_share_archives_through_an_fsspec_url(upstream: tuple[ScriptedU
 def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     from ctxfold.cli import main
 
-    assert main(["serve", "--upstream", "ftp://models.example"]) == 2
-    assert "not an http(s) URL" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--upstream", "ftp://models.example"])
+    assert exit_.value.code == 2
+    assert "argument --upstream: 'ftp://models.example' is not an http(s) URL" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--upstream", "http://127.0.0.1:1", "--read-timeout-s", "0"])
     assert exit_.value.code == 2
     assert "argument --read-timeout-s: '0' must be a finite number of seconds above 0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="fsync: 'sometimes' is not one of compactions, always, never"):
         ProxyConfig(upstream="http://127.0.0.1:1", data_dir=Path("d"), fsync="sometimes")
-    with pytest.raises(ConfigError, match="max_loaded_conversations: must be a whole number >= 1"):
+    with pytest.raises(ConfigError, match=r"max_loaded_conversations: 0 is out of range \[1, inf\)"):
         ProxyConfig(upstream="http://127.0.0.1:1", data_dir=Path("d"), max_loaded_conversations=0)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
+from cli_helpers import run_main
 from conftest import RedisServer
 from proxy_helpers import metric, start_proxy
 from subprocess_env import ctxfold_env
@@ -494,13 +495,12 @@ def stored_or_none(redis: RedisServer) -> dict[str, list[tuple[str, str]] | None
 
 
 def test_a_store_url_must_name_a_shared_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ctxfold.cli import main
-
-    assert main(["serve", "--upstream", "http://127.0.0.1:1", "--store", str(tmp_path), "--data-dir",
-                 str(tmp_path / "d")]) == 2
-    err = capsys.readouterr().err
-    assert "is not a redis://, rediss://, unix:// or valkey:// URL" in err and len(err.strip().splitlines()) == 1
-    with pytest.raises(ConfigError, match="store:"):
+    code, _, err = run_main(capsys, "serve", "--upstream", "http://127.0.0.1:1", "--store", str(tmp_path),
+                            "--data-dir", str(tmp_path / "d"))
+    assert code == 2
+    assert "argument --store: " in err and "is not a redis://, rediss://, unix:// or valkey:// URL" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(ConfigError, match="store_url: .* is not a redis://"):
         ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path, store_url=str(tmp_path))
     with pytest.raises(ConfigError, match="lease_ms"):
         ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path, store_url="redis://127.0.0.1:1/0", lease_ms=5)

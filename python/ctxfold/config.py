@@ -18,8 +18,6 @@ is an error that says to drop the quotes, an integer is accepted where a float i
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -30,6 +28,7 @@ from typing import Any, Literal, get_args
 import yaml
 
 from ctxfold.errors import ConfigError
+from ctxfold.settings import Check, check_value, did_you_mean, setting, validate_fields
 
 Policy = Literal["ds4", "datus", "both"]
 SummarizerKind = Literal["extractive", "openai", "callable"]
@@ -42,114 +41,13 @@ DEFAULT_REPLY_RESERVE_TOKENS = 8192
 MAX_REPLY_RESERVE_TOKENS = 20480
 
 
-# --------------------------------------------------------------------------------------------------------
-# Field checks. Each dataclass field carries one in its metadata; the same check runs for direct
-# construction and for parsed files, so both give the same messages.
+# Field checks (ctxfold.settings): each dataclass field carries one in its metadata; the same check runs for
+# direct construction and for parsed files, so both give the same messages.
 
 
-@dataclass(frozen=True, slots=True)
-class _Check:
-    kind: type  # bool, int, float, str or dict (a mapping)
-    lo: float | None = None  # lower bound, inclusive unless lo_open
-    hi: float | None = None  # upper bound, inclusive unless hi_open
-    lo_open: bool = False
-    hi_open: bool = False
-    choices: tuple[str, ...] = ()  # allowed strings, when the field is an enumeration
-    optional: bool = False  # None is allowed (means "unknown" or "use the rule")
-
-    def allowed(self) -> str:
-        if self.choices:
-            return "one of " + ", ".join(self.choices)
-        if self.kind is bool:
-            return "true or false"
-        if self.kind is str:
-            return "a string"
-        if self.kind is dict:
-            return "a mapping"
-        noun = "an integer" if self.kind is int else "a number"
-        if self.lo is None and self.hi is None:
-            return noun
-        lo = "-inf" if self.lo is None else _fmt(self.lo)
-        hi = "inf" if self.hi is None else _fmt(self.hi)
-        left = "(" if self.lo_open or self.lo is None else "["
-        right = ")" if self.hi_open or self.hi is None else "]"
-        return f"{noun} in {left}{lo}, {hi}{right}"
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def _check(key: str, value: Any, check: _Check) -> Any:
-    """Validate one value; returns it normalised (int -> float for float fields)."""
-    if value is None:
-        if check.optional:
-            return None
-        raise ConfigError(f"{key}: null is not allowed; expected {check.allowed()}")
-    if check.kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: {value!r} is not a boolean; expected true or false")
-        return value
-    if check.kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: {value!r} is not a string; expected {check.allowed()}")
-        if check.choices and value not in check.choices:
-            hint = _did_you_mean(value, check.choices)
-            raise ConfigError(f"{key}: {value!r} is not {check.allowed()}{hint}")
-        return value
-    if check.kind is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: {value!r} is not a mapping")
-        return dict(value)
-    # Numbers.
-    if isinstance(value, str):
-        try:
-            float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: {value!r} is not {check.allowed()}") from None
-        raise ConfigError(
-            f"{key}: {value!r} is a quoted string, expected {check.allowed()}; write the number without quotes"
-        )
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: {value!r} is not {check.allowed()}")
-    if check.kind is int:
-        if isinstance(value, float):
-            if not value.is_integer():
-                raise ConfigError(f"{key}: {value!r} is not {check.allowed()}")
-            value = int(value)
-    else:
-        if not math.isfinite(value):
-            raise ConfigError(f"{key}: {value!r} is not {check.allowed()}")
-        value = float(value)
-    too_low = check.lo is not None and (value <= check.lo if check.lo_open else value < check.lo)
-    too_high = check.hi is not None and (value >= check.hi if check.hi_open else value > check.hi)
-    if too_low or too_high:
-        rng = check.allowed().split(" in ", 1)[-1]
-        raise ConfigError(f"{key}: {value!r} is out of range {rng}")
-    return value
-
-
-def _did_you_mean(word: str, options: tuple[str, ...] | list[str]) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _f(default: Any, check: _Check, **kw: Any) -> Any:
-    return field(default=default, metadata={"check": check}, **kw)
-
-
-def _validate_fields(obj: Any, path: str) -> None:
-    for f in fields(obj):
-        check = f.metadata.get("check")
-        if check is None:
-            continue
-        value = _check(f"{path}.{f.name}" if path else f.name, getattr(obj, f.name), check)
-        object.__setattr__(obj, f.name, value)
-
-
-_FRACTION_OPEN = _Check(float, 0.0, 1.0, lo_open=True)  # (0, 1]
-_POS_INT = _Check(int, 1)
-_NONNEG_INT = _Check(int, 0)
+_FRACTION_OPEN = Check(float, 0.0, 1.0, lo_open=True)  # (0, 1]
+_POS_INT = Check(int, 1)
+_NONNEG_INT = Check(int, 0)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -161,12 +59,12 @@ class MajorConfig:
     """Datus ``major``: the LLM summary pass near the context limit."""
 
     _SECTION = "major"
-    enabled: bool = _f(True, _Check(bool))  # automatic summary passes (manual compaction ignores this)
-    token_threshold: float = _f(0.9, _FRACTION_OPEN)  # fraction of ctx at which the summary pass runs
-    mid_turn_enabled: bool = _f(True, _Check(bool))  # allow the summary stage between requests of a turn
+    enabled: bool = setting(True, Check(bool))  # automatic summary passes (manual compaction ignores this)
+    token_threshold: float = setting(0.9, _FRACTION_OPEN)  # fraction of ctx at which the summary pass runs
+    mid_turn_enabled: bool = setting(True, Check(bool))  # allow the summary stage between requests of a turn
 
     def __post_init__(self) -> None:
-        _validate_fields(self, self._SECTION)
+        validate_fields(self, self._SECTION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,16 +72,16 @@ class MinorConfig:
     """Datus ``minor``: the rule-based archive pass (no model call)."""
 
     _SECTION = "minor"
-    enabled: bool = _f(True, _Check(bool))  # the turn-start archive pass
-    keep_recent_user_turns: int = _f(4, _NONNEG_INT)  # turn start: real user turns whose tool I/O is kept
-    archive_threshold: int = _f(1000, _NONNEG_INT)  # chars: tool outputs longer than this are archived
-    archive_preview_chars: int = _f(1000, _NONNEG_INT)  # chars of preview in the marker (2x for errors)
-    mid_turn_enabled: bool = _f(True, _Check(bool))  # allow the archive stage between requests of a turn
-    mid_turn_token_threshold: float = _f(0.75, _FRACTION_OPEN)  # fraction of ctx for the mid-turn archive
-    keep_recent_tool_results: int = _f(5, _NONNEG_INT)  # mid-turn: newest tool outputs never archived
+    enabled: bool = setting(True, Check(bool))  # the turn-start archive pass
+    keep_recent_user_turns: int = setting(4, _NONNEG_INT)  # turn start: real user turns whose tool I/O is kept
+    archive_threshold: int = setting(1000, _NONNEG_INT)  # chars: tool outputs longer than this are archived
+    archive_preview_chars: int = setting(1000, _NONNEG_INT)  # chars of preview in the marker (2x for errors)
+    mid_turn_enabled: bool = setting(True, Check(bool))  # allow the archive stage between requests of a turn
+    mid_turn_token_threshold: float = setting(0.75, _FRACTION_OPEN)  # fraction of ctx for the mid-turn archive
+    keep_recent_tool_results: int = setting(5, _NONNEG_INT)  # mid-turn: newest tool outputs never archived
 
     def __post_init__(self) -> None:
-        _validate_fields(self, self._SECTION)
+        validate_fields(self, self._SECTION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,12 +89,12 @@ class SoftConfig:
     """ds4's soft trigger, checked before a new user turn and before a tool continuation."""
 
     _SECTION = "soft"
-    enabled: bool = _f(True, _Check(bool))
-    percent: float = _f(85.0, _Check(float, 0.0, 100.0, lo_open=True))  # used >= percent of ctx fires
-    min_free_tokens: int = _f(8192, _NONNEG_INT)  # free <= min(this, ctx/4) fires
+    enabled: bool = setting(True, Check(bool))
+    percent: float = setting(85.0, Check(float, 0.0, 100.0, lo_open=True))  # used >= percent of ctx fires
+    min_free_tokens: int = setting(8192, _NONNEG_INT)  # free <= min(this, ctx/4) fires
 
     def __post_init__(self) -> None:
-        _validate_fields(self, self._SECTION)
+        validate_fields(self, self._SECTION)
 
     def free_threshold_tokens(self, context_tokens: int) -> int:
         """ds4 caps the free-token threshold at a quarter of ctx so tiny contexts do not compact every turn."""
@@ -208,10 +106,10 @@ class HardConfig:
     """ds4's hard trigger: a tool result that does not fit with the reply reserve compacts at once."""
 
     _SECTION = "hard"
-    enabled: bool = _f(True, _Check(bool))
+    enabled: bool = setting(True, Check(bool))
 
     def __post_init__(self) -> None:
-        _validate_fields(self, self._SECTION)
+        validate_fields(self, self._SECTION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,11 +117,11 @@ class TailConfig:
     """The verbatim tail kept after a summary: min(fraction * ctx, cap_tokens)."""
 
     _SECTION = "tail"
-    fraction: float = _f(0.10, _Check(float, 0.0, 1.0, hi_open=True))  # ds4: ctx / 10
-    cap_tokens: int = _f(50000, _NONNEG_INT)  # ds4: AGENT_COMPACT_TAIL_CAP_TOKENS
+    fraction: float = setting(0.10, Check(float, 0.0, 1.0, hi_open=True))  # ds4: ctx / 10
+    cap_tokens: int = setting(50000, _NONNEG_INT)  # ds4: AGENT_COMPACT_TAIL_CAP_TOKENS
 
     def __post_init__(self) -> None:
-        _validate_fields(self, self._SECTION)
+        validate_fields(self, self._SECTION)
 
     def budget_tokens(self, context_tokens: int) -> int:
         """ds4: ``max(1, min(ctx / 10, 50000))``; 0 only when the config asks for no tail."""
@@ -237,17 +135,18 @@ class SummaryConfig:
     """Limits of one summary generation."""
 
     _SECTION = "summary"
-    max_tokens: int = _f(4096, _POS_INT)  # ds4: AGENT_COMPACT_SUMMARY_MAX_TOKENS
-    min_room_tokens: int = _f(256, _POS_INT)  # ds4: below this room the summary request is not sent
-    timeout_s: float = _f(120.0, _Check(float, 0.0, lo_open=True))  # whole generation, connect to last token
-    chunked: bool = _f(True, _Check(bool))  # rolling chunked summary when the request itself does not fit
+    max_tokens: int = setting(4096, _POS_INT)  # ds4: AGENT_COMPACT_SUMMARY_MAX_TOKENS
+    min_room_tokens: int = setting(256, _POS_INT)  # ds4: below this room the summary request is not sent
+    # The whole generation, connection to last token.
+    timeout_s: float = setting(120.0, Check(float, 0.0, lo_open=True, unit="seconds"))
+    chunked: bool = setting(True, Check(bool))  # rolling chunked summary when the request itself does not fit
     # The low-water mark: a summary's rebuilt view is at most this share of the window (where what must
     # stay allows), well below the trigger lines, so a steady conversation compacts every few turns
     # instead of sitting at the line and compacting on every one. Tail and summary budgets derive from it.
-    low_water: float = _f(0.6, _Check(float, 0.0, 1.0, lo_open=True))
+    low_water: float = setting(0.6, Check(float, 0.0, 1.0, lo_open=True))
 
     def __post_init__(self) -> None:
-        _validate_fields(self, self._SECTION)
+        validate_fields(self, self._SECTION)
         if self.min_room_tokens > self.max_tokens:
             raise ConfigError(
                 f"{self._SECTION}.min_room_tokens: {self.min_room_tokens} exceeds summary.max_tokens "
@@ -261,20 +160,19 @@ class SummarizerConfig:
     ``OPENAI_BASE_URL``, the variable named by ``api_key_env`` (``OPENAI_API_KEY``), ``CTXFOLD_SUMMARY_MODEL``."""
 
     _SECTION = "summarizer"
-    kind: str = _f("extractive", _Check(str, choices=SUMMARIZER_KINDS))  # the default needs no model
-    base_url: str | None = _f(None, _Check(str, optional=True))  # e.g. http://127.0.0.1:8000/v1
-    model: str | None = _f(None, _Check(str, optional=True))  # model name sent in the request
-    api_key: str | None = _f(None, _Check(str, optional=True), repr=False)  # never printed
-    api_key_env: str = _f("OPENAI_API_KEY", _Check(str))  # environment variable read when api_key is unset
-    temperature: float = _f(0.0, _Check(float, 0.0, 2.0))  # ds4 samples the summary greedily
-    send_tools: bool = _f(True, _Check(bool))  # keep the tool definitions so the request is a cached prefix
-    connect_timeout_s: float = _f(10.0, _Check(float, 0.0, lo_open=True))
-    extra_body: dict[str, Any] = field(  # extra JSON fields for the endpoint (e.g. chat_template_kwargs)
-        default_factory=dict, metadata={"check": _Check(dict)}
-    )
+    kind: str = setting("extractive", Check(str, choices=SUMMARIZER_KINDS))  # the default needs no model
+    base_url: str | None = setting(None, Check(str, optional=True))  # e.g. http://127.0.0.1:8000/v1
+    model: str | None = setting(None, Check(str, optional=True))  # model name sent in the request
+    api_key: str | None = setting(None, Check(str, optional=True), repr=False)  # never printed
+    api_key_env: str = setting("OPENAI_API_KEY", Check(str))  # environment variable read when api_key is unset
+    temperature: float = setting(0.0, Check(float, 0.0, 2.0))  # ds4 samples the summary greedily
+    send_tools: bool = setting(True, Check(bool))  # keep the tool definitions so the request is a cached prefix
+    connect_timeout_s: float = setting(10.0, Check(float, 0.0, lo_open=True, unit="seconds"))
+    extra_body: dict[str, Any] = setting(  # extra JSON fields for the endpoint (e.g. chat_template_kwargs)
+        check=Check(dict), default_factory=dict)
 
     def __post_init__(self) -> None:
-        _validate_fields(self, self._SECTION)
+        validate_fields(self, self._SECTION)
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ConfigError(
                 f"{self._SECTION}.base_url: {self.base_url!r} is not an http(s) URL; "
@@ -303,12 +201,12 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 
 # Top-level scalar keys of the compact mapping, with their checks.
-_TOP_CHECKS: dict[str, _Check] = {
-    "policy": _Check(str, choices=POLICIES),
-    "context_tokens": _Check(int, 1, optional=True),
-    "max_output_tokens": _Check(int, 1, optional=True),
-    "reply_reserve_tokens": _Check(int, 0, optional=True),
-    "max_consecutive_failures": _Check(int, 1),
+_TOP_CHECKS: dict[str, Check] = {
+    "policy": Check(str, choices=POLICIES),
+    "context_tokens": Check(int, 1, optional=True),
+    "max_output_tokens": Check(int, 1, optional=True),
+    "reply_reserve_tokens": Check(int, 0, optional=True),
+    "max_consecutive_failures": Check(int, 1),
 }
 
 # What each policy switches on before explicit keys are applied. ds4 has no archive and no Datus
@@ -330,7 +228,7 @@ class CompactConfig:
     still works (Datus's rule).
     """
 
-    policy: str = _f("both", _TOP_CHECKS["policy"])  # the preset the sections started from (informative)
+    policy: str = setting("both", _TOP_CHECKS["policy"])  # the preset the sections started from (informative)
     major: MajorConfig = field(default_factory=MajorConfig)
     minor: MinorConfig = field(default_factory=MinorConfig)
     soft: SoftConfig = field(default_factory=SoftConfig)
@@ -338,13 +236,13 @@ class CompactConfig:
     tail: TailConfig = field(default_factory=TailConfig)
     summary: SummaryConfig = field(default_factory=SummaryConfig)
     summarizer: SummarizerConfig = field(default_factory=SummarizerConfig)
-    context_tokens: int | None = _f(None, _TOP_CHECKS["context_tokens"])  # the model's window
-    max_output_tokens: int | None = _f(None, _TOP_CHECKS["max_output_tokens"])  # the model's reply cap
-    reply_reserve_tokens: int | None = _f(None, _TOP_CHECKS["reply_reserve_tokens"])  # None: the rule
-    max_consecutive_failures: int = _f(3, _TOP_CHECKS["max_consecutive_failures"])  # the breaker
+    context_tokens: int | None = setting(None, _TOP_CHECKS["context_tokens"])  # the model's window
+    max_output_tokens: int | None = setting(None, _TOP_CHECKS["max_output_tokens"])  # the model's reply cap
+    reply_reserve_tokens: int | None = setting(None, _TOP_CHECKS["reply_reserve_tokens"])  # None: the rule
+    max_consecutive_failures: int = setting(3, _TOP_CHECKS["max_consecutive_failures"])  # the breaker
 
     def __post_init__(self) -> None:
-        _validate_fields(self, "")
+        validate_fields(self, "")
         for name, cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not a {cls.__name__}")
@@ -401,13 +299,13 @@ class CompactConfig:
                 raise ConfigError(f"{where}: key {k!r} is not a string")
             if k not in allowed:
                 raise ConfigError(
-                    f"{key(k)}: unknown key{_did_you_mean(k, allowed)} (allowed: {', '.join(allowed)})"
+                    f"{key(k)}: unknown key{did_you_mean(k, allowed)} (allowed: {', '.join(allowed)})"
                 )
-        policy = _check(key("policy"), data.get("policy", "both"), _TOP_CHECKS["policy"])
+        policy = check_value(key("policy"), data.get("policy", "both"), _TOP_CHECKS["policy"])
         kwargs: dict[str, Any] = {"policy": policy}
         for name, top_check in _TOP_CHECKS.items():
             if name != "policy" and name in data:
-                kwargs[name] = _check(key(name), data[name], top_check)
+                kwargs[name] = check_value(key(name), data[name], top_check)
         for name, section_cls in _SECTIONS.items():
             raw = data.get(name, {})
             if raw is None:  # an empty YAML section ("major:") means defaults
@@ -419,11 +317,11 @@ class CompactConfig:
             for k, v in raw.items():
                 if k not in names:
                     raise ConfigError(
-                        f"{key(name)}.{k}: unknown key{_did_you_mean(str(k), names)} "
+                        f"{key(name)}.{k}: unknown key{did_you_mean(str(k), names)} "
                         f"(allowed: {', '.join(names)})"
                     )
                 check = next(f for f in fields(section_cls) if f.name == k).metadata["check"]
-                values[k] = _check(f"{key(name)}.{k}", v, check)
+                values[k] = check_value(f"{key(name)}.{k}", v, check)
             try:
                 kwargs[name] = section_cls(**values)
             except ConfigError as e:  # cross-field checks name the section relative to the root

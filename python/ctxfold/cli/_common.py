@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import re
 import sys
@@ -17,8 +16,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
+from ctxfold.cli._flags import flag_type
 from ctxfold.errors import FormatError
 from ctxfold.messages import Conversation
+from ctxfold.settings import Check
 
 if TYPE_CHECKING:
     from ctxfold.config import CompactConfig
@@ -38,25 +39,9 @@ def wrap(text: str, width: int = 78) -> str:
 # -- option types: a bad value is a usage error (exit 2) that names the option ---------------------------
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1; accepts 16k / 128K / 1M as shorthands (k = 1024, as context sizes are quoted)."""
-    m = re.fullmatch(r"\s*(-?\d+)\s*([kKmM]?)\s*", text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 16384 or 16k)")
-    value = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number (e.g. 16384 or 16k)")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or a positive whole number")
-    return value
+# The same checks as settings' fields (ctxfold.settings), and the same messages as their flags.
+positive_int = flag_type(Check(int, 1))  # >= 1; 16k / 128K / 1M are shorthands (k = 1024)
+non_negative_int = flag_type(Check(int, 0))
 
 
 def port_number(text: str) -> int:
@@ -70,17 +55,6 @@ def port_number(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number ({low} to {high})") from None
     if not low <= value <= high:
         raise argparse.ArgumentTypeError(f"{value} is outside the port range {low} to {high}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0")
     return value
 
 

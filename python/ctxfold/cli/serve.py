@@ -35,29 +35,21 @@ or the port cannot be used, 4 tokenizer or package (the serve extra) unavailable
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from ctxfold.cli._common import (
-        FORMATTER,
-        non_negative_int,
-        port_number,
-        positive_int,
-        positive_seconds,
-        wrap,
-    )
-    from ctxfold.serve import (
-        DEFAULT_CLIENT_TIMEOUT_S,
-        DEFAULT_ENGINE_CHECK_EVERY,
-        DEFAULT_MAX_ANSWER_BYTES,
-        DEFAULT_MAX_BODY_BYTES,
-        DEFAULT_MAX_CONNECTIONS,
-        DEFAULT_MAX_EVENT_BYTES,
-        DEFAULT_MAX_LOADED_BYTES,
-        DEFAULT_MAX_LOADED_CONVERSATIONS,
-        DEFAULT_MAX_RECALL_CHARS,
-        ENGINE_CHECK_MODES,
-        FSYNC_MODES,
+    from ctxfold.cli._common import FORMATTER, port_number, positive_int, wrap
+    from ctxfold.cli._flags import add_setting_flags, flag_type
+    from ctxfold.config import CompactConfig, SummaryConfig
+    from ctxfold.serve.config import (
+        CLIENTS,
+        COMPACTION,
+        HELP_GROUPS,
+        LISTENING,
+        LOGGING,
+        STORAGE,
+        SUMMARIES,
+        ProxyConfig,
     )
     from ctxfold.serve.logs import LOG_FORMATS, LOG_LEVELS
-    from ctxfold.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES
+    from ctxfold.settings import field_check
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
@@ -67,127 +59,83 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "compacted request to the upstream and stream the answer back unchanged."),
         epilog=EPILOG, formatter_class=FORMATTER,
     )
-    p.add_argument("--upstream", required=True, metavar="URL",
-                   help="the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=port_number, default=8080,
-                   help="port to listen on, 0 to 65535 (default 8080; 0: any free port)")
-    p.add_argument("--data-dir", type=Path, default=Path("ctxfold-data"),
-                   help="sessions, history dumps and archives (default ./ctxfold-data)")
-    p.add_argument("--archive-url", metavar="URL",
-                   help="fsspec URL for archives shared by several proxy replicas (s3://bucket/prefix, ...)")
-    p.add_argument("--config", type=Path, metavar="FILE", help="compaction settings (YAML or TOML, agent.compact)")
-    p.add_argument("--context-tokens", "--ctx", type=positive_int, metavar="TOKENS",
-                   help="the upstream model's context window (16k, 128k, ...); unset: token triggers are off")
-    p.add_argument("--max-output-tokens", type=positive_int, metavar="TOKENS",
-                   help="the model's reply cap (sets the reply reserve)")
-    p.add_argument("--reply-reserve-tokens", type=non_negative_int, metavar="TOKENS",
-                   help="tokens kept free for the answer (default: min(max output or 8192, 20480))")
-    p.add_argument("--tokenizer", default="estimate:deepseek-v4", metavar="SPEC",
-                   help="token counter for the upstream's model: deepseek-v4, qwen3, mistral, o200k_base, "
-                   "cl100k_base, a tokenizer.json or .model file, estimate:NAME, or chars4 (default: "
-                   "estimate:deepseek-v4; the upstream's usage figures calibrate it per conversation)")
-    p.add_argument("--template", default="deepseek-v4", metavar="SPEC",
-                   help="chat template the upstream renders requests with: deepseek-v3.2, deepseek-v4, chatml, "
-                   "mistral-v7, gemma-3, llama-3.1, llama-3.2, the model's own Jinja template (hf:PATH, "
-                   "gguf:PATH, file:PATH), or none for message text alone (default: deepseek-v4)")
-    p.add_argument("--summarizer", choices=("upstream", "config", "extractive"), default="upstream",
-                   help="who writes summaries: the upstream model (default), the summarizer section of --config, "
-                   "or no model (extractive); a failed summary always falls back to the extractive one")
-    p.add_argument("--summary-model", metavar="NAME", help="model for summaries (default: the request's model)")
-    p.add_argument("--summary-timeout-s", type=positive_seconds, metavar="S",
-                   help="time budget of a summary written by a model, connection to last token; past it the "
-                   "extractive summary is used and the log and ctxfold_summary_fallbacks_total say so (default: "
-                   "the summarizer section of --config, else 120)")
-    p.add_argument("--engine-check", choices=ENGINE_CHECK_MODES, default=ENGINE_CHECK_MODES[0],
-                   help="whether the upstream sees what ctxfold counts: a probe at startup (tiny requests with "
-                   "a system and a tool message, max_tokens 1) and, with sampled (default), one answer in "
-                   "--engine-check-every compared when its request was counted anyway; every: each request "
-                   "counted and compared (for tests); startup: the probe only; off")
-    p.add_argument("--engine-check-every", type=positive_int, default=DEFAULT_ENGINE_CHECK_EVERY, metavar="N",
-                   help=f"answers per sampled comparison (default {DEFAULT_ENGINE_CHECK_EVERY})")
-    p.add_argument("--no-stream-usage", dest="stream_usage", action="store_false", default=True,
-                   help="do not ask the upstream for usage in streamed answers the client asked none for (by "
-                   "default the proxy asks, calibrates with it, and keeps it from the client)")
-    p.add_argument("--summary-api-key-env", metavar="NAME",
-                   help="environment variable holding the key summaries are sent with (--summarizer upstream; "
-                   "default: the Authorization header of the client request that triggered the compaction)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                   help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
-                   help="the least severe log lines written to stderr (default info: one line per request, "
-                        "per compaction and per change of health)")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
-                   help="text (a timestamp, the level, the logger, the message) or json (one object a line, "
-                        "with each line's fields)")
-    p.add_argument("--max-answer-bytes", type=positive_int, default=DEFAULT_MAX_ANSWER_BYTES, metavar="N",
-                   help="largest upstream answer relayed: past it a JSON answer is a 502 and a stream ends with "
-                        f"an error event (default {DEFAULT_MAX_ANSWER_BYTES})")
-    p.add_argument("--max-event-bytes", type=positive_int, default=DEFAULT_MAX_EVENT_BYTES, metavar="N",
-                   help="largest event of an upstream stream: past it the stream ends with an error event "
-                        f"(default {DEFAULT_MAX_EVENT_BYTES})")
-    p.add_argument("--connect-timeout-s", type=positive_seconds, default=10.0, metavar="S",
-                   help="to connect upstream (default 10)")
-    p.add_argument("--read-timeout-s", type=positive_seconds, default=600.0, metavar="S",
-                   help="longest silence from the upstream before 504 or a cut stream (default 600)")
-    p.add_argument("--client-timeout-s", type=positive_seconds, default=DEFAULT_CLIENT_TIMEOUT_S, metavar="S",
-                   help="a client must send a request's head, and then its body, within this (else the "
-                   f"connection is closed, or 408); idle connections close after it (default {DEFAULT_CLIENT_TIMEOUT_S:g})")
-    p.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                   help="client connections open at once; more are answered 503 and closed (default "
-                   f"{DEFAULT_MAX_CONNECTIONS}; each also holds an upstream connection: mind ulimit -n)")
-    p.add_argument("--max-recall-rounds", type=non_negative_int, default=4, metavar="N",
-                   help="read_archive rounds the proxy answers within one request (default 4)")
-    p.add_argument("--max-recall-chars", type=positive_int, default=DEFAULT_MAX_RECALL_CHARS, metavar="N",
-                   help="archived text the proxy's read_archive answers add to one request, all calls together; "
-                   f"beyond it the model is told to read on later (default {DEFAULT_MAX_RECALL_CHARS})")
-    p.add_argument("--fsync", choices=FSYNC_MODES, default="compactions",
-                   help="fsync of the session logs: compactions (default: compactions and archives; the messages "
-                   "are written, and the client resends them anyway), always (every message too: a disk flush on "
-                   "each request's path), never (a machine crash may lose the last compactions; a killed proxy "
-                   "loses nothing in any mode)")
-    p.add_argument("--no-fsync", dest="fsync", action="store_const", const="never", help="the same as --fsync never")
-    p.add_argument("--max-loaded-sessions", "--max-loaded-conversations", dest="max_loaded_conversations",
-                   type=positive_int, default=DEFAULT_MAX_LOADED_CONVERSATIONS, metavar="N",
-                   help="sessions kept in memory (each with at most one open file); the least recently used "
-                   f"conversations beyond are closed and read back from --data-dir when they return (default "
-                   f"{DEFAULT_MAX_LOADED_CONVERSATIONS})")
-    p.add_argument("--max-loaded-bytes", type=positive_int, default=DEFAULT_MAX_LOADED_BYTES, metavar="N",
-                   help="event-log bytes of the loaded sessions, all together (the memory they hold is about this); "
-                   f"beyond, the least recently used conversations are closed (default {DEFAULT_MAX_LOADED_BYTES})")
-    p.add_argument("--tenant-header", default="Authorization", metavar="NAME",
-                   help="the request header whose value names the client's tenant, kept only as a keyed hash "
-                   "(default Authorization); requests without it share one anonymous tenant")
-    p.add_argument("--tenant-key-file", type=Path, metavar="FILE",
-                   help="the secret the tenant hash is keyed with (default: $CTXFOLD_TENANT_KEY, else "
-                   "<data-dir>/tenant.key, made once)")
-    p.add_argument("--operator-token-env", metavar="VAR",
-                   help="the environment variable holding a secret (16+ characters) that GET /metrics and the "
-                        "details of GET /health then require in an X-Ctxfold-Operator-Token header; without it "
-                        "they are open to every client that reaches the port")
-    p.add_argument("--store", metavar="URL",
-                   help="a session store shared by several proxy processes or machines: redis://HOST:PORT/DB, "
-                   "rediss://, unix://, valkey:// (options: ?prefix=, durability=always|everysec, blobs=<fsspec "
-                   "URL>; see docs/store.md); default: --data-dir, for one process")
-    p.add_argument("--spool-max-bytes", type=positive_int, default=DEFAULT_SPOOL_MAX_BYTES, metavar="N",
-                   help="with --store: the local spool (in --data-dir) that keeps session writes while the store "
-                   f"is unreachable, per process (default {DEFAULT_SPOOL_MAX_BYTES})")
-    p.add_argument("--store-lease-ms", type=positive_int, default=DEFAULT_LEASE_MS, metavar="MS",
-                   help="with --store: how long a process's lease on a conversation lasts unrenewed; one that "
-                   f"stalls longer loses it to another (default {DEFAULT_LEASE_MS})")
-    p.add_argument("--workers", type=positive_int, default=1, metavar="N",
-                   help="worker processes accepting on one listening socket (default 1); more than one needs "
-                   "a shared session store, since each worker's sessions must be every worker's")
-    p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
-                   help="asyncio event loop: uvloop (faster; in the serve extra), asyncio, or auto: uvloop when "
-                   "it is installed (default)")
+    groups = {title: p.add_argument_group(title) for title in HELP_GROUPS}
+    # The proxy's own settings come from ProxyConfig's fields (add_setting_flags). The flags here are not
+    # fields: the compaction settings (a CompactConfig's, checked as its fields are), the secrets (read from
+    # the environment: a command line is visible to every local user), how the command listens and logs.
+    compaction = groups[COMPACTION]
+    compaction.add_argument("--config", type=Path, metavar="FILE",
+                            help="compaction settings (YAML or TOML, agent.compact)")
+
+    def compact_type(name: str) -> Any:
+        return flag_type(field_check(CompactConfig, name))
+
+    compaction.add_argument("--context-tokens", "--ctx", type=compact_type("context_tokens"), metavar="TOKENS",
+                            help="the upstream model's context window (16k, 128k, ...); unset: token triggers "
+                            "are off")
+    compaction.add_argument("--max-output-tokens", type=compact_type("max_output_tokens"), metavar="TOKENS",
+                            help="the model's reply cap (sets the reply reserve)")
+    compaction.add_argument("--reply-reserve-tokens", type=compact_type("reply_reserve_tokens"), metavar="TOKENS",
+                            help="tokens kept free for the answer (default: min(max output or 8192, 20480))")
+    add_setting_flags(groups, ProxyConfig)
+    groups[SUMMARIES].add_argument(
+        "--summary-timeout-s", type=flag_type(field_check(SummaryConfig, "timeout_s")), metavar="S",
+        help="time budget of a summary written by a model, connection to last token; past it the extractive "
+        "summary is used and the log and ctxfold_summary_fallbacks_total say so (default: the summarizer "
+        "section of --config, else 120)")
+    groups[SUMMARIES].add_argument(
+        "--summary-api-key-env", metavar="NAME",
+        help="environment variable holding the key summaries are sent with (--summarizer upstream; default: "
+        "the Authorization header of the client request that triggered the compaction)")
+    groups[CLIENTS].add_argument(
+        "--operator-token-env", metavar="VAR",
+        help="the environment variable holding a secret (16+ characters) that GET /metrics and the details of "
+        "GET /health then require in an X-Ctxfold-Operator-Token header; without it they are open to every "
+        "client that reaches the port")
+    # An alias of a value of --fsync (dest fsync), not a setting of its own.
+    groups[STORAGE].add_argument("--no-fsync", dest="fsync", action="store_const", const="never",
+                                 help="the same as --fsync never")
+    listening = groups[LISTENING]
+    listening.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    listening.add_argument("--port", type=port_number, default=8080,
+                           help="port to listen on, 0 to 65535 (default 8080; 0: any free port)")
+    listening.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                           help="worker processes accepting on one listening socket (default 1); more than one "
+                           "needs a shared session store, since each worker's sessions must be every worker's")
+    listening.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                           help="asyncio event loop: uvloop (faster; in the serve extra), asyncio, or auto: "
+                           "uvloop when it is installed (default)")
+    groups[LOGGING].add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                                 help="the least severe log lines written to stderr (default info: one line per "
+                                 "request, per compaction and per change of health)")
+    groups[LOGGING].add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                                 help="text (a timestamp, the level, the logger, the message) or json (one object "
+                                 "a line, with each line's fields)")
     return p
 
 
+def secret_from_env(flag: str, var: str | None, field: str, what: str) -> str | None:
+    """The secret environment variable ``var`` holds (None without the flag), checked as ProxyConfig's
+    ``field`` is, the error naming the flag and the variable (never the secret)."""
+    from ctxfold.cli import EXIT_USAGE, CommandError
+    from ctxfold.serve.config import ProxyConfig
+    from ctxfold.settings import SettingError, check_value, field_check
+
+    if var is None:
+        return None
+    value = os.environ.get(var)
+    if not value:
+        raise CommandError(f"{flag} {var}: that environment variable is not set or empty; {what}", EXIT_USAGE)
+    try:
+        return str(check_value(field, value, field_check(ProxyConfig, field)))
+    except SettingError as e:
+        raise CommandError(f"{flag} {var}: {e.problem}", EXIT_USAGE) from None
+
+
 def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
-    """What argparse cannot see alone: --summarizer config without a config file, the summary key's
-    variable, and the window against the reply reserve (check_settings). The settings themselves (the
-    upstream URL, every number) are checked by ProxyConfig, once, for the CLI and embedders alike."""
+    """What argparse cannot see alone: --summarizer config without a config file, a data directory that
+    is a file, and the window against the reply reserve (check_settings). Each setting itself (the
+    upstream URL, every number) is checked by its flag, from ProxyConfig's own check of it."""
     from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
     from ctxfold.cli._common import check_settings
 
@@ -196,15 +144,8 @@ def check_args(args: argparse.Namespace, compact: CompactConfig) -> None:
     if args.summarizer == "config" and args.config is None:
         raise CommandError("--summarizer config: reads the summarizer section of --config FILE; add --config, "
                            "or choose --summarizer upstream or extractive", EXIT_USAGE)
-    if args.summary_api_key_env is not None and not os.environ.get(args.summary_api_key_env):
-        raise CommandError(f"--summary-api-key-env {args.summary_api_key_env}: that environment variable is not set "
-                           "or empty; export the key in it, or leave the option out to send the client's own "
-                           "Authorization header", EXIT_USAGE)
-    if args.operator_token_env is not None and not os.environ.get(args.operator_token_env):
-        raise CommandError(f"--operator-token-env {args.operator_token_env}: that environment variable is not set or "
-                           "empty; export the secret in it (16 characters or more)", EXIT_USAGE)
     check_settings(args, compact)
-    check_workers(args.workers, getattr(args, "store", None))
+    check_workers(args.workers, args.store_url)
 
 
 def check_workers(workers: int, store: str | None) -> None:
@@ -219,7 +160,8 @@ def check_workers(workers: int, store: str | None) -> None:
 
 
 def build_config(args: argparse.Namespace) -> Any:
-    from ctxfold.serve.app import ProxyConfig
+    from ctxfold.cli._flags import settings_from_args
+    from ctxfold.serve.config import ProxyConfig
 
     overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
                  if getattr(args, k) is not None}
@@ -227,23 +169,13 @@ def build_config(args: argparse.Namespace) -> Any:
     if args.summary_timeout_s is not None:
         compact = replace(compact, summary=replace(compact.summary, timeout_s=args.summary_timeout_s))
     check_args(args, compact)
-    return ProxyConfig(
-        upstream=args.upstream, data_dir=args.data_dir, compact=compact, archive_url=args.archive_url,
-        summarizer=args.summarizer, summary_model=args.summary_model,
-        summary_api_key=os.environ[args.summary_api_key_env] if args.summary_api_key_env else None,
-        max_body_bytes=args.max_body_bytes, max_answer_bytes=args.max_answer_bytes,
-        max_event_bytes=args.max_event_bytes,
-        connect_timeout_s=args.connect_timeout_s, read_timeout_s=args.read_timeout_s,
-        max_recall_rounds=args.max_recall_rounds, max_loaded_conversations=args.max_loaded_conversations,
-        max_recall_chars=args.max_recall_chars, client_timeout_s=args.client_timeout_s,
-        max_connections=args.max_connections, max_loaded_bytes=args.max_loaded_bytes,
-        tenant_header=args.tenant_header, tenant_key_file=args.tenant_key_file,
-        operator_token=os.environ[args.operator_token_env] if args.operator_token_env else None,
-        fsync=args.fsync, tokenizer=args.tokenizer, store_url=args.store, spool_max_bytes=args.spool_max_bytes,
-        lease_ms=args.store_lease_ms,
-        template=None if args.template == "none" else args.template,
-        engine_check=args.engine_check, engine_check_every=args.engine_check_every, stream_usage=args.stream_usage,
-    )
+    summary_api_key = secret_from_env("--summary-api-key-env", args.summary_api_key_env, "summary_api_key",
+                                      "export the key in it, or leave the option out to send the client's own "
+                                      "Authorization header")
+    operator_token = secret_from_env("--operator-token-env", args.operator_token_env, "operator_token",
+                                     "export the secret in it (16 characters or more)")
+    return ProxyConfig(**settings_from_args(ProxyConfig, args), compact=compact, summary_api_key=summary_api_key,
+                       operator_token=operator_token)
 
 
 def startup_warnings(config: Any) -> list[str]:
