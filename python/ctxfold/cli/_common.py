@@ -73,6 +73,16 @@ def port_number(text: str) -> int:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """A finite number of seconds, 0 included (0: off, where an option says so)."""
+    try:
+        if float(text) == 0:
+            return 0.0
+    except ValueError:
+        pass  # positive_seconds says what is wrong
+    return positive_seconds(text)
+
+
 def positive_seconds(text: str) -> float:
     """A finite number of seconds above 0."""
     try:

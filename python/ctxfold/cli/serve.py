@@ -40,6 +40,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         non_negative_int,
         port_number,
         positive_int,
+        non_negative_seconds,
         positive_seconds,
         wrap,
     )
@@ -53,6 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         DEFAULT_MAX_LOADED_BYTES,
         DEFAULT_MAX_LOADED_CONVERSATIONS,
         DEFAULT_MAX_RECALL_CHARS,
+        DEFAULT_SESSION_TTL_S,
         ENGINE_CHECK_MODES,
         FSYNC_MODES,
     )
@@ -175,6 +177,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--store-lease-ms", type=positive_int, default=DEFAULT_LEASE_MS, metavar="MS",
                    help="with --store: how long a process's lease on a conversation lasts unrenewed; one that "
                    f"stalls longer loses it to another (default {DEFAULT_LEASE_MS})")
+    p.add_argument("--max-sessions-per-tenant", type=positive_int, default=None, metavar="N",
+                   help="sessions (a conversation and each fork) a tenant keeps at once; past it, its new "
+                   "conversations pass through uncompacted, labelled, until some expire (default: no bound)")
+    p.add_argument("--max-tenant-bytes", type=positive_int, default=None, metavar="N",
+                   help="bytes a tenant's stored sessions hold at once (records, dumps, archives); at it, its "
+                   "requests pass through uncompacted, labelled, until some expire (default: no bound)")
+    p.add_argument("--session-ttl-s", type=non_negative_seconds, default=DEFAULT_SESSION_TTL_S, metavar="S",
+                   help="a session untouched this long is deleted with its archive (the client's next request "
+                   f"starts a new one from its history); 0 keeps sessions for ever (default {DEFAULT_SESSION_TTL_S:g}: "
+                   "7 days)")
     p.add_argument("--workers", type=positive_int, default=1, metavar="N",
                    help="worker processes accepting on one listening socket (default 1); more than one needs "
                    "a shared session store, since each worker's sessions must be every worker's")
@@ -240,7 +252,8 @@ def build_config(args: argparse.Namespace) -> Any:
         tenant_header=args.tenant_header, tenant_key_file=args.tenant_key_file,
         operator_token=os.environ[args.operator_token_env] if args.operator_token_env else None,
         fsync=args.fsync, tokenizer=args.tokenizer, store_url=args.store, spool_max_bytes=args.spool_max_bytes,
-        lease_ms=args.store_lease_ms,
+        lease_ms=args.store_lease_ms, max_sessions_per_tenant=args.max_sessions_per_tenant,
+        max_tenant_bytes=args.max_tenant_bytes, session_ttl_s=args.session_ttl_s or None,
         template=None if args.template == "none" else args.template,
         engine_check=args.engine_check, engine_check_every=args.engine_check_every, stream_usage=args.stream_usage,
     )

@@ -93,6 +93,16 @@ class ProxyConfig:
     # How long a replica's lease on a session lasts without renewal: a replica that stalls longer loses
     # the session to the next one that asks (its later writes are refused by the fencing token).
     lease_ms: int = DEFAULT_LEASE_MS
+    # Per tenant (serve.quota, docs/store.md "Quotas and expiry"): the sessions (a conversation and each
+    # of its forks) and the bytes stored at once; a tenant at a bound gets its requests passed through
+    # uncompacted, labelled, until some of its sessions expire. None: no bound (the default: one API
+    # key shared by a whole team is one tenant, and no number suits every deployment).
+    max_sessions_per_tenant: int | None = None
+    max_tenant_bytes: int | None = None
+    # A session untouched this long is deleted with its archive (Redis: key TTLs; the data directory: a
+    # sweep). None: kept for ever (an embedder's default; the command line's is 7 days). Nothing the
+    # client needs is lost: it sends its whole history, which a new session compacts again.
+    session_ttl_s: float | None = None
     # Whether the engine sees what ctxfold counts (ctxfold.serve.engine_check): "sampled" (a probe at
     # startup, and one answer in engine_check_every compared when the proxy counted its request anyway),
     # "startup" (the probe only), "every" (every request counted and compared: tests and benchmarks), "off".
@@ -136,10 +146,32 @@ class ProxyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name}: must be a whole number >= {low}, got {value!r}")
+        for name in ("max_sessions_per_tenant", "max_tenant_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}: must be a whole number >= 1, or None for no bound, got {value!r}")
+        self._check_ttl()
         for name in ("connect_timeout_s", "read_timeout_s", "client_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"{name}: must be a positive, finite number of seconds, got {value!r}")
+
+    def _check_ttl(self) -> None:
+        ttl = self.session_ttl_s
+        if ttl is None:
+            return
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 1 <= ttl < math.inf:
+            raise ConfigError(f"session_ttl_s: must be a finite number of seconds >= 1, or None to keep sessions, "
+                              f"got {ttl!r}")
+        # A session's keys must outlive any lease on it by far: a grant renews their time, a renewal does not.
+        if self.store_url is not None and ttl * 1000 < 2 * self.lease_ms:
+            raise ConfigError(f"session_ttl_s: {ttl:g} s is shorter than twice the store lease ({self.lease_ms} ms); "
+                              "idle sessions must outlive any request working on them")
+
+    @property
+    def quotas_on(self) -> bool:
+        """Whether anything per tenant is bounded or expires (the proxy then keeps accounts)."""
+        return bool(self.max_sessions_per_tenant or self.max_tenant_bytes or self.session_ttl_s)
 
     @property
     def completions_url(self) -> str:
