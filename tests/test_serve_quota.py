@@ -25,13 +25,12 @@ import httpx
 import pytest
 
 from conftest import RedisServer
-from proxy_helpers import metric, start_proxy
-from subprocess_env import ctxfold_env
-
 from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
+from proxy_helpers import metric, start_proxy
+from subprocess_env import ctxfold_env
 
 WARNING_HEADER = "X-Ctxfold-Warning"
 TENANT_KEY = "quota-test-tenant-key-0123456789"
@@ -214,7 +213,7 @@ def test_concurrent_new_sessions_never_pass_the_bound_across_two_clients(redis_s
 @pytest.mark.parametrize("where", ["data_dir", "redis"])
 def test_a_tenant_at_its_bytes_bound_stores_nothing_more(
         where: str, tmp_path: Path, upstream: tuple[ScriptedUpstream, str], request: pytest.FixtureRequest) -> None:
-    up, url = upstream
+    _, url = upstream
     kw: dict[str, Any] = {"max_tenant_bytes": 6000}
     if where == "redis":
         kw.update(store_url=request.getfixturevalue("redis_server").url, lease_ms=2000)

@@ -38,9 +38,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ctxfold.cli._common import (
         FORMATTER,
         non_negative_int,
+        non_negative_seconds,
         port_number,
         positive_int,
-        non_negative_seconds,
         positive_seconds,
         wrap,
     )

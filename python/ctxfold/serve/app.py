@@ -61,7 +61,14 @@ from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Forwarder, PromptTooLong
 from ctxfold.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ctxfold.serve.metrics import ProxyMetrics
-from ctxfold.serve.quota import DiskQuota, refusal_reason, store_limits, sweep_data_dir, sweep_interval_s
+from ctxfold.serve.quota import (
+    DiskQuota,
+    RefusalLog,
+    refusal_reason,
+    store_limits,
+    sweep_data_dir,
+    sweep_interval_s,
+)
 from ctxfold.serve.record import prompt_tokens, record
 from ctxfold.serve.request import (
     OPERATOR_HEADER,
@@ -226,6 +233,7 @@ class ProxyApp:
                                      lease_ms=config.lease_ms, quota=self._disk_quota())
         self._replayer: asyncio.Task[None] | None = None  # writes the spool back once the store is back
         self._sweeper: asyncio.Task[None] | None = None  # deletes idle sessions, measures the accounts again
+        self._refusals = RefusalLog()
         self._upstream_probed: tuple[float, str | None] = (-math.inf, None)  # (when, why unreachable)
         self._health_problem: str | None = None  # what /health said last (None: ok), to log its changes
         self._upstream: UpstreamClient | None = None
@@ -574,8 +582,7 @@ class ProxyApp:
         reason = refusal_reason(e)
         self.metrics.quota_refusals.inc(e.kind, label)
         self.metrics.bad_requests.inc("tenant_quota")
-        log.warning("request passed through uncompacted (tenant %s): %s", label, reason,
-                    extra={"tenant": label, "quota": e.kind})
+        self._refusals.note(label, e)
         request_warnings(request).append(f"not compacted: {reason}")
         headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
         return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)

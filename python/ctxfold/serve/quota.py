@@ -78,6 +78,35 @@ def refusal_reason(e: QuotaExceeded) -> str:
             f"{e.limit}); nothing more is stored until some expire")
 
 
+# A tenant over its bound sends request after request: one log line per tenant and bound this often at
+# most, with the number of refusals since the last line (the metric counts every one).
+REFUSAL_LOG_INTERVAL_S = 60.0
+MAX_REFUSAL_LOG_TENANTS = 1024  # tenants remembered for it; past it the table starts afresh
+
+
+class RefusalLog:
+    """Logs a tenant's refusals at WARNING, the first at once and then one line per interval saying how
+    many there were: a client that ignores the warning header must not flood the log."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}  # (tenant label, kind) -> (last line, since)
+
+    def note(self, label: str, e: QuotaExceeded) -> None:
+        now = self.clock()
+        last, since = self._seen.get((label, e.kind), (-math.inf, 0))
+        if now - last < self.interval_s:
+            self._seen[(label, e.kind)] = (last, since + 1)
+            return
+        if len(self._seen) >= MAX_REFUSAL_LOG_TENANTS:
+            self._seen.clear()
+        self._seen[(label, e.kind)] = (now, 0)
+        more = f" ({since} more refused since the last line)" if since else ""
+        log.warning("request passed through uncompacted (tenant %s): %s%s", label, refusal_reason(e), more,
+                    extra={"tenant": label, "quota": e.kind, "refused_since_last_line": since})
+
+
 # What a walk of the data directory found: (sessions, tenant key archives), each rel -> (log bytes,
 # other bytes, the log's mtime).
 Found = tuple[dict[str, tuple[int, int, float]], dict[str, tuple[int, int, float]]]
