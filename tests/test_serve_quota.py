@@ -418,3 +418,38 @@ def test_the_command_line_expires_after_seven_days_unless_told(tmp_path: Path) -
                               "--max-tenant-bytes", "1000000"])
     config = build_config(args)
     assert (config.session_ttl_s, config.max_sessions_per_tenant, config.max_tenant_bytes) == (None, 10, 1_000_000)
+
+
+def test_the_data_directory_accounts_hold_with_a_relative_data_dir() -> None:
+    from ctxfold.serve.quota import DiskQuota
+    from ctxfold.store import QuotaExceeded
+
+    quota = DiskQuota(Path("data"), max_sessions=2, max_bytes=1000)
+    quota.admit(Path("data/tenants/t1/sessions/k/0000"))
+    quota.note(Path("data/tenants/t1/sessions/k/0000"), 400)
+    quota.admit(Path("data/sessions/k/0000"))  # the anonymous tenant: a count of its own
+    assert quota.usage("t1") == (1, 400) and quota.usage("") == (1, 0)
+    quota.note(Path("data/tenants/t1/sessions/k/0000"), 1000)
+    with pytest.raises(QuotaExceeded) as refused_bytes:
+        quota.admit(Path("data/tenants/t1/sessions/k2/0000"))
+    assert refused_bytes.value.kind == "bytes"
+    quota.forget(Path("data/tenants/t1/sessions/k/0000"))
+    assert quota.usage("t1") == (0, 0)
+
+
+def test_refusals_are_logged_once_a_minute_per_tenant(caplog: pytest.LogCaptureFixture) -> None:
+    from ctxfold.serve.quota import RefusalLog
+    from ctxfold.store import QuotaExceeded
+
+    now = [0.0]
+    refusals = RefusalLog(interval_s=60, clock=lambda: now[0])
+    e = QuotaExceeded("x", kind="sessions", used=3, limit=3)
+    with caplog.at_level("WARNING", logger="ctxfold.serve"):
+        for _ in range(100):
+            refusals.note("aaaa", e)
+        refusals.note("bbbb", e)
+        now[0] = 61
+        refusals.note("aaaa", e)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert "(tenant aaaa)" in lines[0] and "(tenant bbbb)" in lines[1] and "(99 more refused" in lines[2]

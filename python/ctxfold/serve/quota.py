@@ -147,7 +147,10 @@ class DiskQuota:
     # -- the tables ---------------------------------------------------------------------------------
     def _rel(self, session_dir: Path | str) -> str:
         path = Path(session_dir)
-        return (path.relative_to(self.data_dir) if path.is_absolute() else path).as_posix()
+        try:  # a data directory given relative (--data-dir data) makes relative session paths too
+            return path.relative_to(self.data_dir).as_posix()
+        except ValueError:
+            return path.as_posix()
 
     def _put(self, table: dict[str, _Entry], rel: str, entry: _Entry | None) -> None:
         old = table.pop(rel, None)
