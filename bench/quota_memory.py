@@ -4,9 +4,9 @@ opening 150 conversations of about 28 kB each), then another tenant's conversati
     PYTHONPATH=python python bench/quota_memory.py [--conversations 150] [--max-sessions 20]
 
 Starts its own redis-server (AOF off: memory is measured, not durability) and the scripted upstream, and
-runs the proxy in this process three ways: no bound (the old behaviour), ``max_sessions_per_tenant``,
-and ``session_ttl_s`` (after the conversations, waits until they expired). Prints Redis's
-``used_memory`` before and after, the sessions stored and the requests refused.
+runs the proxy in this process four ways: no bound (the old behaviour), ``max_sessions_per_tenant``,
+``max_tenant_bytes`` and ``session_ttl_s`` (after the conversations, waits until they expired). Prints what
+Redis's keys take before and after, the sessions stored and the requests refused.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ def redis_server(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def used_memory(url: str) -> int:
+def keys_memory(url: str) -> int:
+    """What Redis's keys take, added up key by key (``MEMORY USAGE ... SAMPLES 0``, exact). Not
+    ``used_memory``: that moves by hundreds of kB with the run's connections and the Lua VM's garbage
+    (more script calls when requests are refused), whatever is stored."""
     import redis
 
     client = redis.Redis.from_url(url)
     try:
-        client.execute_command("MEMORY", "PURGE")
-        return int(client.info("memory")["used_memory"])
+        return sum(int(client.memory_usage(k, samples=0) or 0) for k in client.scan_iter("*"))
     finally:
         client.close()
 
@@ -76,7 +78,7 @@ def conversation(url: str, k: int, key: str | None, turns: int = 10) -> tuple[in
 def run(name: str, upstream: str, conversations: int, folder: Path, **kw: Any) -> None:
     proc, url = redis_server(folder)
     try:
-        before = used_memory(url)
+        before = keys_memory(url)
         _app, srv = start_proxy(upstream, folder / f"data-{name}", store_url=url, lease_ms=1000,
                                compact=CompactConfig(context_tokens=None), **kw)
         try:
@@ -85,13 +87,13 @@ def run(name: str, upstream: str, conversations: int, folder: Path, **kw: Any) -
                 r, n = conversation(srv.url, k, None)
                 refused, requests = refused + r, requests + n
             other = conversation(srv.url, 0, "another-tenant")
-            after = used_memory(url)
+            after = keys_memory(url)
             import redis
 
             client = redis.Redis.from_url(url)
             stored = sum(1 for _ in client.scan_iter("*:next"))
             line = (f"{name:>22}: {conversations} conversations, {requests} requests, {refused} refused; "
-                    f"{stored} sessions in Redis; used_memory {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB "
+                    f"{stored} sessions in Redis; keys' memory {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB "
                     f"(+{(after - before) / 1e6:.2f}); the other tenant refused {other[0]} of {other[1]}")
             ttl = kw.get("session_ttl_s")
             if ttl:
@@ -99,7 +101,7 @@ def run(name: str, upstream: str, conversations: int, folder: Path, **kw: Any) -
                 while any(True for _ in client.scan_iter("*:next")) and time.monotonic() < deadline:
                     time.sleep(0.2)
                 time.sleep(2 * max(0.5, ttl / 4))  # a sweep after the last expiry
-                line += f"; after expiry {used_memory(url) / 1e6:.2f} MB, keys left {client.dbsize()}"
+                line += f"; after expiry {keys_memory(url) / 1e6:.2f} MB, keys left {client.dbsize()}"
             client.close()
             print(line, flush=True)
         finally:
