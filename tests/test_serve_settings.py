@@ -16,7 +16,7 @@ from cli_helpers import one_error_line, run_main
 from ctxfold.cli import EXIT_USAGE, build_parser
 from ctxfold.cli.serve import build_config
 from ctxfold.errors import ConfigError
-from ctxfold.serve.config import CLI_DATA_DIR, HELP_GROUPS, ProxyConfig
+from ctxfold.serve.config import CLI_DATA_DIR, HELP_GROUPS, TTL_BY_STORE, ProxyConfig
 from ctxfold.settings import SAME, Check
 
 UPSTREAM = "http://127.0.0.1:9/v1"
@@ -29,7 +29,8 @@ NOT_FIELDS = {"host", "port", "workers", "event_loop", "log_level", "log_format"
               "max_output_tokens", "reply_reserve_tokens", "summary_timeout_s", "summary_api_key_env",
               "operator_token_env", "debug", "help"}
 # Fields whose command-line default is not an embedder's, each with its reason in the field's comment.
-CLI_DEFAULTS = {"data_dir": CLI_DATA_DIR, "engine_check": "sampled", "stream_usage": True}
+CLI_DEFAULTS = {"data_dir": CLI_DATA_DIR, "engine_check": "sampled", "stream_usage": True,
+                "session_ttl_s": TTL_BY_STORE}  # 7 days with --store, none with the data directory
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -76,8 +77,9 @@ def test_flag_defaults_are_the_fields_defaults() -> None:
         own = f.default_factory() if f.default_factory is not MISSING else f.default
         expected = CLI_DEFAULTS.get(f.name, own)
         assert getattr(args, f.name) == expected, f.name
-    # What the command builds from no flags is what an embedder builds from those three values.
-    assert build_config(args) == ProxyConfig(upstream=UPSTREAM, **CLI_DEFAULTS)
+    # What the command builds from no flags is what an embedder builds from those values (the data
+    # directory's sessions are kept: no TTL).
+    assert build_config(args) == ProxyConfig(upstream=UPSTREAM, **{**CLI_DEFAULTS, "session_ttl_s": None})
 
 
 def test_help_shows_the_default_the_flag_has(capsys: pytest.CaptureFixture[str]) -> None:

@@ -161,7 +161,7 @@ def check_workers(workers: int, store: str | None) -> None:
 
 def build_config(args: argparse.Namespace) -> Any:
     from ctxfold.cli._flags import settings_from_args
-    from ctxfold.serve.config import ProxyConfig
+    from ctxfold.serve.config import ProxyConfig, cli_session_ttl_s
 
     overrides = {k: getattr(args, k) for k in ("context_tokens", "max_output_tokens", "reply_reserve_tokens")
                  if getattr(args, k) is not None}
@@ -174,8 +174,9 @@ def build_config(args: argparse.Namespace) -> Any:
                                       "Authorization header")
     operator_token = secret_from_env("--operator-token-env", args.operator_token_env, "operator_token",
                                      "export the secret in it (16 characters or more)")
-    return ProxyConfig(**settings_from_args(ProxyConfig, args), compact=compact, summary_api_key=summary_api_key,
-                       operator_token=operator_token)
+    settings = settings_from_args(ProxyConfig, args)
+    settings["session_ttl_s"] = cli_session_ttl_s(settings["session_ttl_s"], settings["store_url"])
+    return ProxyConfig(**settings, compact=compact, summary_api_key=summary_api_key, operator_token=operator_token)
 
 
 def startup_warnings(config: Any) -> list[str]:

@@ -44,6 +44,10 @@ DEFAULT_ENGINE_CHECK_EVERY = 16  # answers per sampled comparison of prompt toke
 # read_archive output added to one request, all calls and rounds together: one full-size read (the
 # tool's own cap per call), about 25k tokens.
 DEFAULT_MAX_RECALL_CHARS = 100_000
+# The command line's idle time before a session is deleted: long enough that a conversation paused over a
+# weekend keeps its compactions, short enough that a client opening conversations without end does not
+# grow the store for ever (docs/store.md, "Quotas and expiry").
+DEFAULT_SESSION_TTL_S = 7 * 24 * 3600.0
 # A request's head and body must arrive within this; idle kept-alive connections close after it.
 DEFAULT_CLIENT_TIMEOUT_S = 60.0
 # Client connections at once. With an upstream connection each and an open log per loaded conversation
@@ -91,6 +95,7 @@ __all__ = [
     "DEFAULT_MAX_LOADED_BYTES",
     "DEFAULT_MAX_LOADED_CONVERSATIONS",
     "DEFAULT_MAX_RECALL_CHARS",
+    "DEFAULT_SESSION_TTL_S",
     "ENGINE_CHECK_MODES",
     "FSYNC_MODES",
     "PORT_RANGE",

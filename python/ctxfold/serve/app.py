@@ -61,6 +61,14 @@ from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Forwarder, PromptTooLong
 from ctxfold.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ctxfold.serve.metrics import ProxyMetrics
+from ctxfold.serve.quota import (
+    DiskQuota,
+    RefusalLog,
+    refusal_reason,
+    store_limits,
+    sweep_data_dir,
+    sweep_interval_s,
+)
 from ctxfold.serve.record import prompt_tokens, record
 from ctxfold.serve.request import (
     OPERATOR_HEADER,
@@ -89,7 +97,7 @@ from ctxfold.serve.sessions import (
 )
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
-from ctxfold.store import BufferedLog, Store, StoreError, open_store
+from ctxfold.store import BufferedLog, QuotaExceeded, Store, StoreError, open_store
 
 # /health asks whether the upstream can be reached at most this often.
 UPSTREAM_PROBE_INTERVAL_S = 5.0
@@ -208,7 +216,10 @@ class ProxyApp:
         if config.store_url is not None:
             # Each process its own spool (a worker keeps its number across restarts, and with it its spool).
             spool = config.data_dir / "spool" / (f"worker-{worker}" if worker is not None else "main")
-            store = open_store(config.store_url, spool_dir=spool, spool_max_bytes=config.spool_max_bytes)
+            limits = store_limits(max_sessions=config.max_sessions_per_tenant, max_bytes=config.max_tenant_bytes,
+                                  ttl_s=config.session_ttl_s) if config.quotas_on else None
+            store = open_store(config.store_url, spool_dir=spool, spool_max_bytes=config.spool_max_bytes,
+                               limits=limits)
             if config.tenant_key_file is None and not os.environ.get(TENANT_KEY_ENV):
                 log.warning("tenants are keyed with %s/%s: replicas on other machines must use the same key "
                             "(--tenant-key-file or %s), else their tenants differ and share no conversation",
@@ -219,8 +230,10 @@ class ProxyApp:
                                      tenant_key=self._tenant_key(),
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None,
                                      store=store, make_store_compactor=self._make_store_compactor,
-                                     lease_ms=config.lease_ms)
+                                     lease_ms=config.lease_ms, quota=self._disk_quota())
         self._replayer: asyncio.Task[None] | None = None  # writes the spool back once the store is back
+        self._sweeper: asyncio.Task[None] | None = None  # deletes idle sessions, measures the accounts again
+        self._refusals = RefusalLog()
         self._upstream_probed: tuple[float, str | None] = (-math.inf, None)  # (when, why unreachable)
         self._health_problem: str | None = None  # what /health said last (None: ok), to log its changes
         self._upstream: UpstreamClient | None = None
@@ -233,6 +246,15 @@ class ProxyApp:
                                         client=self._client, completions_url=config.completions_url,
                                         model=config.summary_model, api_key=config.summary_api_key)
         self._engine_probe: asyncio.Task[Any] | None = None
+
+    def _disk_quota(self) -> DiskQuota | None:
+        """The data directory's per-tenant accounts, when something is bounded or expires (a shared
+        store keeps its own: see open_store's limits)."""
+        c = self.config
+        if c.store_url is not None or not c.quotas_on:
+            return None
+        return DiskQuota(c.data_dir, max_sessions=c.max_sessions_per_tenant, max_bytes=c.max_tenant_bytes,
+                         ttl_s=c.session_ttl_s)
 
     def _tenant_key(self) -> bytes | None:
         """The key file's secret, read at startup so a bad file stops the proxy with one line; None:
@@ -307,6 +329,10 @@ class ProxyApp:
         self.sessions.loop = self._loop
         if self.sessions.spool is not None:
             self._replayer = self._loop.create_task(self._replay_spool())
+        if self.config.quotas_on:
+            if self.sessions.quota is not None:  # the accounts as the disk has them, before the first request
+                await asyncio.to_thread(self.sessions.quota.scan)
+            self._sweeper = self._loop.create_task(self._sweep())
         if self.config.engine_check != "off":
             # In a task of its own: the proxy serves while the engine answers the probe.
             self._engine_probe = asyncio.create_task(self.engine_check.startup())
@@ -320,9 +346,30 @@ class ProxyApp:
             except Exception:
                 log.exception("replaying the local spool failed")
 
+    async def _sweep(self) -> None:
+        """Delete idle sessions (and, in the data directory, measure the accounts again) on a timer, the
+        first sweep at once: sessions that went idle while the proxy was down go at its start."""
+        store = self.sessions.store
+        sweep_store = getattr(getattr(store, "inner", store), "sweep", None)  # a RedisStore's, spooled or not
+        while True:
+            try:
+                if self.sessions.quota is not None:
+                    await sweep_data_dir(self.sessions.quota, self.sessions.lock, self._forget_key)
+                elif sweep_store is not None:
+                    await sweep_store()
+            except Exception as e:  # noqa: BLE001 - a failed sweep is tried again; requests go on
+                log.warning("sweeping idle sessions failed: %s", e)
+            await asyncio.sleep(sweep_interval_s(self.config.session_ttl_s))
+
+    def _forget_key(self, key: str) -> None:
+        self.sessions.unload(key)
+        self._models.pop(key, None)
+
     async def _cleanup(self, app: web.Application) -> None:
         if self._replayer is not None:
             self._replayer.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._engine_probe is not None and not self._engine_probe.done():
             self._engine_probe.cancel()
             try:
@@ -477,6 +524,8 @@ class ProxyApp:
                     self._count_request(request, parsed.stream, None)
                 reason = self.sessions.note_storage_error(e)
                 return self._counted(request, await self._pass_through(request, parsed, reason, "storage_error"))
+            except QuotaExceeded as e:
+                return self._counted(request, await self._over_quota(request, parsed, e))
             except StoreError as e:
                 # Redis unreachable or failing, a write refused by its fencing token, a lease held too
                 # long elsewhere: the client gets its answer, uncompacted; what was written waits in the
@@ -522,6 +571,19 @@ class ProxyApp:
         client gets an answer and a warning, and loses nothing (its next request carries the whole
         history, which is stored once the data directory, or the store, takes writes again)."""
         self._note_pass_through(request, reason, label)
+        headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
+        return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
+
+    async def _over_quota(self, request: web.Request, parsed: ParsedRequest, e: QuotaExceeded) -> web.StreamResponse:
+        """A request of a tenant at its bound: relayed as the client sent it, nothing stored. Chosen over a
+        429: the bound is on what the proxy keeps, not on what the tenant may ask the model (see
+        docs/store.md). Labelled as every pass-through is, counted by bound and tenant, logged."""
+        label = self._tenant_label(request)
+        reason = refusal_reason(e)
+        self.metrics.quota_refusals.inc(e.kind, label)
+        self.metrics.bad_requests.inc("tenant_quota")
+        self._refusals.note(label, e)
+        request_warnings(request).append(f"not compacted: {reason}")
         headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
         return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from ctxfold.config import CompactConfig
+from ctxfold.errors import ConfigError
 from ctxfold.serve import (
     DEFAULT_CLIENT_TIMEOUT_S,
     DEFAULT_ENGINE_CHECK_EVERY,
@@ -21,6 +22,7 @@ from ctxfold.serve import (
     DEFAULT_MAX_LOADED_BYTES,
     DEFAULT_MAX_LOADED_CONVERSATIONS,
     DEFAULT_MAX_RECALL_CHARS,
+    DEFAULT_SESSION_TTL_S,
     ENGINE_CHECK_MODES,
     FSYNC_MODES,
 )
@@ -80,6 +82,24 @@ _TEXT = Check(str, optional=True)
 _PATH = Check(Path)
 _OPTIONAL_PATH = Check(Path, optional=True)
 CLI_DATA_DIR = Path("ctxfold-data")  # where ``ctxfold serve`` keeps its data unless told
+
+
+class _TtlByStore:
+    """The command line's default of --session-ttl-s: 7 days with a shared store, none with the data
+    directory (:func:`cli_session_ttl_s` resolves it once the store is known)."""
+
+    def __repr__(self) -> str:
+        return "604800 with --store, else 0"
+
+
+TTL_BY_STORE = _TtlByStore()
+
+
+def cli_session_ttl_s(value: object, store_url: str | None) -> float | None:
+    """--session-ttl-s as given, or its default for the store in use."""
+    if value is TTL_BY_STORE:
+        return DEFAULT_SESSION_TTL_S if store_url is not None else None
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +246,29 @@ class ProxyConfig:
         DEFAULT_LEASE_MS, Check(int, 100), "--store-lease-ms", metavar="MS", group=STORAGE,
         help="with --store: how long a process's lease on a conversation lasts unrenewed; one that "
         "stalls longer loses it to another (default {default})")
+    # Per tenant (serve.quota, docs/store.md "Quotas and expiry"): the sessions (a conversation and each
+    # of its forks) and the bytes stored at once; a tenant at a bound gets its requests passed through
+    # uncompacted, labelled, until some of its sessions expire. None: no bound (the default: one API
+    # key shared by a whole team is one tenant, and no number suits every deployment).
+    max_sessions_per_tenant: int | None = setting(
+        None, Check(int, 1, optional=True), "--max-sessions-per-tenant", metavar="N", group=STORAGE,
+        help="sessions (a conversation and each fork) a tenant keeps at once; past it, its new conversations "
+        "pass through uncompacted, labelled, until some expire (default: no bound)")
+    max_tenant_bytes: int | None = setting(
+        None, Check(int, 1, optional=True), "--max-tenant-bytes", metavar="N", group=STORAGE,
+        help="bytes a tenant's stored sessions hold at once (records, dumps, archives); at it, its requests "
+        "pass through uncompacted, labelled, until some expire (default: no bound)")
+    # A session untouched this long is deleted with its archive (Redis: key TTLs; the data directory: a
+    # sweep). None: kept for ever. Nothing the client needs is lost (it sends its whole history, which a
+    # new session compacts again), but `ctxfold restore` of an expired conversation is. The command line
+    # expires a shared store's sessions after 7 days unless told otherwise (its memory is the bound that
+    # matters) and keeps a data directory's (the operator's own disk, read by restore).
+    session_ttl_s: float | None = setting(
+        None, Check(float, 1.0, optional=True, unit="seconds"), "--session-ttl-s", metavar="S", group=STORAGE,
+        cli_default=TTL_BY_STORE, null_text="0",
+        help="a session untouched this long is deleted with its archive (the client's next request starts a new "
+        "one from its history); 0 keeps sessions for ever (default: 604800, 7 days, with --store; 0 with the "
+        "data directory)")
     # Whether the engine sees what ctxfold counts (ctxfold.serve.engine_check): "sampled" (a probe at
     # startup, and one answer in engine_check_every compared when the proxy counted its request anyway),
     # "startup" (the probe only), "every" (every request counted and compared: tests and benchmarks), "off".
@@ -253,6 +296,16 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         # Every setting the proxy is run with, checked here once: the CLI, tests and embedders all build one.
         validate_fields(self, "")
+        # A session's keys must outlive any lease on it by far: a grant renews their time, a renewal does not.
+        ttl = self.session_ttl_s
+        if ttl is not None and self.store_url is not None and ttl * 1000 < 2 * self.lease_ms:
+            raise ConfigError(f"session_ttl_s: {ttl:g} s is shorter than twice the store lease ({self.lease_ms} ms); "
+                              "idle sessions must outlive any request working on them")
+
+    @property
+    def quotas_on(self) -> bool:
+        """Whether anything per tenant is bounded or expires (the proxy then keeps accounts)."""
+        return bool(self.max_sessions_per_tenant or self.max_tenant_bytes or self.session_ttl_s)
 
     @property
     def completions_url(self) -> str:

@@ -139,7 +139,7 @@ class ProxyMetrics:
         self.responses = Counter(r, "ctxfold_responses_total", "Chat completion responses sent, by HTTP status and "
                                  "tenant.", ["status", "tenant"])
         self.bad_requests = Counter(r, "ctxfold_bad_requests_total", "Requests refused, or passed through "
-                                    "uncompacted (storage_error, store_unavailable, template_refused, internal_error), by reason.",
+                                    "uncompacted (storage_error, store_unavailable, tenant_quota, template_refused, internal_error), by reason.",
                                     ["reason"])
         self.upstream_errors = Counter(
             r, "ctxfold_upstream_errors_total", "Upstream failures: connect, timeout, status, cut_stream.", ["kind"])
@@ -163,6 +163,12 @@ class ProxyMetrics:
         self.spool_set_aside = Gauge(
             r, "ctxfold_store_spool_unreadable_files", "Spool files that could not be read at startup, set aside as .corrupt.")
         self.sessions = Gauge(r, "ctxfold_sessions", "Sessions held in memory.")
+        self.quota_refusals = Counter(
+            r, "ctxfold_quota_refusals_total", "Requests passed through uncompacted, nothing stored, because their "
+            "tenant was at a bound (kind: sessions or bytes), by tenant.", ("kind", "tenant"))
+        self.sessions_expired = Gauge(
+            r, "ctxfold_sessions_expired", "Sessions deleted since start, with their archives, because they were idle "
+            "longer than --session-ttl-s (with --store: those this process found expired).")
         self.log_lines_dropped = Gauge(
             r, "ctxfold_log_lines_dropped", "Log lines dropped since start because stderr did not take them in time.")
         self.engine_checks = Counter(
@@ -188,6 +194,10 @@ class ProxyMetrics:
         self.log_lines_dropped.set(dropped_lines())
         self.sessions_quarantined.set(sessions.num_quarantined)
         self.sessions_forked.set(sessions.num_forks)
+        quota = sessions.quota
+        store = sessions.store
+        self.sessions_expired.set(quota.num_expired if quota is not None
+                                  else getattr(getattr(store, "inner", store), "num_expired", 0))
         spool = sessions.spool
         if spool is not None:
             self.spool_batches.set(spool.num_pending)

@@ -65,6 +65,7 @@ from ctxfold.eventlog import encode_event
 from ctxfold.formats.openai import message_to_openai
 from ctxfold.messages import Conversation, Message
 from ctxfold.serve import DEFAULT_MAX_LOADED_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS
+from ctxfold.serve.quota import DiskQuota
 from ctxfold.session import EVENTS_FILE
 from ctxfold.store import (
     DEFAULT_LEASE_MS,
@@ -364,7 +365,7 @@ class SessionStore:
                  max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES, tenant_header: str = "Authorization",
                  tenant_key: bytes | None = None, durable: bool = True, store: Store | None = None,
                  make_store_compactor: StoreCompactorFactory | None = None, lease_ms: int = DEFAULT_LEASE_MS,
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, quota: DiskQuota | None = None) -> None:
         if max_loaded_sessions < 1:
             raise ValueError(f"max_loaded_sessions: must be >= 1, got {max_loaded_sessions}")
         self.data_dir = Path(data_dir)
@@ -405,6 +406,8 @@ class SessionStore:
         self._unreleased: dict[str, tuple[Lease, float]] = {}  # session id -> (lease, monotonic s when held)
         self.num_store_errors = 0  # requests passed through because the store failed (metric)
         self.num_lease_waits = 0  # requests that waited for another replica's lease (metric)
+        # The data directory's per-tenant accounts (serve.quota); a shared store keeps its own.
+        self.quota = quota if store is None else None
 
     # -- keys -------------------------------------------------------------------------------------
     def tenant_key(self) -> bytes:
@@ -476,8 +479,15 @@ class SessionStore:
         for s in entry.sessions[-1:]:  # the session the request used is last
             if s.store_id is None:  # a store session counts what it commits (commit)
                 s.log_nbytes = _current_log_size(s)
+                if self.quota is not None:
+                    self.quota.note(s.path, s.log_nbytes)
         entry.nbytes = sum(s.log_nbytes for s in entry.sessions)
         self._num_bytes += entry.nbytes - before
+
+    def unload(self, key: str) -> None:
+        """Close and forget ``key``'s sessions if loaded (before its sessions are deleted, under its lock)."""
+        if key in self._sessions:
+            self._unload(key)
 
     def _unload(self, key: str) -> None:
         entry = self._sessions.pop(key)
@@ -557,13 +567,15 @@ class SessionStore:
             if self.store is not None:
                 chosen = await self._fork_in_store(key, parent, parent_common)
             else:
-                chosen = await asyncio.to_thread(self._fork, key, parent, parent_common)
+                chosen = await self._fork_in_data_dir(key, parent, parent_common)
             entry.sessions.append(chosen)
             self._num_sessions += 1
             entry.nbytes += chosen.log_nbytes
             self._num_bytes += chosen.log_nbytes
         else:
             chosen = None
+        if chosen is best and best is not None and self.quota is not None:
+            self.quota.check(key)  # its new messages would be stored: refused at the bytes bound
         if chosen is not None and entry.sessions[-1] is not chosen:  # least recently used first
             entry.sessions.remove(chosen)
             entry.sessions.append(chosen)
@@ -579,16 +591,23 @@ class SessionStore:
             self._num_sessions += 1
             return s
         path = self._new_path(key)
+        if self.quota is not None:
+            self.quota.admit(path)  # QuotaExceeded: nothing is written
         # The whole history goes in at construction: a conversation first seen long (a proxy put in front
         # of a running agent) is compacted once by the next pass, not by a hard trigger per tool
         # result while it is read in.
         conv = Conversation(messages=list(conversation.messages), id=f"{key}/{path.name}",
                             system=conversation.system, tools=conversation.tools, source_format="openai",
                             source="ctxfold serve")
-        if self.create_in_thread:
-            compactor = await asyncio.to_thread(self.make_compactor, conv, path)
-        else:
-            compactor = self.make_compactor(conv, path)
+        try:
+            if self.create_in_thread:
+                compactor = await asyncio.to_thread(self.make_compactor, conv, path)
+            else:
+                compactor = self.make_compactor(conv, path)
+        except BaseException:
+            if self.quota is not None:
+                self.quota.forget(path)
+            raise
         s = ProxySession(key, path, compactor)
         entry.sessions.append(s)
         self._num_sessions += 1
@@ -602,13 +621,23 @@ class SessionStore:
         taken = [int(e) for e in os.listdir(folder) if e.isdigit()] if folder.is_dir() else []
         return folder / f"{max(taken, default=-1) + 1:04d}"
 
-    def _fork(self, key: str, parent: ProxySession, num_common: int) -> ProxySession:
+    async def _fork_in_data_dir(self, key: str, parent: ProxySession, num_common: int) -> ProxySession:
+        path = self._new_path(key)
+        if self.quota is not None:
+            self.quota.admit(path)  # QuotaExceeded: nothing is written
+        try:
+            return await asyncio.to_thread(self._fork, key, parent, num_common, path)
+        except BaseException:
+            if self.quota is not None:
+                self.quota.forget(path)
+            raise
+
+    def _fork(self, key: str, parent: ProxySession, num_common: int, path: Path) -> ProxySession:
         """A new session continuing ``parent``'s first ``num_common`` messages: its log is the parent's
         up to the event that appended the first message after them (every compaction of that prefix
         and its state kept), with the history dumps those compactions wrote. The archive is the
         key's, shared. Written whole under a temporary name and renamed into place: a crash leaves
         the fork or nothing."""
-        path = self._new_path(key)
         kept: list[bytes] = []
         dumps: list[str] = []
         with open(parent.path / EVENTS_FILE, "rb") as f:
@@ -921,7 +950,8 @@ class SessionStore:
         taken = [int(i.rsplit("/", 1)[1]) for i in self._numbered(key, await store.sessions(key + "/"))]
         n = max(taken, default=-1) + 1
         while True:
-            lease = await store.acquire(f"{key}/{n:04d}", owner=self.owner, ttl_ms=self.lease_ms)
+            # new: the store counts it against the tenant's bound (QuotaExceeded at the bound).
+            lease = await store.acquire(f"{key}/{n:04d}", owner=self.owner, ttl_ms=self.lease_ms, new=True)
             if lease is not None and lease.token == 1:
                 return lease
             if lease is not None:

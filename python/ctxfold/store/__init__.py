@@ -5,6 +5,7 @@
 - :mod:`ctxfold.store.redis_store`: :class:`RedisStore`, streams, checkpoints and fenced leases in Redis;
 - :mod:`ctxfold.store.spool`: :class:`SpoolingStore`, a bounded local spool for writes the store refused;
 - :mod:`ctxfold.store.buffer`: :class:`BufferedLog`, how the synchronous compactor writes to a store;
+- :mod:`ctxfold.store.quota`: per-account bounds and idle-session expiry in Redis (:class:`StoreLimits`);
 
 The records themselves, and reading, folding and salvaging them, are :mod:`ctxfold.eventlog`'s: one
 codec for a session directory and every store.
@@ -23,10 +24,12 @@ from ctxfold.store.base import (
     Lease,
     LeaseLost,
     NoSuchSession,
+    QuotaExceeded,
     SpoolFull,
     Store,
     StoredSession,
     StoreError,
+    StoreLimits,
     StoreUnavailable,
 )
 from ctxfold.store.buffer import BufferedLog
@@ -35,8 +38,8 @@ from ctxfold.store.spool import DEFAULT_SPOOL_MAX_BYTES, Spooled, SpoolingStore
 
 __all__ = [
     "DEFAULT_LEASE_MS", "DEFAULT_SPOOL_MAX_BYTES", "Batch", "BufferedLog", "Lease", "LeaseLost", "LocalStore",
-    "NoSuchSession", "SpoolFull", "Spooled", "SpoolingStore", "Store", "StoreError", "StoreUnavailable",
-    "StoredSession", "fold_events", "is_shared_url", "load_events", "open_store", "read_from_store",
+    "NoSuchSession", "QuotaExceeded", "SpoolFull", "Spooled", "SpoolingStore", "Store", "StoreError", "StoreLimits",
+    "StoreUnavailable", "StoredSession", "fold_events", "is_shared_url", "load_events", "open_store", "read_from_store",
     "read_restored", "restore_async", "restore_events", "restore_from_store",
 ]
 
@@ -50,16 +53,17 @@ def is_shared_url(url: str | os.PathLike[str]) -> bool:
 
 
 def open_store(url: str | os.PathLike[str], *, spool_dir: str | os.PathLike[str] | None = None,
-               spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES) -> Store:
+               spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES, limits: StoreLimits | None = None) -> Store:
     """The store ``url`` names: ``redis://``, ``rediss://``, ``unix://``, ``valkey://`` (see
     :class:`ctxfold.store.redis_store.RedisStore` for its options), else a local directory (a path or
-    ``file://``). With ``spool_dir``, a shared store's appends that fail are spooled there. Connects
-    lazily: opening never fails for an unreachable server."""
+    ``file://``). With ``spool_dir``, a shared store's appends that fail are spooled there; with
+    ``limits``, a shared store bounds its accounts and expires idle sessions. Connects lazily:
+    opening never fails for an unreachable server."""
     text = os.fspath(url)
     if is_shared_url(text):
         from ctxfold.store.redis_store import RedisStore
 
-        store: Store = RedisStore(text)
+        store: Store = RedisStore(text, limits=limits)
         if spool_dir is not None:
             store = SpoolingStore(store, spool_dir, max_bytes=spool_max_bytes)
         return store

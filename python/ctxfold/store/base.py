@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +67,47 @@ class NoSuchSession(StoreError):
 class LeaseLost(StoreError):
     """A write was refused: another writer was granted the session's lease after this one (a later
     fencing token), or the lease is held by another writer. The session must be loaded again."""
+
+
+class QuotaExceeded(StoreError):
+    """A session's account (the proxy's tenant) is at its bound: a new session would pass the number of
+    sessions it may keep, or it keeps as many bytes as it may already. Nothing was written and no lease
+    taken; the proxy passes the request through uncompacted and says why."""
+
+    def __init__(self, message: str, *, kind: str, used: int, limit: int) -> None:
+        super().__init__(message)
+        self.kind = kind  # "sessions" or "bytes": which bound
+        self.used = used  # what the account holds (sessions, or bytes) when refused
+        self.limit = limit
+
+
+def _no_companions(session_id: str) -> tuple[str, ...]:
+    return ()
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    """Bounds a shared store keeps per account, and when idle sessions go (see docs/store.md, *Quotas
+    and expiry*). Every bound 0: none. The store cannot tell whose a session is from its id alone (the
+    ids are the proxy's), so the proxy says: ``account_of`` (its tenant), ``companions_of`` (the ids
+    whose keys live and die with the session: its archive)."""
+
+    account_of: Callable[[str], str]  # session id -> the account it counts against
+    companions_of: Callable[[str], tuple[str, ...]] = _no_companions
+    session_ttl_ms: int = 0  # a session untouched this long is deleted with its companions; 0: kept
+    max_sessions: int = 0  # sessions an account keeps at once; 0: no bound
+    max_bytes: int = 0  # bytes written (records and blobs) an account keeps at once; 0: no bound
+
+    def __post_init__(self) -> None:
+        for name in ("session_ttl_ms", "max_sessions", "max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be a whole number >= 0, got {value!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is bounded or expires: else the store keeps no accounts at all."""
+        return bool(self.session_ttl_ms or self.max_sessions or self.max_bytes)
 
 
 def check_session_id(session_id: str) -> str:
@@ -170,8 +211,11 @@ class Store(Protocol):
         """FileNotFoundError when absent."""
         ...
 
-    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS) -> Lease | None:
-        """The session's lease with a new fencing token, or None while another holder's lease runs."""
+    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS,
+                      new: bool = False) -> Lease | None:
+        """The session's lease with a new fencing token, or None while another holder's lease runs.
+        With :class:`StoreLimits`: QuotaExceeded when the session's account is over its bytes, or
+        (``new``: the caller starts a session under this id) at its number of sessions."""
         ...
 
     async def renew(self, lease: Lease) -> bool:

@@ -149,7 +149,9 @@ class LocalStore:
             raise StoreUnavailable(f"{path}: {e.strerror or e}") from e
 
     # -- the lease --------------------------------------------------------------------------------
-    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS) -> Lease | None:
+    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS,
+                      new: bool = False) -> Lease | None:
+        # No accounts here (new is for StoreLimits): the proxy's data directory keeps its own (serve.quota).
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
         check_session_id(session_id)

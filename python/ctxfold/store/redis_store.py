@@ -51,12 +51,14 @@ from ctxfold.store.base import (
     Lease,
     LeaseLost,
     StoredSession,
+    StoreLimits,
     StoreUnavailable,
     batch_seqs_contiguous,
     check_blob_name,
     check_session_id,
     refuse_to_fold,
 )
+from ctxfold.store.quota import RedisAccounting
 
 log = logging.getLogger("ctxfold.store")
 
@@ -111,6 +113,9 @@ if fence > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. fence) e
 local through = tonumber(ARGV[2])
 if through >= tonumber(redis.call('GET', KEYS[2]) or '0') then return redis.error_reply('GAP checkpoint') end
 redis.call('SET', KEYS[4], ARGV[3])
+-- With idle-session expiry the checkpoint goes when the session's other keys go (the fence's time to live).
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
 redis.call('XTRIM', KEYS[3], 'MINID', '0-' .. (through + 2))
 return through
 """
@@ -148,11 +153,12 @@ class RedisStore:
     """A :class:`ctxfold.store.base.Store` in Redis or Valkey (``redis://``, ``rediss://``, ``unix://``,
     ``valkey://``). URL options: ``prefix`` (key prefix, default ctxfold), ``durability`` (always or
     everysec: the weakest AOF fsync policy accepted without a warning), ``blobs`` (an fsspec URL for
-    history dumps and archives instead of Redis), and redis-py's own (socket_timeout, ...)."""
+    history dumps and archives instead of Redis), and redis-py's own (socket_timeout, ...). With
+    ``limits``, per-account bounds and idle-session expiry (:mod:`ctxfold.store.quota`)."""
 
     shared = True
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, limits: StoreLimits | None = None) -> None:
         try:
             import redis.asyncio as aioredis
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -182,6 +188,8 @@ class RedisStore:
         self._release = self.client.register_script(_RELEASE)
         self._append = self.client.register_script(_APPEND)
         self._checkpoint = self.client.register_script(_CHECKPOINT)
+        # Accounts only when something is bounded or expires: else the scripts and round trips of before.
+        self.accounting = RedisAccounting(self.client, self.prefix, limits) if limits and limits.active else None
         self._checked = False
         self._listed: set[str] = set()  # session ids this client added to the index (once is enough)
         self.durability_warning: str | None = None  # the warning logged at the first connection, if any
@@ -300,13 +308,17 @@ class RedisStore:
             for name, data in batch.blobs:
                 await self.put_blob(sid, name, data)
         blobs = [] if self.blobs_url is not None else [(check_blob_name(n), d) for n, d in batch.blobs]
+        acct = self.accounting
         if blobs or sid not in self._listed:
             # Blobs before the events that name them, so a separate round trip: a script in the same
             # pipeline would run even where an HSET failed (out of memory), naming a dump not stored.
             async def first() -> None:
                 async with self.client.pipeline(transaction=False) as pipe:
                     pipe.zadd(self._index, {sid: 0})  # listing only: harmless when the append then fails
-                    for name, data in blobs:
+                    if acct is not None and blobs:
+                        keys, args = acct.put_blobs_args(self._key(sid, "blobs"), sid, blobs, companion=False)
+                        await acct.put_blobs_script(keys=keys, args=args, client=pipe)
+                    for name, data in blobs if acct is None else ():
                         pipe.hset(self._key(sid, "blobs"), name, data)
                     await pipe.execute()
 
@@ -317,10 +329,15 @@ class RedisStore:
                 await self.release(lease)
             return
         args: list[Any] = [lease.token, f"{lease.owner}|{lease.token}" if release else ""]
+        keys = [self._key(sid, "fence"), self._key(sid, "next"), self._key(sid, "ev"), self._key(sid, "lease")]
+        script = self._append
+        if acct is not None:
+            keys, more = acct.append_args([*keys, self._key(sid, "ckpt"), self._key(sid, "blobs")], sid)
+            args += more
+            script = acct.append_script
         for e in batch.events:
             args += [event_seq(e), encode_event(e)]
-        keys = [self._key(sid, "fence"), self._key(sid, "next"), self._key(sid, "ev"), self._key(sid, "lease")]
-        await self._call("appending events", lambda: self._append(keys=keys, args=args))
+        await self._call("appending events", lambda: script(keys=keys, args=args))
 
     async def checkpoint(self, lease: Lease) -> int:
         stored = await self.read(lease.session_id)
@@ -342,6 +359,11 @@ class RedisStore:
                 await asyncio.to_thread(backend.write_atomic, name.replace("/", "-"), data)
             except OSError as e:
                 raise StoreUnavailable(f"store {self.url}: writing {name} to {self.blobs_url} failed: {e}") from e
+            return
+        acct = self.accounting
+        if acct is not None:  # another's blobs (an archive): counted to the account, living with its sessions
+            keys, args = acct.put_blobs_args(self._key(session_id, "blobs"), session_id, [(name, data)], companion=True)
+            await self._call(f"writing {name}", lambda: acct.put_blobs_script(keys=keys, args=args))
             return
         await self._call(f"writing {name}", lambda: self.client.hset(self._key(session_id, "blobs"), name, data))
 
@@ -367,10 +389,18 @@ class RedisStore:
         return open_backend(f"{self.blobs_url.rstrip('/')}/{check_session_id(session_id)}")
 
     # -- the lease --------------------------------------------------------------------------------
-    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS) -> Lease | None:
+    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS,
+                      new: bool = False) -> Lease | None:
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
         keys = [self._key(session_id, "lease"), self._key(session_id, "fence")]
+        acct = self.accounting
+        if acct is not None:  # the grant also checks the account's bounds and renews the session's time
+            keys, args = acct.acquire_args(
+                [*keys, *(self._key(session_id, k) for k in ("next", "ev", "ckpt", "blobs"))],
+                lambda i: self._key(i, "blobs"), session_id, owner, ttl_ms, new)
+            reply = await self._call("taking the lease", lambda: acct.acquire_script(keys=keys, args=args))
+            return acct.granted(reply, session_id, owner, ttl_ms)
         token = await self._call("taking the lease", lambda: self._acquire(keys=keys, args=[owner, ttl_ms]))
         if token is None:
             return None
@@ -385,6 +415,23 @@ class RedisStore:
         keys = [self._key(lease.session_id, "lease")]
         value = f"{lease.owner}|{lease.token}"
         await self._call("releasing the lease", lambda: self._release(keys=keys, args=[value]))
+
+    async def sweep(self) -> int:
+        """Take the accounts whose every session expired out of the store (their listing, their
+        counters); returns the sessions taken out. Nothing without expiry. Each proxy runs it on a timer."""
+        acct = self.accounting
+        if acct is None or not acct.limits.session_ttl_ms:
+            return 0
+        keys, args = acct.sweep_args()
+        n = int(await self._call("sweeping expired accounts", lambda: acct.sweep_script(keys=keys, args=args)))
+        if n:
+            acct.note_expired(n, None)
+        return n
+
+    @property
+    def num_expired(self) -> int:
+        """Sessions this process found expired since it started (see :mod:`ctxfold.store.quota`)."""
+        return self.accounting.num_expired if self.accounting is not None else 0
 
     async def close(self) -> None:
         await self.client.aclose()

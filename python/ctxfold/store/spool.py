@@ -263,7 +263,8 @@ class SpoolingStore:
                     return data
         return await self.inner.get_blob(session_id, name)
 
-    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS) -> Lease | None:
+    async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS,
+                      new: bool = False) -> Lease | None:
         """The lease, once what the spool holds of the session is written under the tokens it was written
         with (a new grant would fence those out). StoreUnavailable while any of it still waits."""
         if self._pending_for(session_id):
@@ -272,7 +273,7 @@ class SpoolingStore:
                 raise StoreUnavailable(
                     f"store {self.url}: {len(waiting)} earlier write(s) of session {session_id} wait in the local "
                     "spool; no new lease until the store takes them")
-        return await self.inner.acquire(session_id, owner=owner, ttl_ms=ttl_ms)
+        return await self.inner.acquire(session_id, owner=owner, ttl_ms=ttl_ms, new=new)
 
     async def renew(self, lease: Lease) -> bool:
         return await self.inner.renew(lease)
