@@ -208,7 +208,7 @@ async def stored_sessions(url: str) -> dict[str, Any]:
 
 def restores(url: str, transcripts: dict[int, tuple[str, str, list[tuple[str, str]]]]) -> dict[str, Any]:
     """Every stored session restored, matched with the conversations as their clients hold them."""
-    from ctxfold.serve.sessions import tenant_of
+    from ctxfold.serve.keys import tenant_of
 
     found = asyncio.run(stored_sessions(url))
     want: dict[str, list[tuple[str | None, list[tuple[str, str]]]]] = {}

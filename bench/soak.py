@@ -410,7 +410,7 @@ def tenant_dir(data_dir: Path, tenant: int) -> Path:
 
 def key_dir(data_dir: Path, conv: Conversation) -> Path:
     """Where the proxy keeps a conversation (docs/serve.md, *Data directory*)."""
-    from ctxfold.serve.sessions import fingerprint_wire, session_key
+    from ctxfold.serve.keys import fingerprint_wire, session_key
 
     first = conv.messages[1]
     key = session_key(conv.session_header, conv.messages[0]["content"], fingerprint_wire(first))

@@ -397,7 +397,7 @@ def test_a_refusal_with_odd_figures_never_sets_a_window_under_the_floor(
     from ctxfold.compactor import Compactor
     from ctxfold.config import CompactConfig
     from ctxfold.messages import Conversation
-    from ctxfold.serve.sessions import ProxySession
+    from ctxfold.serve.routing import ProxySession
     from ctxfold.serve.window import MIN_WINDOW_TOKENS, calibrate, lower_after_refusal
 
     base = CompactConfig(context_tokens=8192)

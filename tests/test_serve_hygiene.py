@@ -33,7 +33,7 @@ from ctxfold.errors import ConfigError
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.app import serve
-from ctxfold.serve.sessions import fingerprint_wire, session_key
+from ctxfold.serve.keys import fingerprint_wire, session_key
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
 from proxy_helpers import chat, post, start_proxy

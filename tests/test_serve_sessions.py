@@ -280,7 +280,7 @@ def test_request_metrics_are_labelled_by_tenant_within_a_bound(upstream: tuple[S
     """requests_total and responses_total carry the tenant: a short prefix of its HMAC name (never the
     credential) for the first tenants seen, "other" beyond (a label per credential would grow the
     metrics without bound), "anonymous" without a credential."""
-    from ctxfold.serve.sessions import tenant_of
+    from ctxfold.serve.keys import tenant_of
 
     _, url = upstream
     app, srv = start_proxy(url, tmp_path / "data")

@@ -277,7 +277,7 @@ def serve_workers(config: Any, host: str, port: int, workers: int, *, ready: Cal
 
     if config.tenant_key_file is None and not os.environ.get("CTXFOLD_TENANT_KEY"):
         # Made once here, before the fork: workers that made it at once could read it half written.
-        from ctxfold.serve.sessions import load_tenant_key
+        from ctxfold.serve.keys import load_tenant_key
 
         load_tenant_key(config.data_dir)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -57,12 +57,14 @@ PORT_RANGE = (0, 65535)
 
 if TYPE_CHECKING:
     from ctxfold.serve.app import BadRequest, ProxyApp, ProxyConfig, parse_request, serve
-    from ctxfold.serve.sessions import SESSION_HEADER, ProxySession, SessionStore, fingerprint, session_key
+    from ctxfold.serve.keys import SESSION_HEADER, fingerprint, session_key
+    from ctxfold.serve.routing import ProxySession
+    from ctxfold.serve.sessions import SessionStore
 
 _LAZY = {
     "BadRequest": "app", "ProxyApp": "app", "ProxyConfig": "app", "parse_request": "app", "serve": "app",
-    "SESSION_HEADER": "sessions", "ProxySession": "sessions", "SessionStore": "sessions",
-    "fingerprint": "sessions", "session_key": "sessions",
+    "SESSION_HEADER": "keys", "ProxySession": "routing", "SessionStore": "sessions",
+    "fingerprint": "keys", "session_key": "keys",
 }
 
 

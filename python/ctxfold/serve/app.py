@@ -59,6 +59,16 @@ from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.config import ProxyConfig, redact_url
 from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Forwarder, PromptTooLong
+from ctxfold.serve.keys import (
+    ANONYMOUS_TENANT,
+    MAX_SESSION_KEY_CHARS,
+    SESSION_HEADER,
+    TENANT_KEY_ENV,
+    TENANT_KEY_FILE,
+    ConversationKey,
+    load_tenant_key,
+    tenant_of,
+)
 from ctxfold.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.quota import (
@@ -82,19 +92,8 @@ from ctxfold.serve.request import (
     read_body,
     relayed_headers,
 )
-from ctxfold.serve.sessions import (
-    ANONYMOUS_TENANT,
-    MAX_SESSION_KEY_CHARS,
-    SESSION_HEADER,
-    TENANT_KEY_ENV,
-    TENANT_KEY_FILE,
-    WARNING_HEADER,
-    ProxySession,
-    SessionStore,
-    is_storage_error,
-    load_tenant_key,
-    tenant_of,
-)
+from ctxfold.serve.routing import ProxySession
+from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, is_storage_error
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
 from ctxfold.store import BufferedLog, QuotaExceeded, Store, StoreError, open_store
@@ -594,7 +593,7 @@ class ProxyApp:
         self.metrics.bad_requests.inc(label)
         request_warnings(request).append(f"not compacted: {reason}")
 
-    async def _handle(self, request: web.Request, parsed: ParsedRequest, key: str, t0: float) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, parsed: ParsedRequest, key: ConversationKey, t0: float) -> web.StreamResponse:
         """Under the conversation's lock: route, compact, forward, record."""
         left = asyncio.Event()  # set when the client leaves: the summaries of this request stop
         # Eager without a shared store: the work then waits on worker threads alone (see uncancelled), and
@@ -670,7 +669,7 @@ class ProxyApp:
             own.append(("X-Ctxfold-Kv-Reused-Tokens", str(out.kv_reused_tokens)))
         return own
 
-    async def _route_and_compact(self, parsed: ParsedRequest, key: str, warnings: list[str],
+    async def _route_and_compact(self, parsed: ParsedRequest, key: ConversationKey, warnings: list[str],
                                  left: asyncio.Event) -> Outgoing:
         """The session the request continues (a new one when none), with its new messages stored and
         compacted: what goes upstream. Loading a key's sessions or building one may take a worker

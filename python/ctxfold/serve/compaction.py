@@ -35,7 +35,7 @@ from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.recall import to_wire
 from ctxfold.serve.request import ParsedRequest, parse_messages, parse_tools
-from ctxfold.serve.sessions import ProxySession
+from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.window import lower_after_refusal
 
 log = logging.getLogger("ctxfold.serve")

@@ -21,7 +21,7 @@ from ctxfold.messages import Message
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Answer
-from ctxfold.serve.sessions import ProxySession
+from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.window import calibrate
 from ctxfold.store import Spooled, StoreError
 

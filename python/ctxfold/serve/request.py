@@ -21,7 +21,7 @@ from ctxfold.formats._common import Reader
 from ctxfold.formats.openai import conversation_from_messages, message_from_openai
 from ctxfold.messages import Message, ToolSpec
 from ctxfold.serve.config import ProxyConfig
-from ctxfold.serve.sessions import SESSION_HEADER
+from ctxfold.serve.keys import SESSION_HEADER
 
 # Headers that describe one connection, not the message (RFC 9110, 7.6.1): never relayed either way.
 # Those a Connection header names are dropped too.

@@ -42,18 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
-import hmac
-import json
 import logging
 import os
 import re
-import secrets
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +55,22 @@ from ctxfold.archive import ArchiveStore
 from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compactor import Compactor
 from ctxfold.eventlog import encode_event
-from ctxfold.formats.openai import message_to_openai
-from ctxfold.messages import Conversation, Message
+from ctxfold.messages import Conversation
 from ctxfold.serve import DEFAULT_MAX_LOADED_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS
+from ctxfold.serve.keys import (
+    ANONYMOUS_TENANT,
+    SESSION_HEADER,
+    ConversationKey,
+    fingerprint_wire,
+    is_anonymous_key,
+    load_tenant_key,
+    scope_of,
+    session_key,
+    tenant_of,
+)
+from ctxfold.serve.loaded import LoadedKey, LoadedSessions
 from ctxfold.serve.quota import DiskQuota
+from ctxfold.serve.routing import ProxySession, route
 from ctxfold.session import EVENTS_FILE
 from ctxfold.store import (
     DEFAULT_LEASE_MS,
@@ -84,224 +89,13 @@ from ctxfold.store.redis_store import default_owner
 
 log = logging.getLogger("ctxfold.serve")
 
-SESSION_HEADER = "X-Ctxfold-Session"
-MAX_SESSION_KEY_CHARS = 200
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
-
-
-def fingerprint_wire(d: Mapping[str, Any]) -> bytes:
-    """What the model sees of an OpenAI chat message dict, hashed: role, content, tool calls (id, name,
-    arguments), the call a result answers. Never raises, whatever the types (bad messages are checked
-    elsewhere); ``fingerprint_wire(message_to_openai(m, api=True))`` equals it for the parsed message.
-
-    Every field goes in with a tag and its length in bytes: two different messages cannot feed the
-    hash the same bytes, whatever their text holds (separators alone let text that contains one
-    shift a field boundary)."""
-    parts: list[bytes] = []
-    role = d.get("role")
-    _field(parts, b"r", "system" if role == "developer" else role)
-    content = d.get("content")
-    _field(parts, b"c", "" if content is None else content)
-    calls = d.get("tool_calls")
-    if isinstance(calls, list):
-        parts.append(b"L" + len(calls).to_bytes(8, "little"))
-        for c in calls:
-            fn = c.get("function") if isinstance(c, dict) else None
-            fn = fn if isinstance(fn, dict) else {}
-            _field(parts, b"i", c.get("id") if isinstance(c, dict) else c)
-            _field(parts, b"n", fn.get("name"))
-            _field(parts, b"a", fn.get("arguments", ""))
-    elif calls is not None:
-        _field(parts, b"T", calls)
-    if role == "tool":
-        _field(parts, b"t", d.get("tool_call_id"))
-    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
-
-
-def _field(parts: list[bytes], tag: bytes, value: Any) -> None:
-    """One field of a fingerprint: its tag, its kind (a string and a JSON value that prints the same,
-    "[1]" and [1], are different content), its length and its UTF-8 bytes."""
-    if isinstance(value, str):
-        data = value.encode("utf-8", "surrogatepass")
-        parts.append(tag + b"s" + len(data).to_bytes(8, "little"))
-    else:
-        data = _text(value).encode("utf-8", "surrogatepass")
-        parts.append(tag + b"j" + len(data).to_bytes(8, "little"))
-    parts.append(data)
-
-
-def fingerprint(m: Message) -> bytes:
-    """:func:`fingerprint_wire` of a parsed message."""
-    return fingerprint_wire(message_to_openai(m, api=True))
-
-
-def session_key(header_value: str | None, system: str | None, first: bytes | None) -> str:
-    """The digest naming a conversation's key directory (hex, 32 chars): the header's value, else the
-    system prompt and the fingerprint of the first message."""
-    h = hashlib.sha256()
-    if header_value is not None:
-        h.update(b"header\x00" + header_value.encode("utf-8", "surrogatepass"))
-    else:
-        h.update(b"auto\x00" + (system or "").encode("utf-8", "surrogatepass") + b"\x00")
-        h.update(first or b"")
-    return h.hexdigest()[:32]
-
-
-@dataclass(slots=True)
-class ProxySession:
-    """One stored conversation and its compactor. Used only under its key's lock."""
-
-    key: str  # the store's key: tenant and key digest (scope_of)
-    path: Path  # the session directory
-    compactor: Compactor
-    # The wire form of each of compactor.originals, in order: the dict the message last came in (from a
-    # request, or the upstream's answer), or rebuilt from the message when the session was loaded.
-    wire: list[Mapping[str, Any]] = field(default_factory=list)
-    calibration: float = 1.0  # upstream prompt tokens / ctxfold's estimate, smoothed (see ProxyApp)
-    inject_recall: bool = False  # sticky: once the tool was offered, keep offering it (stable prompt prefix)
-    recall_scanned: bool = False  # the view was searched for archive markers once since loading
-    tools_wire: Any = None  # the last request's "tools" as it sent them: counted again only when they change
-    # Answers at the end of the session that the current request does not carry: it re-sends a request
-    # answered before (a retry, a regeneration). Its view goes without them and its answer is not
-    # recorded (the session holds one). Set by SessionStore.find for each request.
-    resend_drop: int = 0
-    log_nbytes: int = 0  # size of the event log when last looked at: what loading it costs, roughly
-    # With a shared store (see SessionStore): the session's id there, its buffered log (what the
-    # compactor wrote since the last commit), the lease held while a request works on it, and the
-    # fencing token of the last lease this process held: the next grant is that plus one exactly when
-    # no other replica held it meanwhile, so what this process has loaded is still the stored session.
-    store_id: str | None = None
-    log: BufferedLog | None = None
-    lease: Lease | None = None
-    token: int = 0
-    broken: bool = False  # memory went ahead of the store (a write failed, not spooled): never committed
-
-    @property
-    def num_known(self) -> int:
-        """Messages stored: a request continuing the session carries them first."""
-        return len(self.wire)
-
-    def note_wire(self, dicts: Sequence[Mapping[str, Any]], first: int = 0) -> None:
-        """Bring :attr:`wire` up to the compactor's originals after an append: ``dicts[j]`` is the wire
-        form of original ``first + j`` (a request's messages: ``first`` 0; an answer: its index).
-        Whatever was stored is known, even when an append failed part way."""
-        originals = self.compactor.originals
-        self.wire.extend(dicts[len(self.wire) - first:len(originals) - first])
-        self.wire.extend(message_to_openai(m, api=True) for m in originals[len(self.wire):])
-
-    def common_prefix(self, system: str | None, messages: Sequence[Mapping[str, Any]]) -> int:
-        """How many of the stored messages the request carries first, by what the model sees; -1 when
-        its system prompt differs. Where only the form differs (a dropped field, reordered keys), the
-        request's dicts are kept, so its next request compares as dicts."""
-        if self.compactor.header.system != system:
-            return -1
-        n = len(self.wire)
-        if messages[:n] == self.wire:
-            return min(n, len(messages))
-        common = 0
-        for sent, known in zip(messages, self.wire):
-            if sent != known and fingerprint_wire(sent) != fingerprint_wire(known):
-                break
-            common += 1
-        self.wire[:common] = messages[:common]
-        return common
-
-    def matches(self, system: str | None, messages: Sequence[Mapping[str, Any]]) -> bool:
-        """Whether the request (its system prompt and messages) continues this session: its messages
-        start with the stored ones, by what the model sees."""
-        return len(self.wire) <= len(messages) and self.common_prefix(system, messages) == len(self.wire)
-
-    def is_resend(self, num_sent: int) -> bool:
-        """Whether a request that carries the first ``num_sent`` stored messages and nothing else
-        re-sends an answered request: what the session holds beyond them is answers."""
-        return 0 < num_sent < len(self.wire) and all(m.get("role") == "assistant" for m in self.wire[num_sent:])
-
-    def request_view(self) -> tuple[list[Message], list[int], list[Message]]:
-        """(view, view origins, originals) the current request goes out with: the compactor's, less
-        the answers a re-sent request does not carry (:attr:`resend_drop`), which show last in the
-        view when they show at all (the tail keeps the latest messages in order)."""
-        c = self.compactor
-        if not self.resend_drop:
-            return c.view, c.view_origins, c.originals
-        keep = len(c.originals) - self.resend_drop
-        end = len(c.view)
-        while end > 0 and c.view_origins[end - 1] >= keep:
-            end -= 1
-        return c.view[:end], c.view_origins[:end], c.originals[:keep]
-
-
 CompactorFactory = Callable[[Conversation, Path], Compactor]
 # A compactor writing to a shared store's buffered log: the header (empty messages: resume the log),
 # where it would live on disk (names the key), the log.
 StoreCompactorFactory = Callable[[Conversation, Path, BufferedLog], Compactor]
 
-# -- tenants ------------------------------------------------------------------------------------------
-
-TENANT_KEY_FILE = "tenant.key"  # in the data directory: the HMAC key, when the operator gives none
-TENANT_KEY_ENV = "CTXFOLD_TENANT_KEY"
-TENANT_KEY_BYTES = 32
-ANONYMOUS_TENANT = ""  # requests without a credential: one tenant, whose sessions keep the old layout
-
-
-def load_tenant_key(data_dir: Path, key_file: Path | None = None) -> bytes:
-    """The HMAC key tenants are derived with: ``key_file``'s bytes, else ``$CTXFOLD_TENANT_KEY``, else
-    ``<data_dir>/tenant.key``, created (0600, never through a link) with random bytes the first time,
-    so a restarted proxy derives the same tenants. OSError or ValueError with a plain message."""
-    if key_file is not None:
-        key = Path(key_file).read_bytes().strip()
-        if len(key) < 16:
-            raise ValueError(f"{key_file}: a tenant key must be at least 16 bytes, got {len(key)}")
-        return key
-    env = os.environ.get(TENANT_KEY_ENV)
-    if env:
-        if len(env) < 16:
-            raise ValueError(f"{TENANT_KEY_ENV}: a tenant key must be at least 16 characters, got {len(env)}")
-        return env.encode("utf-8", "surrogatepass")
-    make_private_dir(data_dir)
-    path = Path(data_dir) / TENANT_KEY_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        refuse_symlink(path)
-        key = path.read_bytes()
-        if len(key) < 16:
-            raise ValueError(f"{path}: holds {len(key)} bytes, not a tenant key; remove it to make a new "
-                             "one (every tenant then starts afresh)") from None
-        return key
-    key = secrets.token_bytes(TENANT_KEY_BYTES)
-    try:
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return key
-
-
-def tenant_of(hmac_key: bytes, credential: str | None) -> str:
-    """The tenant a credential belongs to: 32 hex characters of HMAC-SHA256 over it, or
-    :data:`ANONYMOUS_TENANT` when there is none. The credential itself is never kept."""
-    if not credential:
-        return ANONYMOUS_TENANT
-    # hmac.digest: the one-shot C path, a microsecond (hmac.new builds Python objects: several).
-    return hmac.digest(hmac_key, credential.encode("utf-8", "surrogatepass"), "sha256").hex()[:32]
-
-
-def scope_of(tenant: str, key: str) -> str:
-    """Where a tenant's key lives under the data directory (a relative path, also the store's key)."""
-    return f"sessions/{key}" if tenant == ANONYMOUS_TENANT else f"tenants/{tenant}/sessions/{key}"
-
-
-def is_anonymous_key(key: str) -> bool:
-    """Whether ``key`` (from :func:`scope_of`) is the anonymous tenant's."""
-    return key.startswith("sessions/")
-
-
 _ARCHIVE_ID = re.compile(rb"[0-9a-f]{64}")
+
 
 
 def copy_referenced_archive(history: bytes, read: Callable[[str], bytes | None], write: Callable[[str, bytes], None]
@@ -345,14 +139,6 @@ class SessionBusy(StoreError):
     through uncompacted."""
 
 
-@dataclass(slots=True)
-class _Key:
-    """The loaded sessions of one key, least recently used first."""
-
-    sessions: list[ProxySession]
-    nbytes: int = 0
-
-
 class SessionStore:
     """The sessions of one data directory, loaded lazily, one asyncio lock per (tenant, key). At most
     ``max_loaded_sessions`` sessions, and event logs of ``max_loaded_bytes`` in all, stay loaded:
@@ -366,27 +152,16 @@ class SessionStore:
                  tenant_key: bytes | None = None, durable: bool = True, store: Store | None = None,
                  make_store_compactor: StoreCompactorFactory | None = None, lease_ms: int = DEFAULT_LEASE_MS,
                  owner: str | None = None, quota: DiskQuota | None = None) -> None:
-        if max_loaded_sessions < 1:
-            raise ValueError(f"max_loaded_sessions: must be >= 1, got {max_loaded_sessions}")
+        self.cache = LoadedSessions(max_loaded_sessions, max_loaded_bytes)
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "sessions"  # the anonymous tenant's
         self.make_compactor = make_compactor
-        self.max_loaded_sessions = max_loaded_sessions
-        self.max_loaded_bytes = max_loaded_bytes
         self.tenant_header = tenant_header
         self._tenant_key = tenant_key
         self.durable = durable
         # Building a compactor blocks (an fsync, object storage) or not (mkdir and a write): only then is
         # a worker thread worth its two context switches (Python work in it holds the loop anyway).
         self.create_in_thread = create_in_thread
-        # A lock lives as long as its key is loaded, or someone holds or awaits it: the entry goes with
-        # the last reference, so the table does not grow with every conversation ever seen, and a key
-        # never has two locks.
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-        self._loaded_locks: dict[str, asyncio.Lock] = {}  # the locks of the keys in _sessions
-        self._sessions: OrderedDict[str, _Key] = OrderedDict()  # least recently used first
-        self._num_sessions = 0
-        self._num_bytes = 0
         self.num_quarantined = 0  # sessions set aside since start (metric)
         self.num_forks = 0  # sessions forked from another since start (metric)
         # The last failure to write the data directory: (monotonic time, reason), for /health.
@@ -416,7 +191,7 @@ class SessionStore:
         return self._tenant_key
 
     def key_for(self, headers: Mapping[str, str], system: str | None,
-                messages: Sequence[Mapping[str, Any]]) -> str:
+                messages: Sequence[Mapping[str, Any]]) -> ConversationKey:
         """The store's key of a request: its tenant (from the credential header) and, within it, the
         ``X-Ctxfold-Session`` header's value or the digest of its opening. Checked by the caller:
         the session header's length."""
@@ -426,9 +201,9 @@ class SessionStore:
                           fingerprint_wire(messages[0]) if messages else None)
         return scope_of(tenant, key)
 
-    def key_of(self, session_dir: Path) -> str:
+    def key_of(self, session_dir: Path) -> ConversationKey:
         """The store's key of a session directory (inverse of where :meth:`create` puts it)."""
-        return Path(session_dir).parent.relative_to(self.data_dir).as_posix()
+        return ConversationKey(Path(session_dir).parent.relative_to(self.data_dir).as_posix())
 
     def archive_prefix(self, session_dir: Path) -> str:
         """The archive's place in shared object storage: ``tenants/<tenant>/<key>`` for a tenant (its
@@ -446,76 +221,45 @@ class SessionStore:
         return session_dir / "archive" if is_anonymous_key(self.key_of(session_dir)) else session_dir.parent / "archive"
 
     def lock(self, key: str) -> asyncio.Lock:
-        lock = self._loaded_locks.get(key) or self._locks.get(key)
-        if lock is None:
-            lock = asyncio.Lock()
-            self._locks[key] = lock
-        return lock
+        return self.cache.lock(key)
 
     # -- bounds -----------------------------------------------------------------------------------
     def trim(self) -> list[str]:
         """Close and forget the least recently used keys while more than ``max_loaded_sessions``
-        sessions or ``max_loaded_bytes`` of logs are loaded; returns them. A key whose lock is held
-        stays (its sessions are in use). Everything is on disk: the next request of an evicted
-        conversation loads it again and continues the same session."""
-        if self._sessions:  # the key just used: its log grew by the request and its answer
-            entry = self._sessions[next(reversed(self._sessions))]
-            self._remeasure(entry)
-        evicted: list[str] = []
-        if self._num_sessions <= self.max_loaded_sessions and self._num_bytes <= self.max_loaded_bytes:
-            return evicted
-        for key in list(self._sessions):
-            if self._num_sessions <= self.max_loaded_sessions and self._num_bytes <= self.max_loaded_bytes:
-                break
-            lock = self._locks.get(key)
-            if lock is not None and lock.locked():
-                continue
-            self._unload(key)
-            evicted.append(key)
-        return evicted
+        sessions or ``max_loaded_bytes`` of logs are loaded (:meth:`LoadedSessions.trim`); returns them.
+        Everything is stored: the next request of an evicted conversation loads it again and continues
+        the same session."""
+        return self.cache.trim(self._measure)
 
-    def _remeasure(self, entry: _Key) -> None:
-        before = entry.nbytes
-        for s in entry.sessions[-1:]:  # the session the request used is last
-            if s.store_id is None:  # a store session counts what it commits (commit)
-                s.log_nbytes = _current_log_size(s)
-                if self.quota is not None:
-                    self.quota.note(s.path, s.log_nbytes)
-        entry.nbytes = sum(s.log_nbytes for s in entry.sessions)
-        self._num_bytes += entry.nbytes - before
+    def _measure(self, s: ProxySession) -> None:
+        if s.store_id is None:  # a store session counts what it commits (commit)
+            s.log_nbytes = _current_log_size(s)
+            if self.quota is not None:
+                self.quota.note(s.path, s.log_nbytes)
 
     def unload(self, key: str) -> None:
         """Close and forget ``key``'s sessions if loaded (before its sessions are deleted, under its lock)."""
-        if key in self._sessions:
-            self._unload(key)
-
-    def _unload(self, key: str) -> None:
-        entry = self._sessions.pop(key)
-        for s in entry.sessions:
-            s.compactor.close()
-        self._num_sessions -= len(entry.sessions)
-        self._num_bytes -= entry.nbytes
-        self._loaded_locks.pop(key, None)
+        self.cache.unload(key)
 
     @property
     def num_locked(self) -> int:
         """Loaded keys whose lock is held: requests under way, an answer not yet recorded."""
-        return sum(1 for lock in list(self._loaded_locks.values()) if lock.locked())
+        return self.cache.num_locked
 
     @property
     def num_sessions(self) -> int:
-        return self._num_sessions
+        return self.cache.num_sessions
 
     @property
     def loaded_bytes(self) -> int:
         """Event-log bytes of the loaded sessions, as last measured."""
-        return self._num_bytes
+        return self.cache.nbytes
 
     def loaded(self) -> list[ProxySession]:
-        return [s for v in self._sessions.values() for s in v.sessions]
+        return self.cache.sessions()
 
     # -- routing ----------------------------------------------------------------------------------
-    async def find(self, key: str, system: str | None, messages: Sequence[Mapping[str, Any]],
+    async def find(self, key: ConversationKey, system: str | None, messages: Sequence[Mapping[str, Any]],
                    warnings: list[str] | None = None) -> ProxySession | None:
         """The session a request (its system prompt and messages) continues, or None for a new
         conversation. Under ``lock(key)``. In order: the session whose stored messages are the longest
@@ -524,71 +268,38 @@ class SessionStore:
 
         A session whose log cannot be read is set aside (a ``QUARANTINED`` file says why), counted,
         logged, and said in ``warnings``: the request goes on as if it were not there."""
-        entry = self._sessions.get(key)
         if self.store is not None:
             entry = await self._sync_key(key, warnings)
-        elif entry is None:
+        elif (found := self.cache.get(key)) is not None:
+            entry = found
+        else:
             # A key never seen has no directory: no thread hop to find that out.
             loaded: list[ProxySession] = []
             if (self.data_dir / key).is_dir():
                 loaded = await asyncio.to_thread(self._load_key, key, warnings)
-            entry = _Key(loaded, sum(s.log_nbytes for s in loaded))
-            self._sessions[key] = entry
-            self._loaded_locks[key] = self.lock(key)
-            self._num_sessions += len(loaded)
-            self._num_bytes += entry.nbytes
-        else:
-            self._sessions.move_to_end(key)
-        best: ProxySession | None = None
-        resent: ProxySession | None = None
-        parent: ProxySession | None = None
-        parent_common = 0
-        for s in entry.sessions:
-            s.resend_drop = 0
-            common = s.common_prefix(system, messages)
-            if common == s.num_known:
-                if best is None or common > best.num_known:
-                    best = s
-            elif common == len(messages) and s.is_resend(common):
-                if resent is None or common > resent.num_known - resent.resend_drop:
-                    if resent is not None:
-                        resent.resend_drop = 0
-                    resent = s
-                    s.resend_drop = s.num_known - common
-            elif common > parent_common:
-                parent, parent_common = s, common
-        if best is not None:
-            if resent is not None:
-                resent.resend_drop = 0
-            chosen: ProxySession | None = best
-        elif resent is not None:
-            chosen = resent
-        elif parent is not None:
+            entry = self.cache.put(key, loaded)
+        chosen = route(entry.sessions, system, messages)
+        if chosen.session is None and chosen.parent is not None:
             if self.store is not None:
-                chosen = await self._fork_in_store(key, parent, parent_common)
+                fork = await self._fork_in_store(key, chosen.parent, chosen.num_common)
             else:
-                chosen = await self._fork_in_data_dir(key, parent, parent_common)
-            entry.sessions.append(chosen)
-            self._num_sessions += 1
-            entry.nbytes += chosen.log_nbytes
-            self._num_bytes += chosen.log_nbytes
-        else:
-            chosen = None
-        if chosen is best and best is not None and self.quota is not None:
+                fork = await self._fork_in_data_dir(key, chosen.parent, chosen.num_common)
+            self.cache.add(entry, fork)
+            return fork
+        if chosen.session is None:
+            return None
+        if chosen.continues and self.quota is not None:
             self.quota.check(key)  # its new messages would be stored: refused at the bytes bound
-        if chosen is not None and entry.sessions[-1] is not chosen:  # least recently used first
-            entry.sessions.remove(chosen)
-            entry.sessions.append(chosen)
-        return chosen
+        self.cache.use(entry, chosen.session)
+        return chosen.session
 
-    async def create(self, key: str, conversation: Conversation) -> ProxySession:
+    async def create(self, key: ConversationKey, conversation: Conversation) -> ProxySession:
         """A new session holding ``conversation`` (system prompt, tools, messages). Under ``lock(key)``,
         after :meth:`find`."""
-        entry = self._sessions[key]
+        entry = self.cache.peek(key) or self.cache.put(key, [])  # find() loaded it, unless trimmed since
         if self.store is not None:
             s = await self._create_in_store(key, conversation)
-            entry.sessions.append(s)
-            self._num_sessions += 1
+            self.cache.add(entry, s)
             return s
         path = self._new_path(key)
         if self.quota is not None:
@@ -609,11 +320,10 @@ class SessionStore:
                 self.quota.forget(path)
             raise
         s = ProxySession(key, path, compactor)
-        entry.sessions.append(s)
-        self._num_sessions += 1
+        self.cache.add(entry, s)
         return s
 
-    def _new_path(self, key: str) -> Path:
+    def _new_path(self, key: ConversationKey) -> Path:
         self._refuse_links(key)
         folder = self.data_dir / key
         # After the highest number in use: set aside, left on disk by the bounds, or without a log
@@ -621,7 +331,7 @@ class SessionStore:
         taken = [int(e) for e in os.listdir(folder) if e.isdigit()] if folder.is_dir() else []
         return folder / f"{max(taken, default=-1) + 1:04d}"
 
-    async def _fork_in_data_dir(self, key: str, parent: ProxySession, num_common: int) -> ProxySession:
+    async def _fork_in_data_dir(self, key: ConversationKey, parent: ProxySession, num_common: int) -> ProxySession:
         path = self._new_path(key)
         if self.quota is not None:
             self.quota.admit(path)  # QuotaExceeded: nothing is written
@@ -632,7 +342,7 @@ class SessionStore:
                 self.quota.forget(path)
             raise
 
-    def _fork(self, key: str, parent: ProxySession, num_common: int, path: Path) -> ProxySession:
+    def _fork(self, key: ConversationKey, parent: ProxySession, num_common: int, path: Path) -> ProxySession:
         """A new session continuing ``parent``'s first ``num_common`` messages: its log is the parent's
         up to the event that appended the first message after them (every compaction of that prefix
         and its state kept), with the history dumps those compactions wrote. The archive is the
@@ -683,7 +393,7 @@ class SessionStore:
         self.num_forks += 1
         return s
 
-    def _refuse_links(self, key: str) -> None:
+    def _refuse_links(self, key: ConversationKey) -> None:
         """OSError when a folder between the data directory and the key's is a symbolic link: the
         proxy writes only into directories of its data directory, never where a link planted there
         points. (The data directory itself may be a link: the operator chose it.)"""
@@ -692,7 +402,7 @@ class SessionStore:
             folder = folder / part
             refuse_symlink(folder)
 
-    def _load_key(self, key: str, warnings: list[str] | None) -> list[ProxySession]:
+    def _load_key(self, key: ConversationKey, warnings: list[str] | None) -> list[ProxySession]:
         """The key's sessions, least recently used first: the most recently written ones that fit the
         bounds (a key with more sessions than ``max_loaded_sessions``, or logs beyond
         ``max_loaded_bytes``, leaves its oldest on disk, where ``ctxfold restore`` reads them; a
@@ -716,7 +426,7 @@ class SessionStore:
         chosen: list[tuple[int, Path]] = []
         total = 0
         for _, size, path in found:
-            if chosen and (len(chosen) >= self.max_loaded_sessions or total + size > self.max_loaded_bytes):
+            if chosen and (len(chosen) >= self.cache.max_sessions or total + size > self.cache.max_bytes):
                 break
             chosen.append((size, path))
             total += size
@@ -766,13 +476,13 @@ class SessionStore:
     # its lease loses the session, and its writes are refused by the fencing token.
 
     @staticmethod
-    def _numbered(key: str, ids: list[str]) -> list[str]:
+    def _numbered(key: ConversationKey, ids: list[str]) -> list[str]:
         """The ids of ``key``'s sessions among ``ids`` (not its archive, nor a longer key's), oldest first."""
         depth = key.count("/") + 1
         found = [i for i in ids if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
         return sorted(found, key=lambda i: int(i.rsplit("/", 1)[1]))
 
-    def _archive_id(self, key: str, session_id: str) -> str:
+    def _archive_id(self, key: ConversationKey, session_id: str) -> str:
         """The store's id of a session's archive: the key's for a tenant, the session's own for the
         anonymous tenant (see :meth:`archive_dir`)."""
         return f"{session_id}/archive" if is_anonymous_key(key) else f"{key}/archive"
@@ -810,16 +520,16 @@ class SessionStore:
             await asyncio.sleep(pause_s)
             pause_s = min(pause_s * 2, 0.1)
 
-    def _start_renewing(self, key: str) -> None:
+    def _start_renewing(self, key: ConversationKey) -> None:
         if key not in self._renewers:
             self._renewers[key] = asyncio.get_running_loop().create_task(self._renew_loop(key))
 
-    async def _renew_loop(self, key: str) -> None:
+    async def _renew_loop(self, key: ConversationKey) -> None:
         """Renew the leases of ``key``'s sessions every third of their time while a request holds them."""
         store = self._store()
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
-            entry = self._sessions.get(key)
+            entry = self.cache.peek(key)
             for s in list(entry.sessions) if entry is not None else []:
                 if s.lease is None:
                     continue
@@ -830,7 +540,7 @@ class SessionStore:
                 except StoreError as e:
                     log.warning("cannot renew the lease on session %s: %s", s.store_id, e)
 
-    def _fetcher(self, key: str, session_id: str) -> Callable[[str], bytes]:
+    def _fetcher(self, key: ConversationKey, session_id: str) -> Callable[[str], bytes]:
         """A blob reader for the compactor's archive, which reads in worker threads (read_archive): the
         key's archive, then the session's own blobs (an archive written while the store was down went
         to the spool with the session's batch). OSError when the store cannot answer."""
@@ -851,7 +561,7 @@ class SessionStore:
 
         return fetch
 
-    async def _get_blob(self, key: str, session_id: str, name: str) -> bytes:
+    async def _get_blob(self, key: ConversationKey, session_id: str, name: str) -> bytes:
         store = self._store()
         try:
             return await store.get_blob(self._archive_id(key, session_id), name)
@@ -861,7 +571,7 @@ class SessionStore:
     def _store_path(self, session_id: str) -> Path:
         return self.data_dir / session_id  # never written: names the key (key_of, archive_prefix)
 
-    async def _build(self, key: str, session_id: str, conversation: Conversation,
+    async def _build(self, key: ConversationKey, session_id: str, conversation: Conversation,
                      stored: StoredSession | None) -> tuple[Compactor, BufferedLog]:
         if self.make_store_compactor is None:
             raise RuntimeError("a shared store needs make_store_compactor")
@@ -875,7 +585,7 @@ class SessionStore:
             compactor = self.make_store_compactor(conversation, path, blog)
         return compactor, blog
 
-    async def _load_from_store(self, key: str, session_id: str, warnings: list[str] | None) -> ProxySession | None:
+    async def _load_from_store(self, key: ConversationKey, session_id: str, warnings: list[str] | None) -> ProxySession | None:
         """The stored session, or None when it holds no events yet (its first write never landed) or
         cannot be read (set aside for this process, counted, logged, said in ``warnings``)."""
         try:
@@ -894,22 +604,16 @@ class SessionStore:
         s.log_nbytes = sum(len(encode_event(e)) for e in stored.events)
         return s
 
-    async def _sync_key(self, key: str, warnings: list[str] | None) -> _Key:
+    async def _sync_key(self, key: ConversationKey, warnings: list[str] | None) -> LoadedKey:
         """``key``'s sessions as the store holds them now, each leased by this process until
         :meth:`finish`: the ones loaded before and untouched since are kept, the others read again."""
         store = self._store()
-        entry = self._sessions.get(key)
-        if entry is None:
-            entry = _Key([])
-            self._sessions[key] = entry
-            self._loaded_locks[key] = self.lock(key)
-        else:
-            self._sessions.move_to_end(key)
+        entry = self.cache.get(key) or self.cache.put(key, [])
         ids = [i for i in self._numbered(key, await store.sessions(key + "/")) if i not in self._set_aside]
         # The most recent ones: the others stay in the store (restore reads them), as a data directory
         # leaves its oldest on disk. Each costs a lease per request, so a client that edits its history
         # at every request (a fork each time) costs a bounded number of round trips.
-        ids = ids[-min(self.max_loaded_sessions, MAX_LEASED_SESSIONS_PER_KEY):]
+        ids = ids[-min(self.cache.max_sessions, MAX_LEASED_SESSIONS_PER_KEY):]
         self._start_renewing(key)
         loaded = {s.store_id: s for s in entry.sessions}
         kept: list[ProxySession] = []
@@ -937,13 +641,10 @@ class SessionStore:
         # Least recently used first: the sessions used before keep their order, the ones just read go first.
         order = {id(s): k for k, s in enumerate(entry.sessions)}
         kept.sort(key=lambda s: order.get(id(s), -1))
-        self._num_sessions += len(kept) - len(entry.sessions)
-        nbytes = sum(s.log_nbytes for s in kept)
-        self._num_bytes += nbytes - entry.nbytes
-        entry.sessions, entry.nbytes = kept, nbytes
+        self.cache.replace(entry, kept)
         return entry
 
-    async def _new_store_id(self, key: str) -> Lease:
+    async def _new_store_id(self, key: ConversationKey) -> Lease:
         """A lease on a new session id of ``key``: the first grant ever for that id (token 1), so two
         replicas creating a session at once never get the same one."""
         store = self._store()
@@ -958,7 +659,7 @@ class SessionStore:
                 await self._release_quietly(lease)
             n += 1
 
-    async def _create_in_store(self, key: str, conversation: Conversation) -> ProxySession:
+    async def _create_in_store(self, key: ConversationKey, conversation: Conversation) -> ProxySession:
         lease = await self._new_store_id(key)
         session_id = lease.session_id
         conv = Conversation(messages=list(conversation.messages), id=session_id, system=conversation.system,
@@ -972,7 +673,7 @@ class SessionStore:
                          token=lease.token)
         return s
 
-    async def _fork_in_store(self, key: str, parent: ProxySession, num_common: int) -> ProxySession:
+    async def _fork_in_store(self, key: ConversationKey, parent: ProxySession, num_common: int) -> ProxySession:
         """:meth:`_fork` through the store: the new session's events are the parent's up to the first
         append of a message after the common prefix (renumbered from 0), with the history dumps those
         events name. A parent read back as its checkpoint keeps its last compaction only when that
@@ -1077,13 +778,13 @@ class SessionStore:
             except (StoreError, ValueError) as e:  # the events are stored: a later checkpoint folds them
                 log.info("no checkpoint of session %s now: %s", session.store_id, e)
 
-    async def finish(self, key: str) -> None:
+    async def finish(self, key: ConversationKey) -> None:
         """The request on ``key`` is over: stop renewing, release its leases (the next request of the
         conversation may go to any replica), forget sessions whose memory went ahead of the store."""
         task = self._renewers.pop(key, None)
         if task is not None:
             task.cancel()
-        entry = self._sessions.get(key)
+        entry = self.cache.peek(key)
         if entry is None:
             return
         for s in entry.sessions:
@@ -1091,7 +792,7 @@ class SessionStore:
                 await self._release_quietly(s.lease)
                 s.lease = None
         if any(s.broken for s in entry.sessions):
-            self._unload(key)
+            self.cache.unload(key)
 
     async def _release_quietly(self, lease: Lease) -> None:
         try:
@@ -1100,12 +801,13 @@ class SessionStore:
             self._unreleased[lease.session_id] = (lease, time.monotonic())
             log.info("cannot release the lease on session %s: %s", lease.session_id, e)
 
-    def note_store_error(self, key: str, error: BaseException) -> str:
+    def note_store_error(self, key: ConversationKey, error: BaseException) -> str:
         """A request passed through because the store failed: counted; the key's sessions are read
         again next time unless what failed waits in the spool. Returns the reason, one line."""
         self.num_store_errors += 1
         if not isinstance(error, Spooled):
-            for s in self._sessions[key].sessions if key in self._sessions else []:
+            entry = self.cache.peek(key)
+            for s in entry.sessions if entry is not None else []:
                 s.broken = True
         if isinstance(error, LeaseLost):
             return f"another proxy process took this conversation over: {_one_line(error)}"

@@ -9,7 +9,7 @@ import logging
 from dataclasses import replace
 
 from ctxfold.config import CompactConfig
-from ctxfold.serve.sessions import ProxySession
+from ctxfold.serve.routing import ProxySession
 
 log = logging.getLogger("ctxfold.serve")
 
