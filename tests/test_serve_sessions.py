@@ -199,7 +199,7 @@ def test_anonymous_conversations_with_one_guessable_key_share_no_archive(
 
 
 def test_an_anonymous_fork_copies_the_archived_outputs_its_history_refers_to(tmp_path: Path) -> None:
-    from ctxfold.serve.sessions import copy_referenced_archive
+    from ctxfold.serve.shared_sessions import copy_referenced_archive
 
     held = {"a" * 64: b"kept", "b" * 64: b"not referred to"}
     copied: dict[str, bytes] = {}

@@ -44,7 +44,6 @@ import asyncio
 import errno
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -54,7 +53,6 @@ from ctxfold import fastjson
 from ctxfold.archive import ArchiveStore
 from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compactor import Compactor
-from ctxfold.eventlog import encode_event
 from ctxfold.messages import Conversation
 from ctxfold.serve import DEFAULT_MAX_LOADED_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS
 from ctxfold.serve.keys import (
@@ -68,49 +66,26 @@ from ctxfold.serve.keys import (
     session_key,
     tenant_of,
 )
-from ctxfold.serve.loaded import LoadedKey, LoadedSessions
+from ctxfold.serve.loaded import LoadedSessions
 from ctxfold.serve.quota import DiskQuota
 from ctxfold.serve.routing import ProxySession, route
+from ctxfold.serve.shared_sessions import (
+    SharedSessions,
+    StoreCompactorFactory,
+    copy_referenced_archive,
+    one_line,
+)
 from ctxfold.session import EVENTS_FILE
 from ctxfold.store import (
     DEFAULT_LEASE_MS,
-    Batch,
-    BufferedLog,
-    Lease,
-    LeaseLost,
-    Spooled,
     SpoolingStore,
     Store,
-    StoredSession,
-    StoreError,
-    StoreUnavailable,
 )
 from ctxfold.store.redis_store import default_owner
 
 log = logging.getLogger("ctxfold.serve")
 
 CompactorFactory = Callable[[Conversation, Path], Compactor]
-# A compactor writing to a shared store's buffered log: the header (empty messages: resume the log),
-# where it would live on disk (names the key), the log.
-StoreCompactorFactory = Callable[[Conversation, Path, BufferedLog], Compactor]
-
-_ARCHIVE_ID = re.compile(rb"[0-9a-f]{64}")
-
-
-
-def copy_referenced_archive(history: bytes, read: Callable[[str], bytes | None], write: Callable[[str, bytes], None]
-                            ) -> int:
-    """Copy the archived outputs that ``history`` (a forked session's copied events) refers to: each id
-    in it that ``read`` finds (``read(id)``: the bytes, None when absent) is written with ``write``.
-    Ids are content digests, so a copy is the same bytes under the same name. Returns how many."""
-    copied = 0
-    for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(history)):
-        data = read(aid)
-        if data is not None:
-            write(aid, data)
-            copied += 1
-    return copied
-
 
 WARNING_HEADER = "X-Ctxfold-Warning"  # what the proxy could not do for a request, one header each
 # OSError numbers that mean the data directory cannot take a write: the request then passes through
@@ -128,15 +103,6 @@ def is_storage_error(error: BaseException) -> bool:
 
 
 QUARANTINE_FILE = "QUARANTINED"  # in a session directory set aside: why
-
-
-# With a shared store, the sessions of one key leased (and so routed among) per request: the most recent.
-MAX_LEASED_SESSIONS_PER_KEY = 16
-
-
-class SessionBusy(StoreError):
-    """Another replica holds a session's lease for longer than a request waits: the request passes
-    through uncompacted."""
 
 
 class SessionStore:
@@ -166,21 +132,14 @@ class SessionStore:
         self.num_forks = 0  # sessions forked from another since start (metric)
         # The last failure to write the data directory: (monotonic time, reason), for /health.
         self.storage_error: tuple[float, str] | None = None
-        # A shared store (Redis): sessions live there, not in the data directory (see the store section).
-        self.store = store
-        if store is not None and make_store_compactor is None:
-            raise ValueError("a shared store needs make_store_compactor")
-        self.make_store_compactor = make_store_compactor
-        self.lease_ms = lease_ms
-        self.owner = owner or default_owner()
-        self.loop: asyncio.AbstractEventLoop | None = None  # set by the app: archive reads from worker threads
-        self._set_aside: set[str] = set()  # store sessions whose log cannot be read (this process's view)
-        self._renewers: dict[str, asyncio.Task[None]] = {}  # key -> the task renewing its leases
-        # Leases this process could not release (the store was down): still its own until they run out,
-        # so the next request renews one rather than waiting up to its whole time for itself.
-        self._unreleased: dict[str, tuple[Lease, float]] = {}  # session id -> (lease, monotonic s when held)
-        self.num_store_errors = 0  # requests passed through because the store failed (metric)
-        self.num_lease_waits = 0  # requests that waited for another replica's lease (metric)
+        # A shared store (Redis): sessions live there, not in the data directory (serve/shared_sessions.py).
+        self.shared: SharedSessions | None = None
+        if store is not None:
+            if make_store_compactor is None:
+                raise ValueError("a shared store needs make_store_compactor")
+            self.shared = SharedSessions(store, self.cache, make_store_compactor, data_dir=self.data_dir,
+                                         lease_ms=lease_ms, owner=owner or default_owner(),
+                                         create_in_thread=create_in_thread, note_quarantine=self._quarantine_note)
         # The data directory's per-tenant accounts (serve.quota); a shared store keeps its own.
         self.quota = quota if store is None else None
 
@@ -268,8 +227,8 @@ class SessionStore:
 
         A session whose log cannot be read is set aside (a ``QUARANTINED`` file says why), counted,
         logged, and said in ``warnings``: the request goes on as if it were not there."""
-        if self.store is not None:
-            entry = await self._sync_key(key, warnings)
+        if self.shared is not None:
+            entry = await self.shared.sync_key(key, warnings)
         elif (found := self.cache.get(key)) is not None:
             entry = found
         else:
@@ -280,11 +239,12 @@ class SessionStore:
             entry = self.cache.put(key, loaded)
         chosen = route(entry.sessions, system, messages)
         if chosen.session is None and chosen.parent is not None:
-            if self.store is not None:
-                fork = await self._fork_in_store(key, chosen.parent, chosen.num_common)
+            if self.shared is not None:
+                fork = await self.shared.fork(key, chosen.parent, chosen.num_common)
             else:
                 fork = await self._fork_in_data_dir(key, chosen.parent, chosen.num_common)
             self.cache.add(entry, fork)
+            self.num_forks += 1
             return fork
         if chosen.session is None:
             return None
@@ -297,8 +257,8 @@ class SessionStore:
         """A new session holding ``conversation`` (system prompt, tools, messages). Under ``lock(key)``,
         after :meth:`find`."""
         entry = self.cache.peek(key) or self.cache.put(key, [])  # find() loaded it, unless trimmed since
-        if self.store is not None:
-            s = await self._create_in_store(key, conversation)
+        if self.shared is not None:
+            s = await self.shared.create(key, conversation)
             self.cache.add(entry, s)
             return s
         path = self._new_path(key)
@@ -390,7 +350,6 @@ class SessionStore:
         else:
             s.note_wire([])
         s.log_nbytes = _log_size(path)
-        self.num_forks += 1
         return s
 
     def _refuse_links(self, key: ConversationKey) -> None:
@@ -452,7 +411,7 @@ class SessionStore:
         self._quarantine_warning(reason, warnings)
 
     def _quarantine_note(self, where: object, error: Exception, warnings: list[str] | None) -> str:
-        reason = _one_line(error)
+        reason = one_line(error)
         self.num_quarantined += 1
         log.error("session %s set aside: its event log cannot be read (%s); its conversation continues in a "
                   "new session; `ctxfold restore` salvages what is readable", where, reason)
@@ -464,398 +423,49 @@ class SessionStore:
             warnings.append(f"a stored session of this conversation could not be read ({reason}); it was set "
                             "aside and the conversation continues in a new session")
 
-    # -- a shared store -----------------------------------------------------------------------------
-    # With a shared store (Redis), a key's sessions are ``<key>/<nnnn>`` there (the same relative names
-    # as in a data directory), their archive is the blobs of ``<key>/archive``, and any replica serves
-    # any request. Per request, under the key's lock: every session of the key is leased (waiting while
-    # another replica holds it); one whose grant is not the token this process held last plus one was
-    # written elsewhere and is read again; the compactor writes to a BufferedLog whose batch is
-    # committed under the lease (:meth:`commit`) after the compaction step and after the answer; the
-    # leases are released when the request ends (:meth:`finish`), so the next request may go to any
-    # replica. Leases are renewed while a request works (a long summary): a replica that stalls past
-    # its lease loses the session, and its writes are refused by the fencing token.
-
-    @staticmethod
-    def _numbered(key: ConversationKey, ids: list[str]) -> list[str]:
-        """The ids of ``key``'s sessions among ``ids`` (not its archive, nor a longer key's), oldest first."""
-        depth = key.count("/") + 1
-        found = [i for i in ids if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
-        return sorted(found, key=lambda i: int(i.rsplit("/", 1)[1]))
-
-    def _archive_id(self, key: ConversationKey, session_id: str) -> str:
-        """The store's id of a session's archive: the key's for a tenant, the session's own for the
-        anonymous tenant (see :meth:`archive_dir`)."""
-        return f"{session_id}/archive" if is_anonymous_key(key) else f"{key}/archive"
-
-    def _store(self) -> Store:
-        if self.store is None:  # not an assert: python -O must not turn this into an AttributeError
-            raise RuntimeError("the shared-store path is used without a store")
-        return self.store
-
-    async def _acquire(self, session_id: str) -> Lease:
-        """The session's lease, waiting while another replica holds it (it releases it when its request
-        ends, or it expires); SessionBusy after twice the lease's time."""
-        store = self._store()
-        held = self._unreleased.pop(session_id, None)
-        if held is not None:
-            try:
-                if await store.renew(held[0]):
-                    return held[0]
-            except StoreError:
-                self._unreleased[session_id] = held
-                raise
-        deadline = time.monotonic() + 2 * self.lease_ms / 1000
-        pause_s = 0.005
-        waited = False
-        while True:
-            lease = await store.acquire(session_id, owner=self.owner, ttl_ms=self.lease_ms)
-            if lease is not None:
-                return lease
-            if not waited:
-                waited = True
-                self.num_lease_waits += 1
-            if time.monotonic() > deadline:
-                raise SessionBusy(f"session {session_id} stays leased by another replica (more than "
-                                  f"{2 * self.lease_ms} ms)")
-            await asyncio.sleep(pause_s)
-            pause_s = min(pause_s * 2, 0.1)
-
-    def _start_renewing(self, key: ConversationKey) -> None:
-        if key not in self._renewers:
-            self._renewers[key] = asyncio.get_running_loop().create_task(self._renew_loop(key))
-
-    async def _renew_loop(self, key: ConversationKey) -> None:
-        """Renew the leases of ``key``'s sessions every third of their time while a request holds them."""
-        store = self._store()
-        while True:
-            await asyncio.sleep(self.lease_ms / 3000)
-            entry = self.cache.peek(key)
-            for s in list(entry.sessions) if entry is not None else []:
-                if s.lease is None:
-                    continue
-                try:
-                    if not await store.renew(s.lease):
-                        log.warning("lease on session %s expired while a request worked on it; its next write "
-                                    "goes through only if no other replica took it over", s.store_id)
-                except StoreError as e:
-                    log.warning("cannot renew the lease on session %s: %s", s.store_id, e)
-
-    def _fetcher(self, key: ConversationKey, session_id: str) -> Callable[[str], bytes]:
-        """A blob reader for the compactor's archive, which reads in worker threads (read_archive): the
-        key's archive, then the session's own blobs (an archive written while the store was down went
-        to the spool with the session's batch). OSError when the store cannot answer."""
-
-        def fetch(name: str) -> bytes:
-            loop = self.loop
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if loop is None or running is loop:  # on the loop's own thread: waiting would deadlock it
-                raise FileNotFoundError(f"{name}: not readable from the event loop's thread")
-            future = asyncio.run_coroutine_threadsafe(self._get_blob(key, session_id, name), loop)
-            try:
-                return future.result(timeout=30)
-            except StoreUnavailable as e:
-                raise OSError(errno.EIO, str(e)) from None
-
-        return fetch
-
-    async def _get_blob(self, key: ConversationKey, session_id: str, name: str) -> bytes:
-        store = self._store()
-        try:
-            return await store.get_blob(self._archive_id(key, session_id), name)
-        except FileNotFoundError:
-            return await store.get_blob(session_id, name)
-
-    def _store_path(self, session_id: str) -> Path:
-        return self.data_dir / session_id  # never written: names the key (key_of, archive_prefix)
-
-    async def _build(self, key: ConversationKey, session_id: str, conversation: Conversation,
-                     stored: StoredSession | None) -> tuple[Compactor, BufferedLog]:
-        if self.make_store_compactor is None:
-            raise RuntimeError("a shared store needs make_store_compactor")
-        blog = BufferedLog(session_id, stored, fetch=self._fetcher(key, session_id), source=self._store().url)
-        path = self._store_path(session_id)
-        # Reading a long conversation back (parsing, counting) would hold the loop: a worker thread then.
-        big = stored is not None and len(stored.events) > 64 or len(conversation.messages) > 64
-        if big or self.create_in_thread:
-            compactor = await asyncio.to_thread(self.make_store_compactor, conversation, path, blog)
-        else:
-            compactor = self.make_store_compactor(conversation, path, blog)
-        return compactor, blog
-
-    async def _load_from_store(self, key: ConversationKey, session_id: str, warnings: list[str] | None) -> ProxySession | None:
-        """The stored session, or None when it holds no events yet (its first write never landed) or
-        cannot be read (set aside for this process, counted, logged, said in ``warnings``)."""
-        try:
-            stored = await self._store().read(session_id)
-            if not stored.events:
-                return None
-            compactor, blog = await self._build(key, session_id, Conversation(messages=[]), stored)
-        except StoreError:
-            raise
-        except Exception as e:  # noqa: BLE001 - whatever is wrong with this log concerns this session alone
-            self._set_aside.add(session_id)
-            self._quarantine_note(f"{self._store().url} {session_id}", e, warnings)
-            return None
-        s = ProxySession(key, self._store_path(session_id), compactor, store_id=session_id, log=blog)
-        s.note_wire([])
-        s.log_nbytes = sum(len(encode_event(e)) for e in stored.events)
-        return s
-
-    async def _sync_key(self, key: ConversationKey, warnings: list[str] | None) -> LoadedKey:
-        """``key``'s sessions as the store holds them now, each leased by this process until
-        :meth:`finish`: the ones loaded before and untouched since are kept, the others read again."""
-        store = self._store()
-        entry = self.cache.get(key) or self.cache.put(key, [])
-        ids = [i for i in self._numbered(key, await store.sessions(key + "/")) if i not in self._set_aside]
-        # The most recent ones: the others stay in the store (restore reads them), as a data directory
-        # leaves its oldest on disk. Each costs a lease per request, so a client that edits its history
-        # at every request (a fork each time) costs a bounded number of round trips.
-        ids = ids[-min(self.cache.max_sessions, MAX_LEASED_SESSIONS_PER_KEY):]
-        self._start_renewing(key)
-        loaded = {s.store_id: s for s in entry.sessions}
-        kept: list[ProxySession] = []
-        held: list[Lease] = []
-        try:
-            for session_id in ids:
-                lease = await self._acquire(session_id)
-                held.append(lease)
-                s = loaded.get(session_id)
-                # The token after this process's last one, or that one itself (a lease it could not
-                # release, renewed): nobody else wrote since.
-                if s is None or s.broken or lease.token not in (s.token, s.token + 1):
-                    s = await self._load_from_store(key, session_id, warnings)
-                    if s is None:
-                        await self._release_quietly(held.pop())
-                        continue
-                s.lease, s.token = lease, lease.token
-                kept.append(s)
-        except BaseException:
-            for lease in held:
-                await self._release_quietly(lease)
-            for s in kept:
-                s.lease = None
-            raise
-        # Least recently used first: the sessions used before keep their order, the ones just read go first.
-        order = {id(s): k for k, s in enumerate(entry.sessions)}
-        kept.sort(key=lambda s: order.get(id(s), -1))
-        self.cache.replace(entry, kept)
-        return entry
-
-    async def _new_store_id(self, key: ConversationKey) -> Lease:
-        """A lease on a new session id of ``key``: the first grant ever for that id (token 1), so two
-        replicas creating a session at once never get the same one."""
-        store = self._store()
-        taken = [int(i.rsplit("/", 1)[1]) for i in self._numbered(key, await store.sessions(key + "/"))]
-        n = max(taken, default=-1) + 1
-        while True:
-            # new: the store counts it against the tenant's bound (QuotaExceeded at the bound).
-            lease = await store.acquire(f"{key}/{n:04d}", owner=self.owner, ttl_ms=self.lease_ms, new=True)
-            if lease is not None and lease.token == 1:
-                return lease
-            if lease is not None:
-                await self._release_quietly(lease)
-            n += 1
-
-    async def _create_in_store(self, key: ConversationKey, conversation: Conversation) -> ProxySession:
-        lease = await self._new_store_id(key)
-        session_id = lease.session_id
-        conv = Conversation(messages=list(conversation.messages), id=session_id, system=conversation.system,
-                            tools=conversation.tools, source_format="openai", source="ctxfold serve")
-        try:
-            compactor, blog = await self._build(key, session_id, conv, None)
-        except BaseException:
-            await self._release_quietly(lease)
-            raise
-        s = ProxySession(key, self._store_path(session_id), compactor, store_id=session_id, log=blog, lease=lease,
-                         token=lease.token)
-        return s
-
-    async def _fork_in_store(self, key: ConversationKey, parent: ProxySession, num_common: int) -> ProxySession:
-        """:meth:`_fork` through the store: the new session's events are the parent's up to the first
-        append of a message after the common prefix (renumbered from 0), with the history dumps those
-        events name. A parent read back as its checkpoint keeps its last compaction only when that
-        compaction lies within the prefix (else the fork starts uncompacted and compacts again)."""
-        store = self._store()
-        parent_id = parent.store_id
-        if parent_id is None:
-            raise RuntimeError("a session in the data directory forked through the store")
-        stored = await store.read(parent_id)
-        lease = await self._new_store_id(key)
-        session_id = lease.session_id
-        try:
-            kept: list[dict[str, Any]] = []
-            blobs: list[tuple[str, bytes]] = []
-            for event in stored.events:
-                if event.get("type") == "append" and int(event.get("index", 0)) >= num_common:
-                    break
-                event = dict(event)
-                if event.get("type") == "view" and event.get("dump"):
-                    name = str(event["dump"])
-                    blobs.append((name, await store.get_blob(parent_id, name)))
-                if event.get("type") == "header" and isinstance(event.get("conversation"), dict):
-                    event["conversation"] = {**event["conversation"], "id": session_id}
-                event["seq"] = len(kept)
-                kept.append(event)
-            if is_anonymous_key(key):  # its own archive: what its history refers to (see archive_dir)
-                found: dict[str, bytes] = {}
-                for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(
-                        b"".join(encode_event(e) for e in kept))):
-                    try:
-                        found[aid] = await self._get_blob(key, parent_id, f"archive/{aid}.txt")
-                    except FileNotFoundError:
-                        continue
-                for aid, data in found.items():
-                    await store.put_blob(self._archive_id(key, session_id), f"archive/{aid}.txt", data)
-            await store.append(lease, Batch(tuple(blobs), tuple(kept)))
-            compactor, blog = await self._build(key, session_id, Conversation(messages=[]),
-                                                StoredSession(session_id, kept))
-        except BaseException:
-            await self._release_quietly(lease)
-            raise
-        s = ProxySession(key, self._store_path(session_id), compactor, calibration=parent.calibration,
-                         inject_recall=parent.inject_recall, store_id=session_id, log=blog, lease=lease,
-                         token=lease.token)
-        if len(compactor.originals) == num_common:
-            s.wire = list(parent.wire[:num_common])
-        else:
-            s.note_wire([])
-        s.log_nbytes = sum(len(encode_event(e)) for e in kept)
-        self.num_forks += 1
-        return s
-
-    async def commit(self, session: ProxySession, *, unless_only_appends: bool = False,
-                     release: bool = False) -> None:
-        """Write what the session's compactor logged since the last commit, under its lease: the
-        archive's blobs to the key's archive, then the rest as one batch; a checkpoint after a
-        compaction. Nothing for a session in the data directory. Raises StoreUnavailable (Spooled:
-        the batch waits in the local spool, memory and store+spool agree) or LeaseLost; after any
-        failure but Spooled the session is marked broken and its key unloaded (read again next time).
-
-        ``unless_only_appends``: nothing when only messages wait (the step before forwarding, when
-        nothing fired): they go with the answer's commit, one write (and one fsync of Redis's
-        append-only file) fewer per request. Nothing is acknowledged to the client before the
-        answer, and a request that gets none is sent again with those messages. ``release``: the
-        request's last write: the lease goes in the same call (when there was something to write;
-        else :meth:`finish` releases it)."""
-        blog, lease = session.log, session.lease
-        if self.store is None or blog is None or session.broken:
-            return
-        if unless_only_appends and blog.only_appends_pending:
-            return
-        batch = blog.take()
-        if not batch:
-            return
-        if lease is None:
-            session.broken = True
-            raise LeaseLost(f"session {session.store_id}: written outside a request's lease")
-        store = self.store
-        rest = batch
-        archive = [(n, d) for n, d in batch.blobs if n.startswith("archive/")]
-        try:
-            if archive:
-                try:
-                    for name, data in archive:
-                        await store.put_blob(self._archive_id(session.key, session.store_id or ""), name, data)
-                    rest = Batch(tuple((n, d) for n, d in batch.blobs if not n.startswith("archive/")), batch.events)
-                except StoreUnavailable:
-                    pass  # all of it under the session's own name: spooled with its events
-            await store.append(lease, rest, release=release)
-        except Spooled:
-            session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
-            raise
-        except (StoreError, ValueError):
-            session.broken = True
-            raise
-        session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
-        if release and batch.events:
-            session.lease = None  # released by the append
-        if any(e.get("type") == "view" for e in batch.events):
-            try:
-                await store.checkpoint(lease)
-            except (StoreError, ValueError) as e:  # the events are stored: a later checkpoint folds them
-                log.info("no checkpoint of session %s now: %s", session.store_id, e)
-
-    async def finish(self, key: ConversationKey) -> None:
-        """The request on ``key`` is over: stop renewing, release its leases (the next request of the
-        conversation may go to any replica), forget sessions whose memory went ahead of the store."""
-        task = self._renewers.pop(key, None)
-        if task is not None:
-            task.cancel()
-        entry = self.cache.peek(key)
-        if entry is None:
-            return
-        for s in entry.sessions:
-            if s.lease is not None:
-                await self._release_quietly(s.lease)
-                s.lease = None
-        if any(s.broken for s in entry.sessions):
-            self.cache.unload(key)
-
-    async def _release_quietly(self, lease: Lease) -> None:
-        try:
-            await self._store().release(lease)
-        except StoreError as e:  # it expires on its own, or this process renews it next time
-            self._unreleased[lease.session_id] = (lease, time.monotonic())
-            log.info("cannot release the lease on session %s: %s", lease.session_id, e)
-
-    def note_store_error(self, key: ConversationKey, error: BaseException) -> str:
-        """A request passed through because the store failed: counted; the key's sessions are read
-        again next time unless what failed waits in the spool. Returns the reason, one line."""
-        self.num_store_errors += 1
-        if not isinstance(error, Spooled):
-            entry = self.cache.peek(key)
-            for s in entry.sessions if entry is not None else []:
-                s.broken = True
-        if isinstance(error, LeaseLost):
-            return f"another proxy process took this conversation over: {_one_line(error)}"
-        if isinstance(error, SessionBusy):
-            return f"the conversation is busy on another proxy process: {_one_line(error)}"
-        return f"the session store failed: {_one_line(error)}"
+    # -- a shared store (serve/shared_sessions.py) ---------------------------------------------------
+    @property
+    def store(self) -> Store | None:
+        return self.shared.store if self.shared is not None else None
 
     @property
     def spool(self) -> SpoolingStore | None:
-        return self.store if isinstance(self.store, SpoolingStore) else None
+        return self.shared.spool if self.shared is not None else None
+
+    async def commit(self, session: ProxySession, *, unless_only_appends: bool = False,
+                     release: bool = False) -> None:
+        """:meth:`SharedSessions.commit`; nothing for a session in the data directory."""
+        if self.shared is not None:
+            await self.shared.commit(session, unless_only_appends=unless_only_appends, release=release)
+
+    async def finish(self, key: ConversationKey) -> None:
+        """The request on ``key`` is over (:meth:`SharedSessions.finish`); nothing in the data directory."""
+        if self.shared is not None:
+            await self.shared.finish(key)
+
+    def note_store_error(self, key: ConversationKey, error: BaseException) -> str:
+        return self._shared().note_store_error(key, error)
 
     async def replay_spool(self) -> None:
-        """Write what the spool holds (oldest first) if the store is back."""
-        now = time.monotonic()
-        for session_id, (lease, since) in list(self._unreleased.items()):
-            if now - since > lease.ttl_ms / 1000:  # ran out: the next grant is anyone's
-                del self._unreleased[session_id]
-        spool = self.spool
-        if spool is not None and spool.num_pending:
-            await spool.replay()
+        if self.shared is not None:
+            await self.shared.replay_spool()
 
     async def store_problem(self) -> str | None:
-        """Why the shared store cannot take the sessions' writes now, or None: it does not answer, or
-        writes wait in the local spool."""
-        if self.store is None:
-            return None
-        try:
-            await self.replay_spool()
-            await self.store.exists("health-probe")
-        except StoreError as e:
-            return f"the session store is unreachable: {_one_line(e)}"
-        spool = self.spool
-        if spool is not None and spool.num_pending:
-            return (f"{spool.num_pending} session writes wait in the local spool ({spool.dir}) for the store "
-                    f"{spool.url}")
-        return None
+        return await self.shared.store_problem() if self.shared is not None else None
 
     async def aclose(self) -> None:
-        for task in self._renewers.values():
-            task.cancel()
-        self._renewers.clear()
-        if self.store is not None:
-            await self.store.close()
+        if self.shared is not None:
+            await self.shared.aclose()
+
+    def _shared(self) -> SharedSessions:
+        if self.shared is None:  # not an assert: python -O must not turn this into an AttributeError
+            raise RuntimeError("the shared-store path is used without a store")
+        return self.shared
 
     # -- storage ----------------------------------------------------------------------------------
     def note_storage_error(self, error: BaseException) -> str:
         """Remember a failed write for /health; returns the reason, one line."""
-        reason = f"the data directory cannot be written: {_one_line(error)}"
+        reason = f"the data directory cannot be written: {one_line(error)}"
         self.storage_error = (time.monotonic(), reason)
         return reason
 
@@ -873,7 +483,7 @@ class SessionStore:
                 os.unlink(probe)
             st = os.statvfs(self.data_dir)
         except OSError as e:
-            return f"the data directory cannot be written: {_one_line(e)}"
+            return f"the data directory cannot be written: {one_line(e)}"
         if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
             return f"the data directory's file system has {st.f_bavail * st.f_frsize} bytes left"
         if self.storage_error is not None and time.monotonic() - self.storage_error[0] < STORAGE_ERROR_HOLD_S:
@@ -896,8 +506,3 @@ def _log_size(path: Path) -> int:
         return os.stat(path / EVENTS_FILE).st_size
     except OSError:
         return 0
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text[:300]

@@ -1,0 +1,471 @@
+"""The proxy's sessions on a shared store (Redis): leased per request, committed under the lease.
+
+A key's sessions are ``<key>/<nnnn>`` there (the same relative names as in a data directory), their
+archive is the blobs of ``<key>/archive`` (a tenant's) or ``<key>/<nnnn>/archive`` (an anonymous
+conversation's), and any replica serves any request. Per request, under the key's lock: every session of
+the key is leased (waiting while another replica holds it); one whose grant is not the token this process
+held last plus one was written elsewhere and is read again; the compactor writes to a
+:class:`~ctxfold.store.BufferedLog` whose batch is committed under the lease (:meth:`SharedSessions.commit`)
+after the compaction step and after the answer; the leases are released when the request ends
+(:meth:`SharedSessions.finish`), so the next request may go to any replica. Leases are renewed while a
+request works (a long summary): a replica that stalls past its lease loses the session, and its writes
+are refused by the fencing token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ctxfold.compactor import Compactor
+from ctxfold.eventlog import encode_event
+from ctxfold.messages import Conversation
+from ctxfold.serve.keys import ConversationKey, is_anonymous_key
+from ctxfold.serve.loaded import LoadedKey, LoadedSessions
+from ctxfold.serve.routing import ProxySession
+from ctxfold.store import (
+    Batch,
+    BufferedLog,
+    Lease,
+    LeaseLost,
+    Spooled,
+    SpoolingStore,
+    Store,
+    StoredSession,
+    StoreError,
+    StoreUnavailable,
+)
+
+log = logging.getLogger("ctxfold.serve")
+
+_ARCHIVE_ID = re.compile(rb"[0-9a-f]{64}")
+
+
+
+def copy_referenced_archive(history: bytes, read: Callable[[str], bytes | None], write: Callable[[str, bytes], None]
+                            ) -> int:
+    """Copy the archived outputs that ``history`` (a forked session's copied events) refers to: each id
+    in it that ``read`` finds (``read(id)``: the bytes, None when absent) is written with ``write``.
+    Ids are content digests, so a copy is the same bytes under the same name. Returns how many."""
+    copied = 0
+    for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(history)):
+        data = read(aid)
+        if data is not None:
+            write(aid, data)
+            copied += 1
+    return copied
+
+# A compactor writing to a shared store's buffered log: the header (empty messages: resume the log),
+# where it would live on disk (names the key), the log.
+StoreCompactorFactory = Callable[[Conversation, Path, BufferedLog], Compactor]
+
+# The sessions of one key leased (and so routed among) per request: the most recent.
+MAX_LEASED_SESSIONS_PER_KEY = 16
+
+
+class SessionBusy(StoreError):
+    """Another replica holds a session's lease for longer than a request waits: the request passes
+    through uncompacted."""
+
+
+class SharedSessions:
+    """The shared-store side of :class:`~ctxfold.serve.sessions.SessionStore` (see the module docstring)."""
+
+    def __init__(self, store: Store, cache: LoadedSessions, make_store_compactor: StoreCompactorFactory, *,
+                 data_dir: Path, lease_ms: int, owner: str, create_in_thread: bool,
+                 note_quarantine: Callable[[object, Exception, list[str] | None], str]) -> None:
+        self.store = store
+        self.cache = cache
+        self.make_store_compactor = make_store_compactor
+        self.data_dir = data_dir  # never written here: names a session's key (key_of, archive_prefix)
+        self.lease_ms = lease_ms
+        self.owner = owner
+        self.create_in_thread = create_in_thread
+        self._note_quarantine = note_quarantine
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the app: archive reads from worker threads
+        self._set_aside: set[str] = set()  # store sessions whose log cannot be read (this process's view)
+        self._renewers: dict[str, asyncio.Task[None]] = {}  # key -> the task renewing its leases
+        # Leases this process could not release (the store was down): still its own until they run out,
+        # so the next request renews one rather than waiting up to its whole time for itself.
+        self._unreleased: dict[str, tuple[Lease, float]] = {}  # session id -> (lease, monotonic s when held)
+        self.num_store_errors = 0  # requests passed through because the store failed (metric)
+        self.num_lease_waits = 0  # requests that waited for another replica's lease (metric)
+
+
+    @staticmethod
+    def _numbered(key: ConversationKey, ids: list[str]) -> list[str]:
+        """The ids of ``key``'s sessions among ``ids`` (not its archive, nor a longer key's), oldest first."""
+        depth = key.count("/") + 1
+        found = [i for i in ids if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
+        return sorted(found, key=lambda i: int(i.rsplit("/", 1)[1]))
+
+    def _archive_id(self, key: ConversationKey, session_id: str) -> str:
+        """The store's id of a session's archive: the key's for a tenant, the session's own for the
+        anonymous tenant (see :meth:`archive_dir`)."""
+        return f"{session_id}/archive" if is_anonymous_key(key) else f"{key}/archive"
+
+    async def _acquire(self, session_id: str) -> Lease:
+        """The session's lease, waiting while another replica holds it (it releases it when its request
+        ends, or it expires); SessionBusy after twice the lease's time."""
+        store = self.store
+        held = self._unreleased.pop(session_id, None)
+        if held is not None:
+            try:
+                if await store.renew(held[0]):
+                    return held[0]
+            except StoreError:
+                self._unreleased[session_id] = held
+                raise
+        deadline = time.monotonic() + 2 * self.lease_ms / 1000
+        pause_s = 0.005
+        waited = False
+        while True:
+            lease = await store.acquire(session_id, owner=self.owner, ttl_ms=self.lease_ms)
+            if lease is not None:
+                return lease
+            if not waited:
+                waited = True
+                self.num_lease_waits += 1
+            if time.monotonic() > deadline:
+                raise SessionBusy(f"session {session_id} stays leased by another replica (more than "
+                                  f"{2 * self.lease_ms} ms)")
+            await asyncio.sleep(pause_s)
+            pause_s = min(pause_s * 2, 0.1)
+
+    def _start_renewing(self, key: ConversationKey) -> None:
+        if key not in self._renewers:
+            self._renewers[key] = asyncio.get_running_loop().create_task(self._renew_loop(key))
+
+    async def _renew_loop(self, key: ConversationKey) -> None:
+        """Renew the leases of ``key``'s sessions every third of their time while a request holds them."""
+        store = self.store
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            entry = self.cache.peek(key)
+            for s in list(entry.sessions) if entry is not None else []:
+                if s.lease is None:
+                    continue
+                try:
+                    if not await store.renew(s.lease):
+                        log.warning("lease on session %s expired while a request worked on it; its next write "
+                                    "goes through only if no other replica took it over", s.store_id)
+                except StoreError as e:
+                    log.warning("cannot renew the lease on session %s: %s", s.store_id, e)
+
+    def _fetcher(self, key: ConversationKey, session_id: str) -> Callable[[str], bytes]:
+        """A blob reader for the compactor's archive, which reads in worker threads (read_archive): the
+        key's archive, then the session's own blobs (an archive written while the store was down went
+        to the spool with the session's batch). OSError when the store cannot answer."""
+
+        def fetch(name: str) -> bytes:
+            loop = self.loop
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if loop is None or running is loop:  # on the loop's own thread: waiting would deadlock it
+                raise FileNotFoundError(f"{name}: not readable from the event loop's thread")
+            future = asyncio.run_coroutine_threadsafe(self._get_blob(key, session_id, name), loop)
+            try:
+                return future.result(timeout=30)
+            except StoreUnavailable as e:
+                raise OSError(errno.EIO, str(e)) from None
+
+        return fetch
+
+    async def _get_blob(self, key: ConversationKey, session_id: str, name: str) -> bytes:
+        store = self.store
+        try:
+            return await store.get_blob(self._archive_id(key, session_id), name)
+        except FileNotFoundError:
+            return await store.get_blob(session_id, name)
+
+    def _store_path(self, session_id: str) -> Path:
+        return self.data_dir / session_id  # never written: names the key (key_of, archive_prefix)
+
+    async def _build(self, key: ConversationKey, session_id: str, conversation: Conversation,
+                     stored: StoredSession | None) -> tuple[Compactor, BufferedLog]:
+        blog = BufferedLog(session_id, stored, fetch=self._fetcher(key, session_id), source=self.store.url)
+        path = self._store_path(session_id)
+        # Reading a long conversation back (parsing, counting) would hold the loop: a worker thread then.
+        big = stored is not None and len(stored.events) > 64 or len(conversation.messages) > 64
+        if big or self.create_in_thread:
+            compactor = await asyncio.to_thread(self.make_store_compactor, conversation, path, blog)
+        else:
+            compactor = self.make_store_compactor(conversation, path, blog)
+        return compactor, blog
+
+    async def _load_from_store(self, key: ConversationKey, session_id: str, warnings: list[str] | None) -> ProxySession | None:
+        """The stored session, or None when it holds no events yet (its first write never landed) or
+        cannot be read (set aside for this process, counted, logged, said in ``warnings``)."""
+        try:
+            stored = await self.store.read(session_id)
+            if not stored.events:
+                return None
+            compactor, blog = await self._build(key, session_id, Conversation(messages=[]), stored)
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with this log concerns this session alone
+            self._set_aside.add(session_id)
+            self._note_quarantine(f"{self.store.url} {session_id}", e, warnings)
+            return None
+        s = ProxySession(key, self._store_path(session_id), compactor, store_id=session_id, log=blog)
+        s.note_wire([])
+        s.log_nbytes = sum(len(encode_event(e)) for e in stored.events)
+        return s
+
+    async def sync_key(self, key: ConversationKey, warnings: list[str] | None) -> LoadedKey:
+        """``key``'s sessions as the store holds them now, each leased by this process until
+        :meth:`finish`: the ones loaded before and untouched since are kept, the others read again."""
+        store = self.store
+        entry = self.cache.get(key) or self.cache.put(key, [])
+        ids = [i for i in self._numbered(key, await store.sessions(key + "/")) if i not in self._set_aside]
+        # The most recent ones: the others stay in the store (restore reads them), as a data directory
+        # leaves its oldest on disk. Each costs a lease per request, so a client that edits its history
+        # at every request (a fork each time) costs a bounded number of round trips.
+        ids = ids[-min(self.cache.max_sessions, MAX_LEASED_SESSIONS_PER_KEY):]
+        self._start_renewing(key)
+        loaded = {s.store_id: s for s in entry.sessions}
+        kept: list[ProxySession] = []
+        held: list[Lease] = []
+        try:
+            for session_id in ids:
+                lease = await self._acquire(session_id)
+                held.append(lease)
+                s = loaded.get(session_id)
+                # The token after this process's last one, or that one itself (a lease it could not
+                # release, renewed): nobody else wrote since.
+                if s is None or s.broken or lease.token not in (s.token, s.token + 1):
+                    s = await self._load_from_store(key, session_id, warnings)
+                    if s is None:
+                        await self._release_quietly(held.pop())
+                        continue
+                s.lease, s.token = lease, lease.token
+                kept.append(s)
+        except BaseException:
+            for lease in held:
+                await self._release_quietly(lease)
+            for s in kept:
+                s.lease = None
+            raise
+        # Least recently used first: the sessions used before keep their order, the ones just read go first.
+        order = {id(s): k for k, s in enumerate(entry.sessions)}
+        kept.sort(key=lambda s: order.get(id(s), -1))
+        self.cache.replace(entry, kept)
+        return entry
+
+    async def _new_store_id(self, key: ConversationKey) -> Lease:
+        """A lease on a new session id of ``key``: the first grant ever for that id (token 1), so two
+        replicas creating a session at once never get the same one."""
+        store = self.store
+        taken = [int(i.rsplit("/", 1)[1]) for i in self._numbered(key, await store.sessions(key + "/"))]
+        n = max(taken, default=-1) + 1
+        while True:
+            # new: the store counts it against the tenant's bound (QuotaExceeded at the bound).
+            lease = await store.acquire(f"{key}/{n:04d}", owner=self.owner, ttl_ms=self.lease_ms, new=True)
+            if lease is not None and lease.token == 1:
+                return lease
+            if lease is not None:
+                await self._release_quietly(lease)
+            n += 1
+
+    async def create(self, key: ConversationKey, conversation: Conversation) -> ProxySession:
+        lease = await self._new_store_id(key)
+        session_id = lease.session_id
+        conv = Conversation(messages=list(conversation.messages), id=session_id, system=conversation.system,
+                            tools=conversation.tools, source_format="openai", source="ctxfold serve")
+        try:
+            compactor, blog = await self._build(key, session_id, conv, None)
+        except BaseException:
+            await self._release_quietly(lease)
+            raise
+        s = ProxySession(key, self._store_path(session_id), compactor, store_id=session_id, log=blog, lease=lease,
+                         token=lease.token)
+        return s
+
+    async def fork(self, key: ConversationKey, parent: ProxySession, num_common: int) -> ProxySession:
+        """:meth:`_fork` through the store: the new session's events are the parent's up to the first
+        append of a message after the common prefix (renumbered from 0), with the history dumps those
+        events name. A parent read back as its checkpoint keeps its last compaction only when that
+        compaction lies within the prefix (else the fork starts uncompacted and compacts again)."""
+        store = self.store
+        parent_id = parent.store_id
+        if parent_id is None:
+            raise RuntimeError("a session in the data directory forked through the store")
+        stored = await store.read(parent_id)
+        lease = await self._new_store_id(key)
+        session_id = lease.session_id
+        try:
+            kept: list[dict[str, Any]] = []
+            blobs: list[tuple[str, bytes]] = []
+            for event in stored.events:
+                if event.get("type") == "append" and int(event.get("index", 0)) >= num_common:
+                    break
+                event = dict(event)
+                if event.get("type") == "view" and event.get("dump"):
+                    name = str(event["dump"])
+                    blobs.append((name, await store.get_blob(parent_id, name)))
+                if event.get("type") == "header" and isinstance(event.get("conversation"), dict):
+                    event["conversation"] = {**event["conversation"], "id": session_id}
+                event["seq"] = len(kept)
+                kept.append(event)
+            if is_anonymous_key(key):  # its own archive: what its history refers to (see archive_dir)
+                found: dict[str, bytes] = {}
+                for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(
+                        b"".join(encode_event(e) for e in kept))):
+                    try:
+                        found[aid] = await self._get_blob(key, parent_id, f"archive/{aid}.txt")
+                    except FileNotFoundError:
+                        continue
+                for aid, data in found.items():
+                    await store.put_blob(self._archive_id(key, session_id), f"archive/{aid}.txt", data)
+            await store.append(lease, Batch(tuple(blobs), tuple(kept)))
+            compactor, blog = await self._build(key, session_id, Conversation(messages=[]),
+                                                StoredSession(session_id, kept))
+        except BaseException:
+            await self._release_quietly(lease)
+            raise
+        s = ProxySession(key, self._store_path(session_id), compactor, calibration=parent.calibration,
+                         inject_recall=parent.inject_recall, store_id=session_id, log=blog, lease=lease,
+                         token=lease.token)
+        if len(compactor.originals) == num_common:
+            s.wire = list(parent.wire[:num_common])
+        else:
+            s.note_wire([])
+        s.log_nbytes = sum(len(encode_event(e)) for e in kept)
+        return s
+
+    async def commit(self, session: ProxySession, *, unless_only_appends: bool = False,
+                     release: bool = False) -> None:
+        """Write what the session's compactor logged since the last commit, under its lease: the
+        archive's blobs to the key's archive, then the rest as one batch; a checkpoint after a
+        compaction. Nothing for a session in the data directory. Raises StoreUnavailable (Spooled:
+        the batch waits in the local spool, memory and store+spool agree) or LeaseLost; after any
+        failure but Spooled the session is marked broken and its key unloaded (read again next time).
+
+        ``unless_only_appends``: nothing when only messages wait (the step before forwarding, when
+        nothing fired): they go with the answer's commit, one write (and one fsync of Redis's
+        append-only file) fewer per request. Nothing is acknowledged to the client before the
+        answer, and a request that gets none is sent again with those messages. ``release``: the
+        request's last write: the lease goes in the same call (when there was something to write;
+        else :meth:`finish` releases it)."""
+        blog, lease = session.log, session.lease
+        if blog is None or session.broken:
+            return
+        if unless_only_appends and blog.only_appends_pending:
+            return
+        batch = blog.take()
+        if not batch:
+            return
+        if lease is None:
+            session.broken = True
+            raise LeaseLost(f"session {session.store_id}: written outside a request's lease")
+        store = self.store
+        rest = batch
+        archive = [(n, d) for n, d in batch.blobs if n.startswith("archive/")]
+        try:
+            if archive:
+                try:
+                    for name, data in archive:
+                        await store.put_blob(self._archive_id(session.key, session.store_id or ""), name, data)
+                    rest = Batch(tuple((n, d) for n, d in batch.blobs if not n.startswith("archive/")), batch.events)
+                except StoreUnavailable:
+                    pass  # all of it under the session's own name: spooled with its events
+            await store.append(lease, rest, release=release)
+        except Spooled:
+            session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
+            raise
+        except (StoreError, ValueError):
+            session.broken = True
+            raise
+        session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
+        if release and batch.events:
+            session.lease = None  # released by the append
+        if any(e.get("type") == "view" for e in batch.events):
+            try:
+                await store.checkpoint(lease)
+            except (StoreError, ValueError) as e:  # the events are stored: a later checkpoint folds them
+                log.info("no checkpoint of session %s now: %s", session.store_id, e)
+
+    async def finish(self, key: ConversationKey) -> None:
+        """The request on ``key`` is over: stop renewing, release its leases (the next request of the
+        conversation may go to any replica), forget sessions whose memory went ahead of the store."""
+        task = self._renewers.pop(key, None)
+        if task is not None:
+            task.cancel()
+        entry = self.cache.peek(key)
+        if entry is None:
+            return
+        for s in entry.sessions:
+            if s.lease is not None:
+                await self._release_quietly(s.lease)
+                s.lease = None
+        if any(s.broken for s in entry.sessions):
+            self.cache.unload(key)
+
+    async def _release_quietly(self, lease: Lease) -> None:
+        try:
+            await self.store.release(lease)
+        except StoreError as e:  # it expires on its own, or this process renews it next time
+            self._unreleased[lease.session_id] = (lease, time.monotonic())
+            log.info("cannot release the lease on session %s: %s", lease.session_id, e)
+
+    def note_store_error(self, key: ConversationKey, error: BaseException) -> str:
+        """A request passed through because the store failed: counted; the key's sessions are read
+        again next time unless what failed waits in the spool. Returns the reason, one line."""
+        self.num_store_errors += 1
+        if not isinstance(error, Spooled):
+            entry = self.cache.peek(key)
+            for s in entry.sessions if entry is not None else []:
+                s.broken = True
+        if isinstance(error, LeaseLost):
+            return f"another proxy process took this conversation over: {one_line(error)}"
+        if isinstance(error, SessionBusy):
+            return f"the conversation is busy on another proxy process: {one_line(error)}"
+        return f"the session store failed: {one_line(error)}"
+
+    @property
+    def spool(self) -> SpoolingStore | None:
+        return self.store if isinstance(self.store, SpoolingStore) else None
+
+    async def replay_spool(self) -> None:
+        """Write what the spool holds (oldest first) if the store is back."""
+        now = time.monotonic()
+        for session_id, (lease, since) in list(self._unreleased.items()):
+            if now - since > lease.ttl_ms / 1000:  # ran out: the next grant is anyone's
+                del self._unreleased[session_id]
+        spool = self.spool
+        if spool is not None and spool.num_pending:
+            await spool.replay()
+
+    async def store_problem(self) -> str | None:
+        """Why the shared store cannot take the sessions' writes now, or None: it does not answer, or
+        writes wait in the local spool."""
+        try:
+            await self.replay_spool()
+            await self.store.exists("health-probe")
+        except StoreError as e:
+            return f"the session store is unreachable: {one_line(e)}"
+        spool = self.spool
+        if spool is not None and spool.num_pending:
+            return (f"{spool.num_pending} session writes wait in the local spool ({spool.dir}) for the store "
+                    f"{spool.url}")
+        return None
+
+    async def aclose(self) -> None:
+        for task in self._renewers.values():
+            task.cancel()
+        self._renewers.clear()
+        await self.store.close()
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line of at most 300 characters, for a header, a log line or /health."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text[:300]
