@@ -47,8 +47,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ctxfold import _core
-from ctxfold.counting import Calibration, CharsPerTokenCounter, EstimateCounter, TokenCounter
+from ctxfold.counting import TokenCounter
 from ctxfold.errors import FormatError
+from ctxfold.estimators import Calibration, CharsPerTokenCounter, EstimateCounter
 from ctxfold.messages import Conversation, Message
 
 CORPUS_SUFFIXES = (".json", ".jsonl", ".traj")
