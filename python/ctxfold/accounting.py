@@ -31,7 +31,8 @@ import numpy.typing as npt
 
 from ctxfold import _core
 from ctxfold.counting import TokenCounter
-from ctxfold.jinja_template import JinjaChatTemplate, JinjaRenderer, TemplateRenderError, renderer_for
+from ctxfold.jinja_loading import JinjaChatTemplate
+from ctxfold.jinja_template import JinjaRenderer, TemplateRenderError, renderer_for
 from ctxfold.ledger import SegmentFlag, message_flags
 from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.templates import (
@@ -130,7 +131,7 @@ _FIRST_CHECK_MESSAGES = 4
 class RequestAccounting:
     """Token accounting of one conversation's requests under one counter and chat template.
 
-    With a model's own Jinja template (:class:`ctxfold.jinja_template.JinjaChatTemplate`) the
+    With a model's own Jinja template (:class:`ctxfold.jinja_loading.JinjaChatTemplate`) the
     segments are derived from renders of a few messages around the changed ones; the derivation is
     checked against a whole render as the conversation doubles in length, and a template it does
     not hold for is rendered whole from then on (``renderer.separable`` False, with a warning).

@@ -30,7 +30,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter
 from ctxfold.errors import NoFitError
 from ctxfold.integrity import count_orphans
-from ctxfold.jinja_template import JinjaChatTemplate
+from ctxfold.jinja_loading import JinjaChatTemplate
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session
 from ctxfold.templates import ChatTemplate
