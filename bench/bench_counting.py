@@ -26,7 +26,7 @@ import pytest
 
 from ctxfold import _core, formats
 from ctxfold.accounting import RequestAccounting
-from ctxfold.calibration import read_corpus
+from ctxfold.calibration_corpus import read_corpus
 from ctxfold.counting import CharsPerTokenCounter, HFTokenizerCounter, TiktokenCounter, load_counter
 from ctxfold.messages import Conversation, Message
 from ctxfold.templates import CHATML_QWEN3

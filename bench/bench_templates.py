@@ -24,7 +24,8 @@ import pytest
 
 from ctxfold import formats
 from ctxfold.accounting import RequestAccounting
-from ctxfold.counting import _package_file, load_counter
+from ctxfold.counting import load_counter
+from ctxfold.exact_counters import _package_file
 from ctxfold.jinja_template import JinjaChatTemplate, renderer_for
 from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.templates import CHATML_QWEN3, get_template

@@ -16,7 +16,7 @@ import pytest
 
 from cli_helpers import run_main
 from ctxfold.cli import EXIT_INPUT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
-from ctxfold.cli.replay import trigger_lines
+from ctxfold.cli.replay_report import trigger_lines
 from ctxfold.config import CompactConfig
 from ctxfold.errors import CtxfoldError
 from subprocess_env import ctxfold_env

@@ -19,13 +19,13 @@ from ctxfold.counting import (
     SentencePieceCounter,
     TiktokenCounter,
     TokenCounter,
-    _package_dir,
     builtin_calibration,
     builtin_calibrations,
     load_counter,
     split_for_counting,
 )
 from ctxfold.errors import TokenizerError
+from ctxfold.exact_counters import _package_dir
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,9 @@ import pytest
 
 from ctxfold import formats
 from ctxfold.accounting import RequestAccounting
-from ctxfold.counting import HFTokenizerCounter, _package_file, load_counter
+from ctxfold.counting import HFTokenizerCounter, load_counter
 from ctxfold.errors import ConfigError
+from ctxfold.exact_counters import _package_file
 from ctxfold.jinja_template import (
     JinjaChatTemplate,
     JinjaRenderer,

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from ctxfold.compactor import Compactor
 from ctxfold.config import CompactConfig
-from ctxfold.counting import _package_file, load_counter
+from ctxfold.counting import load_counter
+from ctxfold.exact_counters import _package_file
 from ctxfold.jinja_template import JinjaChatTemplate, TemplateRenderError, from_tokenizer_config, renderer_for
 from ctxfold.messages import Conversation, Message, Role, ToolCall
 from ctxfold.replay import feed_recorded

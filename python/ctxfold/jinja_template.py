@@ -1,9 +1,10 @@
 """A model's own Jinja chat template, rendered as transformers' ``apply_chat_template`` renders it.
 
-A :class:`JinjaChatTemplate` is loaded from where models ship their template: a
-``tokenizer_config.json`` (``chat_template``), a GGUF file (``tokenizer.chat_template``), a plain
-template file, or a preset kept as data (:mod:`ctxfold.template_sources`). It renders in the same
-sandbox as transformers: ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, the
+A :class:`JinjaChatTemplate` is loaded (:mod:`ctxfold.jinja_loading`, re-exported here) from where
+models ship their template: a ``tokenizer_config.json`` (``chat_template``), a GGUF file
+(``tokenizer.chat_template``), a plain template file, or a preset kept as data
+(:mod:`ctxfold.template_sources`). It renders in the same sandbox as transformers
+(:mod:`ctxfold.template_sandbox`): ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, the
 ``loopcontrols`` extension and the ``{% generation %}`` tag, transformers' ``tojson`` filter,
 ``raise_exception``, ``strftime_now``, its ``dict`` and ``namespace``; the config's special tokens
 (``bos_token``, ``eos_token``, ...) as variables; messages in OpenAI form, tool-call arguments as
@@ -37,133 +38,27 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import datetime
-from functools import lru_cache
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ctxfold.errors import (  # the template errors, re-exported where they were first defined
-    ConfigError,
     TemplateBoundsError,
     TemplateRenderError,
 )
+from ctxfold.jinja_loading import (
+    JinjaChatTemplate,
+    from_file,
+    from_gguf,
+    from_tokenizer_config,
+    jinja_presets,
+    load_model_template,
+)
 from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.template_presets import RenderedRequest, RenderOptions, Segment, tool_schema
+from ctxfold.template_sandbox import compile_template
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class JinjaChatTemplate:
-    """One model's Jinja chat template and what it is rendered with."""
-
-    name: str  # a preset name, or where it was loaded from
-    source: str  # the Jinja text
-    # The text used when the request offers tools, where the model ships a separate one (a config's
-    # named "tool_use" template, a GGUF's tokenizer.chat_template.tool_use), as transformers picks it.
-    tool_use_source: str = ""
-    # Variables every render gets: the config's special tokens (bos_token, eos_token, ...), then
-    # template switches (enable_thinking, date_string, ...); transformers passes both as keyword arguments.
-    variables: Mapping[str, Any] = field(default_factory=dict)
-    # Control tokens: name -> (text, id), as ChatTemplate.specials. Rendered text is split on them, so
-    # each counts as one token and the text between them is counted on its own, as tokenizers do.
-    specials: Mapping[str, tuple[str, int]] = field(default_factory=dict)
-    object_arguments: bool = True  # tool-call arguments that parse as JSON objects are passed as objects
-    description: str = ""
-    # The accounting and the compactor read these of any template: a Jinja template places its tools
-    # block itself (derived from renders), never before the last user message as Mistral v7's does.
-    tools_with_last_user: bool = False
-
-    def with_specials(self, specials: Mapping[str, int]) -> JinjaChatTemplate:
-        """This template with ``specials`` (text -> id) added to its control tokens, keeping those that
-        its source can write (or that are its BOS/EOS): a vocabulary has thousands it never writes."""
-        written = self.source + self.tool_use_source
-        keep = {t: i for t, i in specials.items() if t and (t in written or t in self.variables.values())}
-        merged = dict(self.specials)
-        merged.update({t: (t, i) for t, i in keep.items()})
-        return replace(self, specials=merged)
-
-
-# -- the environment, as transformers builds it ------------------------------------------------------------
-
-@lru_cache(maxsize=32)
-def _compile(source: str) -> Any:
-    try:
-        import jinja2
-        import jinja2.ext
-        import jinja2.nodes
-        import jinja2.parser
-        import jinja2.utils
-    except ImportError:
-        raise ConfigError("a model's own chat template needs jinja2: pip install 'ctxfold[templates]'") from None
-
-    class GenerationTag(jinja2.ext.Extension):
-        # transformers marks assistant text with {% generation %}...{% endgeneration %}; rendering is
-        # unchanged by it.
-        tags = {"generation"}  # noqa: RUF012 - jinja2.ext.Extension declares it so
-
-        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return str(caller())
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        # transformers' filter: no HTML escaping (Jinja's own escapes <, >, &, ').
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    class TemplateDict:
-        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        # Attributes that start with "_" are refused, as transformers does (no way to CPython internals).
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            self, rest = args[0], args[1:]
-            attrs = dict(*rest, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
-
-    from ctxfold import template_guard as guard
-
-    # transformers' ImmutableSandboxedEnvironment, with bounds on what one render may spend.
-    env = guard.bounded_environment(trim_blocks=True, lstrip_blocks=True,
-                                    extensions=[GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    try:
-        return guard.compile_bounded(env, source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ConfigError(f"the chat template does not parse: {e.message} (line {e.lineno})") from None
-    except RecursionError:
-        raise ConfigError("the chat template does not parse: it nests deeper than Python can follow") from None
 
 
 # -- messages as the template sees them ----------------------------------------------------------------------
@@ -264,8 +159,8 @@ class JinjaRenderer:
 
     def __init__(self, template: JinjaChatTemplate) -> None:
         self.template = template
-        self._compiled = _compile(template.source)
-        self._compiled_tools = _compile(template.tool_use_source) if template.tool_use_source else self._compiled
+        self._compiled = compile_template(template.source)
+        self._compiled_tools = compile_template(template.tool_use_source) if template.tool_use_source else self._compiled
         self.specials = {v[1]: v[0] for v in template.specials.values()}
         ids = {v[0]: v[1] for v in template.specials.values()}
         self._ids = ids
@@ -638,169 +533,6 @@ def _probes() -> Iterator[Conversation]:
     yield Conversation(messages=loop, system="You are an agent.", tools=(tool,))
     yield Conversation(messages=[m for m in loop if not (m.role is a and len(m.tool_calls) > 1)
                                  and not (m.role is t and m.tool_call_id in ("c8", "c9"))], tools=(tool,))
-
-
-# -- loading -------------------------------------------------------------------------------------------------
-
-def _special_text(value: Any) -> str | None:
-    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
-
-
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def _pick(source: Any, what: str) -> tuple[str, str]:
-    """The template texts of a ``chat_template`` value: a string, or a list of named templates
-    ("default", and "tool_use" for requests with tools, as transformers picks them)."""
-    if isinstance(source, str):
-        return source, ""
-    if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        default, tool_use = named.get("default"), named.get("tool_use")
-        if not isinstance(default, str):
-            default = tool_use if isinstance(tool_use, str) else None
-        if isinstance(default, str):
-            return default, tool_use if isinstance(tool_use, str) else ""
-        raise ConfigError(f"chat template: {what} has no chat template named 'default' "
-                          f"(it has {sorted(map(str, named))})")
-    raise ConfigError(f"chat template: {what} has no chat template")
-
-
-def from_tokenizer_config(path: str | Path) -> JinjaChatTemplate:
-    """The template of a ``tokenizer_config.json`` (or a ``chat_template.json`` /
-    ``chat_template.jinja`` beside it, where newer models keep it), with its special tokens."""
-    p = Path(path)
-    try:
-        config = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"chat template: {p} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"chat template: {p} is not readable JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"chat template: {p} is not a tokenizer config (a JSON object)")
-    source = config.get("chat_template")
-    if source is None:
-        jinja_file = p.with_name("chat_template.jinja")
-        json_file = p.with_name("chat_template.json")
-        if jinja_file.is_file():
-            source = jinja_file.read_text(encoding="utf-8")
-        elif json_file.is_file():
-            source = json.loads(json_file.read_text(encoding="utf-8")).get("chat_template")
-    if source is None:
-        raise ConfigError(f"chat template: {p} has no chat_template")
-    text, tool_use = _pick(source, str(p))
-    variables = {k: v for k in _SPECIAL_NAMES if (v := _special_text(config.get(k))) is not None}
-    specials: dict[str, int] = {}
-    for tid, tok in (config.get("added_tokens_decoder") or {}).items():
-        if isinstance(tok, dict) and tok.get("special") and isinstance(tok.get("content"), str):
-            specials[tok["content"]] = int(tid)
-    loaded = JinjaChatTemplate(name=f"hf:{p}", source=text, tool_use_source=tool_use, variables=variables,
-                               description=f"the chat template of {p}")
-    return loaded.with_specials(specials)
-
-
-def from_gguf(path: str | Path) -> JinjaChatTemplate:
-    """The template a GGUF model carries (``tokenizer.chat_template``), with its BOS/EOS and control tokens."""
-    from ctxfold.gguf import TOKEN_TYPE_CONTROL, GGUFError, read_metadata
-
-    p = Path(path)
-    keys = {"tokenizer.chat_template", "tokenizer.chat_template.tool_use", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "general.name", "general.architecture"}
-    try:
-        meta = read_metadata(p, keys)
-    except FileNotFoundError:
-        raise ConfigError(f"chat template: {p} does not exist") from None
-    except (OSError, GGUFError) as e:
-        raise ConfigError(f"chat template: {e}") from None
-    source = meta.get("tokenizer.chat_template")
-    if not isinstance(source, str):
-        model = meta.get("general.name") or p.name
-        preset = _ARCHITECTURE_PRESETS.get(str(meta.get("general.architecture", "")))
-        hint = f"--template {preset} (its instruct template)" if preset else "--template file:PATH or a preset"
-        raise ConfigError(f"chat template: the GGUF file {p} ({model}) carries no chat template "
-                          f"(tokenizer.chat_template); give one with {hint}")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    types = meta.get("tokenizer.ggml.token_type")
-    variables: dict[str, str] = {}
-    for key, var in (("tokenizer.ggml.bos_token_id", "bos_token"), ("tokenizer.ggml.eos_token_id", "eos_token")):
-        tid = meta.get(key)
-        if isinstance(tid, int) and 0 <= tid < len(tokens):
-            variables[var] = tokens[tid]
-    specials: dict[str, int] = {}
-    if types is not None:
-        for tid in (types == TOKEN_TYPE_CONTROL).nonzero()[0].tolist():
-            specials.setdefault(tokens[tid], int(tid))
-    tool_use = meta.get("tokenizer.chat_template.tool_use")
-    t = JinjaChatTemplate(name=f"gguf:{p}", source=source, variables=variables,
-                          tool_use_source=tool_use if isinstance(tool_use, str) else "",
-                          description=f"the chat template of {p}")
-    return t.with_specials(specials)
-
-
-# A model architecture (GGUF general.architecture) -> the preset of its instruct template, where one
-# template serves every model of it.
-_ARCHITECTURE_PRESETS = {"gemma3": "gemma-3"}
-
-
-def load_model_template(spec: str) -> JinjaChatTemplate:
-    """The template ``spec`` names (``hf:PATH`` a tokenizer config or its directory, ``gguf:PATH``,
-    ``file:PATH``), loaded in this process, unchecked: :func:`ctxfold.templates.get_template` loads it
-    through :func:`ctxfold.template_loader.load_checked`, which calls this in a child process first."""
-    kind, _, rest = spec.partition(":")
-    if kind == "gguf":
-        return from_gguf(rest)
-    if kind == "file":
-        return from_file(rest)
-    if kind != "hf" or not rest:
-        raise ConfigError(f"chat template {spec!r}: not hf:PATH, gguf:PATH or file:PATH")
-    path = Path(rest)
-    return from_tokenizer_config(path / "tokenizer_config.json" if path.is_dir() else path)
-
-
-def from_file(path: str | Path) -> JinjaChatTemplate:
-    """A plain Jinja template file: no special tokens known (give them with :meth:`JinjaChatTemplate.with_specials`,
-    or let the accounting take them from an exact tokenizer)."""
-    p = Path(path)
-    try:
-        source = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"chat template: {p} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"chat template: {p} is not readable text ({e})") from None
-    return JinjaChatTemplate(name=f"file:{p}", source=source, description=f"the chat template in {p}")
-
-
-def jinja_presets() -> dict[str, JinjaChatTemplate]:
-    """The presets kept as the models' own Jinja text (:mod:`ctxfold.template_sources`)."""
-    from ctxfold import template_sources as src
-
-    gemma = {"<bos>": 2, "<eos>": 1, "<start_of_turn>": 105, "<end_of_turn>": 106, "<start_of_image>": 255999}
-    llama = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|start_header_id|>": 128006,
-             "<|end_header_id|>": 128007, "<|eom_id|>": 128008, "<|eot_id|>": 128009, "<|python_tag|>": 128010}
-    out = {
-        "gemma-3": JinjaChatTemplate(
-            name="gemma-3", source=src.GEMMA3, variables={"bos_token": "<bos>", "eos_token": "<eos>"},
-            description="Gemma 3 instruct's own template: system prompt folded into the first user turn, "
-            "contents trimmed, no tool role (it refuses anything but alternating user/model turns)"),
-        "llama-3.1": JinjaChatTemplate(
-            name="llama-3.1", source=src.LLAMA31,
-            variables={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-            description="Llama 3.1 instruct's own template: tools in the first user turn, one call per "
-            "message as JSON with parameters, results as JSON strings in ipython turns"),
-        "llama-3.2": JinjaChatTemplate(
-            name="llama-3.2", source=src.LLAMA32,
-            variables={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-            description="Llama 3.2 instruct's own template: 3.1's, with today's date in the system turn"),
-    }
-    out = {k: v.with_specials(gemma if k.startswith("gemma") else llama) for k, v in out.items()}
-    out["gemma3"] = out["gemma-3"]
-    out["llama-3"] = out["llama3"] = out["llama-3.1"]
-    return out
 
 
 __all__ = [

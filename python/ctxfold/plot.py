@@ -75,8 +75,6 @@ def figure(entries: Sequence[Mapping[str, Any]], *, context_tokens: int | None,
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     drawable = [e for e in entries if e["occupancy"]]
     if not drawable:
@@ -96,53 +94,79 @@ def figure(entries: Sequence[Mapping[str, Any]], *, context_tokens: int | None,
     kinds_seen: set[str] = set()
     not_applied_seen = False
     for k, entry in enumerate(shown):
-        ax = axes[k // ncols][k % ncols]
-        occ = list(entry["occupancy"])
-        xs = list(range(len(occ)))
-        ax.plot(xs, occ, color="#444444", linewidth=1.2, marker="." if len(occ) <= 80 else None, markersize=3,
-                zorder=2)
-        if context_tokens:
-            ax.axhline(context_tokens, color="black", linewidth=1.4, zorder=1)
-        for (name, level), color in zip(lines.items(), _LINE_COLORS, strict=False):
-            ax.axhline(level, color=color, linewidth=1.0, linestyle="--", zorder=1)
-        for ev in entry["events"]:
-            x = min(ev["request"], max(len(occ) - 1, 0))
-            kind = ev["kind"]
-            if not ev["applied"]:
-                not_applied_seen = True
-                ax.plot([x], [ev["tokens_before"]], marker="o", markerfacecolor="none", color="#7f7f7f",
-                        markersize=7, zorder=3)
-                continue
-            style = _KIND_STYLE.get(kind, {"marker": "o", "color": "#7f7f7f"})
-            kinds_seen.add(kind)
-            ax.vlines(x, ev["tokens_after"], ev["tokens_before"], color=style["color"], linewidth=1.2, alpha=0.7,
-                      zorder=3)
-            ax.plot([x], [ev["tokens_after"]], marker=style["marker"], color=style["color"], markersize=7,
-                    linestyle="none", zorder=4)
-        counts = entry.get("compactions", {})
-        what = ", ".join(f"{v} {kk.replace('_', ' ')}" for kk, v in sorted(counts.items()) if v) or "no compaction"
-        problems = []
-        if entry.get("overflows"):
-            problems.append(f"{entry['overflows']} over the window")
-        if entry.get("orphans"):
-            problems.append(f"{entry['orphans']} orphans")
-        label = str(entry.get("label") or entry.get("conversation") or f"conversation {k}")
-        # Wrapped to the panel's width (about 64 characters at this size, 110 in a single panel), so a
-        # long label or a list of problems stays above its own panel.
-        panel_title = f"{label}: {what}" + (f" [{'; '.join(problems)}]" if problems else "")
-        ax.set_title(textwrap.fill(panel_title, 110 if ncols == 1 else 64), fontsize=9,
-                     color="#b00000" if problems else "black", loc="left")
-        ax.set_xlabel("model request (assistant turn)")
-        if k % ncols == 0:
-            ax.set_ylabel("occupancy (tokens)")
-        ax.yaxis.set_major_formatter(FuncFormatter(_fmt_tokens))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylim(bottom=0, top=max([context_tokens or 0, *occ, *(e["tokens_before"] for e in entry["events"])])
-                    * 1.08 or 1)
-        ax.set_xlim(-0.5, max(len(occ) - 0.5, 0.5))
-        ax.grid(True, axis="y", color="#e5e5e5", linewidth=0.6)
+        kinds, not_applied = _draw_panel(axes[k // ncols][k % ncols], entry, k, ncols, context_tokens, lines)
+        kinds_seen |= kinds
+        not_applied_seen = not_applied_seen or not_applied
     for k in range(n, nrows * ncols):
         axes[k // ncols][k % ncols].set_visible(False)
+
+    handles = _legend_handles(context_tokens, lines, kinds_seen, not_applied_seen)
+    suffix = f" ({n} of {len(drawable)} conversations, the most compacted)" if n < len(drawable) else ""
+    fig.suptitle(title + suffix, fontsize=12)
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(2 if ncols == 1 else 3, len(handles)), fontsize=8,
+               frameon=False)
+    return fig, n
+
+
+def _draw_panel(ax: Any, entry: Mapping[str, Any], k: int, ncols: int, context_tokens: int | None,
+                lines: Mapping[str, int]) -> tuple[set[str], bool]:
+    """Panel ``k`` of :func:`figure`: one conversation's occupancy, the window and trigger lines, its
+    compactions; the kinds of compaction drawn, and whether one not applied was (for the legend)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    kinds_seen: set[str] = set()
+    not_applied_seen = False
+    occ = list(entry["occupancy"])
+    xs = list(range(len(occ)))
+    ax.plot(xs, occ, color="#444444", linewidth=1.2, marker="." if len(occ) <= 80 else None, markersize=3,
+            zorder=2)
+    if context_tokens:
+        ax.axhline(context_tokens, color="black", linewidth=1.4, zorder=1)
+    for (name, level), color in zip(lines.items(), _LINE_COLORS, strict=False):
+        ax.axhline(level, color=color, linewidth=1.0, linestyle="--", zorder=1)
+    for ev in entry["events"]:
+        x = min(ev["request"], max(len(occ) - 1, 0))
+        kind = ev["kind"]
+        if not ev["applied"]:
+            not_applied_seen = True
+            ax.plot([x], [ev["tokens_before"]], marker="o", markerfacecolor="none", color="#7f7f7f",
+                    markersize=7, zorder=3)
+            continue
+        style = _KIND_STYLE.get(kind, {"marker": "o", "color": "#7f7f7f"})
+        kinds_seen.add(kind)
+        ax.vlines(x, ev["tokens_after"], ev["tokens_before"], color=style["color"], linewidth=1.2, alpha=0.7,
+                  zorder=3)
+        ax.plot([x], [ev["tokens_after"]], marker=style["marker"], color=style["color"], markersize=7,
+                linestyle="none", zorder=4)
+    counts = entry.get("compactions", {})
+    what = ", ".join(f"{v} {kk.replace('_', ' ')}" for kk, v in sorted(counts.items()) if v) or "no compaction"
+    problems = []
+    if entry.get("overflows"):
+        problems.append(f"{entry['overflows']} over the window")
+    if entry.get("orphans"):
+        problems.append(f"{entry['orphans']} orphans")
+    label = str(entry.get("label") or entry.get("conversation") or f"conversation {k}")
+    # Wrapped to the panel's width (about 64 characters at this size, 110 in a single panel), so a
+    # long label or a list of problems stays above its own panel.
+    panel_title = f"{label}: {what}" + (f" [{'; '.join(problems)}]" if problems else "")
+    ax.set_title(textwrap.fill(panel_title, 110 if ncols == 1 else 64), fontsize=9,
+                 color="#b00000" if problems else "black", loc="left")
+    ax.set_xlabel("model request (assistant turn)")
+    if k % ncols == 0:
+        ax.set_ylabel("occupancy (tokens)")
+    ax.yaxis.set_major_formatter(FuncFormatter(_fmt_tokens))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(bottom=0, top=max([context_tokens or 0, *occ, *(e["tokens_before"] for e in entry["events"])])
+                * 1.08 or 1)
+    ax.set_xlim(-0.5, max(len(occ) - 0.5, 0.5))
+    ax.grid(True, axis="y", color="#e5e5e5", linewidth=0.6)
+    return kinds_seen, not_applied_seen
+
+
+def _legend_handles(context_tokens: int | None, lines: Mapping[str, int], kinds_seen: set[str],
+                    not_applied_seen: bool) -> list[Any]:
+    """The legend of :func:`figure`: what its panels draw."""
+    from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color="#444444", marker=".", label="occupancy at each request (prompt + reply reserve)")]
     if context_tokens:
@@ -156,8 +180,4 @@ def figure(entries: Sequence[Mapping[str, Any]], *, context_tokens: int | None,
     if not_applied_seen:
         handles.append(Line2D([], [], color="#7f7f7f", marker="o", markerfacecolor="none", linestyle="none",
                               label="compaction attempted, not applied"))
-    suffix = f" ({n} of {len(drawable)} conversations, the most compacted)" if n < len(drawable) else ""
-    fig.suptitle(title + suffix, fontsize=12)
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(2 if ncols == 1 else 3, len(handles)), fontsize=8,
-               frameon=False)
-    return fig, n
+    return handles

@@ -30,7 +30,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter
 from ctxfold.errors import NoFitError
 from ctxfold.integrity import count_orphans
-from ctxfold.jinja_template import JinjaChatTemplate
+from ctxfold.jinja_loading import JinjaChatTemplate
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.session import Session
 from ctxfold.templates import ChatTemplate
@@ -237,32 +237,7 @@ def replay_conversation(
                     in_ctxfold += time.perf_counter() - t0
                     continue
                 in_ctxfold += time.perf_counter() - t0
-                occupancy = compactor.occupancy_tokens()
-                reserve = compactor.reply_reserve_tokens()
-                verified = None
-                if verifier is not None:
-                    verifier.sync(compactor.view)
-                    verified = verifier.total_tokens
-                point = RequestPoint(
-                    index=len(report.requests), message_index=index,
-                    prompt_tokens=occupancy - reserve, occupancy_tokens=occupancy,
-                    recorded_prompt_tokens=message.usage.prompt_tokens if message.usage else None,
-                    reply_reserve_tokens=reserve, verified_prompt_tokens=verified,
-                )
-                report.requests.append(point)
-                if ctx is not None and occupancy > ctx:
-                    report.overflows += 1
-                if ctx is not None and verified is not None and verified + reserve > ctx:
-                    report.overflows_verified += 1
-                new_events = compactor.events[seen_events:]
-                if any(e.applied for e in new_events):
-                    report.orphans += count_orphans(compactor.view)
-                report.events.extend((point.index, e) for e in new_events)
-                if observer is not None:
-                    # No engine runs in a replay: the plan's prefill is reported as done at once.
-                    for e in new_events:
-                        if e.applied and e.kv is not None:
-                            observer.prefill_progress(e.kv.tokens_to_prefill, e.kv.tokens_to_prefill)
+                point = _record_request(report, compactor, message, index, seen_events, ctx, verifier, observer)
                 seen_events = len(compactor.events)
                 if on_request is not None:
                     on_request(point)
@@ -280,6 +255,40 @@ def replay_conversation(
     report.seconds = time.perf_counter() - t_start
     report.seconds_in_ctxfold = in_ctxfold
     return report
+
+
+def _record_request(report: ReplayReport, compactor: Compactor, message: Message, index: int, seen_events: int,
+                    ctx: int | None, verifier: RequestAccounting | None, observer: Observer | None) -> RequestPoint:
+    """One model request of a replay, after the compactor ran: its point (occupancy, reply reserve, the
+    verifying count), the checks on it (over the window, orphans after a rewrite), and the compactions
+    that ran before it (``compactor.events`` from ``seen_events``) with their prefill reported."""
+    occupancy = compactor.occupancy_tokens()
+    reserve = compactor.reply_reserve_tokens()
+    verified = None
+    if verifier is not None:
+        verifier.sync(compactor.view)
+        verified = verifier.total_tokens
+    point = RequestPoint(
+        index=len(report.requests), message_index=index,
+        prompt_tokens=occupancy - reserve, occupancy_tokens=occupancy,
+        recorded_prompt_tokens=message.usage.prompt_tokens if message.usage else None,
+        reply_reserve_tokens=reserve, verified_prompt_tokens=verified,
+    )
+    report.requests.append(point)
+    if ctx is not None and occupancy > ctx:
+        report.overflows += 1
+    if ctx is not None and verified is not None and verified + reserve > ctx:
+        report.overflows_verified += 1
+    new_events = compactor.events[seen_events:]
+    if any(e.applied for e in new_events):
+        report.orphans += count_orphans(compactor.view)
+    report.events.extend((point.index, e) for e in new_events)
+    if observer is not None:
+        # No engine runs in a replay: the plan's prefill is reported as done at once.
+        for e in new_events:
+            if e.applied and e.kv is not None:
+                observer.prefill_progress(e.kv.tokens_to_prefill, e.kv.tokens_to_prefill)
+    return point
 
 
 def _restore_exact(session_dir: Path, original: Conversation) -> bool:

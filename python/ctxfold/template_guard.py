@@ -1,11 +1,12 @@
 """Bounds on a model's own chat template: hostile input, run as a program at load and on every request.
 
 A Jinja chat template comes from a model file anyone can publish. The sandbox (transformers' kind,
-built in :func:`ctxfold.jinja_template._compile`) keeps it away from Python's internals; this module
-keeps it from taking the process's time and memory, in two layers.
+built in :mod:`ctxfold.template_sandbox`) keeps it away from Python's internals; this module keeps it
+from taking the process's time and memory, in two layers. It holds the bounds and the checks; the
+sandbox wires them into a template's operators, calls, filters, loops and output.
 
-**Every render is bounded** (:func:`bounded_environment`, :class:`RenderBudget`). The operators that
-build big values (``*``, ``**``, ``+``, ``%``, and ``~``) and the calls and filters that do
+**Every render is bounded** (:class:`RenderBudget`; :func:`ctxfold.template_sandbox.bounded_environment`).
+The operators that build big values (``*``, ``**``, ``+``, ``%``, and ``~``) and the calls and filters that do
 (``center``, ``replace``, ``join``, ``format``, ...) are checked before they compute: no string over
 :data:`MAX_VALUE_CHARS` characters, no list over :data:`MAX_VALUE_ITEMS` items, no integer over
 :data:`MAX_INT_BITS` bits. A list, tuple or dict the template builds (a literal, an operator's or a
@@ -36,9 +37,9 @@ import os
 import re
 import string
 import time
-from collections.abc import Callable, ItemsView, Iterable, Iterator, KeysView, Mapping, Sequence, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Sequence, ValuesView
 from contextvars import ContextVar
-from functools import lru_cache, wraps
+from functools import lru_cache
 from typing import Any, NoReturn
 
 from ctxfold.errors import TemplateBoundsError
@@ -61,10 +62,6 @@ MAX_TEMPLATE_CHARS = 2**20  # a template's source (models ship a few KiB; the la
 # time they have built this much (work that builds little is bounded by the loop budget instead).
 _MEMORY_CHECK_BYTES = 64 * 2**20
 _CLOCK_CHECK_BYTES = 2**20
-# Filters named with a space: no template can write them, so none can shadow or call them.
-_LOOP_FILTER = "ctxfold loop"
-_CONCAT_FILTER = "ctxfold concat"
-_LITERAL_FILTER = "ctxfold literal"
 
 
 def _mib(n: int) -> str:
@@ -144,15 +141,15 @@ class RenderBudget:
             _refuse("memory", f"it needed over {_mib(MAX_RENDER_GROWTH_BYTES)} of memory in one render")
 
 
-_current: ContextVar[RenderBudget | None] = ContextVar("ctxfold_render_budget", default=None)
+current_budget: ContextVar[RenderBudget | None] = ContextVar("ctxfold_render_budget", default=None)
 
 
 def _budget() -> RenderBudget:
     # Outside a render (constant folding at compile time): a budget of its own, for the size checks.
-    return _current.get() or RenderBudget()
+    return current_budget.get() or RenderBudget()
 
 
-def _counted(iterable: Any) -> Any:
+def counted(iterable: Any) -> Any:
     """``iterable``, its items drawn from the render's loop budget: a sized one (a list, a string, a range,
     a dict) all at once and returned as it is, so ``loop.length``, ``loop.last`` and ``else`` see what they
     saw; any other (a filter's generator) item by item."""
@@ -178,7 +175,7 @@ _COLLECTION = (list, tuple, dict)
 _CONTAINER = (list, tuple, set, frozenset, KeysView, ValuesView, ItemsView)
 
 
-def _checked(value: Any) -> Any:
+def checked(value: Any) -> Any:
     """``value``, a result of the template's operations, after its size is checked and charged."""
     if isinstance(value, _TEXT):
         n = len(value)
@@ -197,7 +194,7 @@ def _checked(value: Any) -> Any:
         return _each_counted(value, _budget())
     else:
         return value
-    budget = _current.get()
+    budget = current_budget.get()
     if budget is not None:
         budget.charge(n)
     return value
@@ -281,7 +278,7 @@ def _check_text(value: Any, what: str, indent: int = 0) -> None:
         _too_big(f"{what} would print a value of over {MAX_VALUE_CHARS:,} characters")
 
 
-def _finalize(value: Any) -> Any:
+def finalize(value: Any) -> Any:
     """Every ``{{ ... }}`` value before it is printed: a container that prints as more than a value may
     hold (a list holding itself twice, forty levels deep) is refused before ``str()`` runs."""
     if type(value) is not str:
@@ -385,14 +382,14 @@ def _check_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> N
     _check_formatted("a format string", fmt, fields, widths, values)
 
 
-def _call_binop(env: Any, context: Any, operator: str, left: Any, right: Any) -> Any:
+def call_binop(env: Any, context: Any, operator: str, left: Any, right: Any) -> Any:
     """The sandbox's hook for the operators it intercepts (its method, without a frame of its own)."""
     del context
     if operator == "+" and type(left) is str and type(right) is str:  # most of what templates compute
         n = len(left) + len(right)
         if n > MAX_VALUE_CHARS:
             _too_big(f"'+' would build a string of over {MAX_VALUE_CHARS:,} characters")
-        budget = _current.get()
+        budget = current_budget.get()
         if budget is not None:
             budget.charge(n)
         return left + right
@@ -404,21 +401,21 @@ def _call_binop(env: Any, context: Any, operator: str, left: Any, right: Any) ->
         _check_sum(left, right)
     elif operator == "%" and isinstance(left, str):
         _check_percent(left, right)
-    return _checked(env.binop_table[operator](left, right))
+    return checked(env.binop_table[operator](left, right))
 
 
-def _concat(operands: list[Any]) -> str:
+def concat(operands: list[Any]) -> str:
     """``a ~ b ~ ...``, in place of jinja2's join of the operands' ``str()``."""
     size = 0
     for x in operands:
         size += text_size(x)
         if size > MAX_VALUE_CHARS:
             _too_big(f"'~' would build a string of over {MAX_VALUE_CHARS:,} characters")
-    out: str = _checked("".join(map(str, operands)))
+    out: str = checked("".join(map(str, operands)))
     return out
 
 
-def _bounded_range(*args: int) -> range:
+def bounded_range(*args: int) -> range:
     try:
         rng = range(*args)
         n = len(rng)
@@ -429,7 +426,7 @@ def _bounded_range(*args: int) -> range:
     return rng
 
 
-def _bounded_concat(chunks: Iterable[str]) -> str:
+def bounded_concat(chunks: Iterable[str]) -> str:
     """The text of a render (or of a macro, block, {% set %}), refused once over :data:`MAX_OUTPUT_CHARS`:
     chunks are references (a loop printing one string a million times holds it once) until joined."""
     parts: list[str] = []
@@ -466,7 +463,7 @@ def _check_joined(sep: Any, items: Sequence[Any]) -> None:
             _too_big(f"a join would build a string of over {MAX_VALUE_CHARS:,} characters")
 
 
-def _precheck_method(obj: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+def precheck_method(obj: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
     """A call of a built-in type's method (``s.center(n)``, ``s.replace(a, b)``, ``sep.join(xs)``,
     ``fmt.format(...)``), checked before it runs; the arguments to call it with (a join's iterable, counted
     and listed)."""
@@ -487,7 +484,7 @@ def _precheck_method(obj: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any])
     if name == "replace":
         _check_replace(owner, args, kwargs)
     elif name == "join" and args:
-        items = args[0] if isinstance(args[0], list | tuple) else list(_counted(args[0]))
+        items = args[0] if isinstance(args[0], list | tuple) else list(counted(args[0]))
         _check_joined(owner, items)
         args = (items, *args[1:])
     elif name == "expandtabs":
@@ -518,7 +515,7 @@ def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], i: int, name: str, defa
     return args[i] if len(args) > i else kwargs.get(name, default)
 
 
-def _precheck_filter(name: str, value: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+def precheck_filter(name: str, value: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """A filter's call, checked before it runs; the value to call it with (a join's or sum's input,
     counted and listed)."""
     if args or kwargs:
@@ -556,7 +553,7 @@ def _precheck_filter(name: str, value: Any, args: tuple[Any, ...], kwargs: Mappi
         if (text.count(" ") + text.count("\n") + 1) * per_link > MAX_VALUE_CHARS:
             _too_big(f"urlize would build a string of over {MAX_VALUE_CHARS:,} characters")
     elif name in ("join", "sum") and not isinstance(value, str):
-        items = value if isinstance(value, list | tuple) else list(_counted(value))
+        items = value if isinstance(value, list | tuple) else list(counted(value))
         if name == "join" and _arg(args, kwargs, 1, "attribute", None) is None:
             _check_joined(_arg(args, kwargs, 0, "d", ""), items)
         elif name == "sum" and sum(len(x) for x in items if isinstance(x, list | tuple)) > MAX_VALUE_ITEMS:
@@ -565,22 +562,7 @@ def _precheck_filter(name: str, value: Any, args: tuple[Any, ...], kwargs: Mappi
     return value
 
 
-def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    # A filter that takes the context (or eval context, or environment) gets it first, then its value.
-    lead = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0
-
-    @wraps(f)
-    def bounded(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > lead:
-            value = _precheck_filter(name, args[lead], args[lead + 1:], kwargs)
-            args = (*args[:lead], value, *args[lead + 1:])
-        return _checked(f(*args, **kwargs))
-
-    bounded.ctxfold_bounded = True  # type: ignore[attr-defined]
-    return bounded
-
-
-def _lipsum(*args: Any, **kwargs: Any) -> Any:
+def lipsum(*args: Any, **kwargs: Any) -> Any:
     """jinja2's ``lipsum(n, html, min, max)`` global: ``n`` paragraphs of up to ``max`` words."""
     from jinja2.utils import generate_lorem_ipsum
 
@@ -590,106 +572,7 @@ def _lipsum(*args: Any, **kwargs: Any) -> Any:
     return generate_lorem_ipsum(*args, **kwargs)
 
 
-def _literal(value: Any) -> Any:
-    """A list, tuple or dict literal (``[a, b]``), checked as any value the template builds."""
-    return _checked(value)
-
-
-def _loop_filter(context: Any, iterable: Any) -> Any:
-    del context  # taken only so that jinja2 never calls it at compile time (constant folding)
-    return _counted(iterable)
-
-
-# -- the environment ----------------------------------------------------------------------------------------------
-
-@lru_cache(maxsize=1)
-def _environment_class() -> type[Any]:
-    import jinja2
-    from jinja2.runtime import LoopContext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class BoundedTemplate(jinja2.Template):
-        def render(self, *args: Any, **kwargs: Any) -> str:
-            token = _current.set(RenderBudget())  # every render its own budget
-            try:
-                return super().render(*args, **kwargs)
-            finally:
-                _current.reset(token)
-
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "+", "%"})
-        template_class = BoundedTemplate
-        concat = staticmethod(_bounded_concat)  # every render's, macro's, block's and {% set %}'s text
-
-        def __init__(self, **options: Any) -> None:
-            super().__init__(finalize=_finalize, **options)
-            self.globals["range"] = _bounded_range
-            self.globals["lipsum"] = _lipsum
-            self.filters[_LOOP_FILTER] = jinja2.pass_context(_loop_filter)
-            self.filters[_CONCAT_FILTER] = _concat
-            self.filters[_LITERAL_FILTER] = _literal
-
-        call_binop = _call_binop
-
-        def call(self, context: jinja2.runtime.Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(obj, LoopContext) and args:  # loop(children) in a recursive loop
-                args = (_counted(args[0]), *args[1:])
-            args = _precheck_method(obj, args, kwargs)
-            return _checked(super().call(context, obj, *args, **kwargs))
-
-    return BoundedSandbox
-
-
-def bounded_environment(**options: Any) -> Any:
-    """A sandbox as transformers builds one (``ImmutableSandboxedEnvironment`` with ``options``) whose
-    renders are bounded as this module says. Compile with :func:`compile_bounded`, after adding filters."""
-    return _environment_class()(**options)
-
-
-def compile_bounded(env: Any, source: str) -> Any:
-    """``source`` compiled in ``env`` (from :func:`bounded_environment`): its filters bounded, every
-    ``{% for %}`` drawing from the render's loop budget, every ``~`` checked. Raises jinja2's
-    ``TemplateSyntaxError`` as ``env.from_string`` does."""
-    from jinja2 import nodes
-    from jinja2.visitor import NodeTransformer
-
-    for name, f in list(env.filters.items()):
-        if name not in (_LOOP_FILTER, _CONCAT_FILTER, _LITERAL_FILTER) and not getattr(f, "ctxfold_bounded", False):
-            env.filters[name] = _bounded_filter(name, f)
-
-    class Bound(NodeTransformer):
-        def visit_For(self, node: nodes.For) -> nodes.Node:
-            self.generic_visit(node)
-            node.iter = nodes.Filter(node.iter, _LOOP_FILTER, [], [], None, None, lineno=node.lineno)
-            return node
-
-        def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
-            self.generic_visit(node)
-            return nodes.Filter(nodes.List(node.nodes, lineno=node.lineno), _CONCAT_FILTER, [], [], None, None,
-                                lineno=node.lineno)
-
-        def visit_List(self, node: nodes.List) -> nodes.Node:
-            return literal(node)
-
-        def visit_Dict(self, node: nodes.Dict) -> nodes.Node:
-            return literal(node)
-
-        def visit_Tuple(self, node: nodes.Tuple) -> nodes.Node:
-            # A tuple assigned to ({% for a, b in ... %}, {% set a, b = ... %}) is no value.
-            return literal(node) if node.ctx == "load" else self.generic_visit(node)
-
-    def literal(node: nodes.Expr) -> nodes.Node:
-        Bound().generic_visit(node)
-        return nodes.Filter(node, _LITERAL_FILTER, [], [], None, None, lineno=node.lineno)
-
-    tree = env.parse(source)
-    Bound().visit(tree)
-    tree.set_environment(env)
-    return env.from_string(tree)
-
-
 __all__ = [
     "MAX_INT_BITS", "MAX_OUTPUT_CHARS", "MAX_RENDER_GROWTH_BYTES", "MAX_RENDER_ITERATIONS", "MAX_TEMPLATE_CHARS",
-    "MAX_VALUE_CHARS", "MAX_VALUE_ITEMS", "RENDER_TIMEOUT_S", "RenderBudget", "bounded_environment", "compile_bounded",
-    "text_size",
+    "MAX_VALUE_CHARS", "MAX_VALUE_ITEMS", "RENDER_TIMEOUT_S", "RenderBudget", "text_size",
 ]

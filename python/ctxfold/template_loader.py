@@ -23,12 +23,11 @@ from typing import Any
 
 import ctxfold
 from ctxfold.errors import ConfigError
+from ctxfold.jinja_loading import JinjaChatTemplate, load_model_template
 from ctxfold.jinja_template import (
-    JinjaChatTemplate,
     JinjaRenderer,
     TemplateBoundsError,
     TemplateRenderError,
-    load_model_template,
     remember_probe,
 )
 from ctxfold.template_guard import MAX_TEMPLATE_CHARS, _mib
@@ -204,7 +203,7 @@ def load_checked(spec: str, *, timeout_s: float = LOAD_TIMEOUT_S,
     """The template ``spec`` (``hf:PATH``, ``gguf:PATH``, ``file:PATH``) names, once a child process has
     loaded it, compiled it and run the load-time probe renders within ``timeout_s`` seconds and
     ``max_memory_bytes`` of memory (past the child's own imports). Raises ConfigError with one line: what
-    the file lacks (as :func:`ctxfold.jinja_template.from_tokenizer_config` and the others say), or what
+    the file lacks (as :func:`ctxfold.jinja_loading.from_tokenizer_config` and the others say), or what
     the template did (took over the time, needed over the memory, recursed, went past a render bound).
     This process only waits, at most ``timeout_s``, and reads the child's answer; the template is then
     used here with the child's probe results."""

@@ -31,7 +31,7 @@ from ctxfold.template_presets import (
 )
 
 if TYPE_CHECKING:
-    from ctxfold.jinja_template import JinjaChatTemplate
+    from ctxfold.jinja_loading import JinjaChatTemplate
 
 __all__ = ["CHATML_QWEN3", "DEEPSEEK_V4", "DEEPSEEK_V32", "DEEPSEEK_V32_API", "JINJA_PRESETS", "MISTRAL_V7",
            "PRESETS", "Arguments", "ChatTemplate", "Part", "Reasoning", "RenderOptions", "RenderedRequest",
@@ -52,7 +52,7 @@ def get_template(spec: str) -> ChatTemplate | JinjaChatTemplate:
         return hit
     kind, sep, rest = spec.partition(":")
     if spec in JINJA_PRESETS:
-        from ctxfold.jinja_template import jinja_presets
+        from ctxfold.jinja_loading import jinja_presets
 
         return jinja_presets()[spec]
     if sep and kind in ("hf", "gguf", "file") and rest:

@@ -9,13 +9,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ctxfold.calibration import (
-    ALLOWANCE_FRACTION,
+from ctxfold.calibration import ALLOWANCE_FRACTION, DEFAULT_TEMPLATES, calibrate
+from ctxfold.calibration_corpus import (
     CORPUS_SUFFIXES,
-    DEFAULT_TEMPLATES,
     MIN_GROUPS_TO_HOLD_OUT,
     TextGroup,
-    calibrate,
     conversation_texts,
     corpus_files,
     why_nothing_held_out,

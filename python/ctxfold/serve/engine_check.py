@@ -232,6 +232,26 @@ class EngineCheck:
             r.findings.append(f"the chat template differs: a one-message request is {ours} tokens for ctxfold, "
                               f"{theirs} for the engine (give --template the engine's own)")
 
+        self._compare_roles(counts, kinds)
+        for kind in kinds:
+            self.metrics.engine_divergences.inc(kind)
+        if kinds:
+            r.state = "differ"
+            log.warning("engine check: the upstream does not see what ctxfold counts: %s; the calibration keeps "
+                        "the window safe, but counts are off", "; ".join(r.findings))
+        else:
+            r.state = "agree"
+            if r.findings:
+                log.warning("engine check: the upstream counts what ctxfold counts, but: %s", "; ".join(r.findings))
+            log.info("engine check: the upstream counts what ctxfold counts (%s)",
+                     ", ".join(f"{k} {v['engine']}" for k, v in r.figures.items()))
+
+    def _compare_roles(self, counts: dict[str, tuple[int | str, int | str]], kinds: list[str]) -> None:
+        """What a system message and a tool exchange add, for ctxfold and for the engine (``counts``: each
+        probe's pair, from :meth:`_probe`): a role one side drops or renders differently joins ``kinds``
+        and the report's findings."""
+        r = self.report
+
         def growth(name: str, base: str) -> tuple[int, int] | None:
             (o1, e1), (o0, e0) = counts[name], counts[base]
             if all(isinstance(v, int) for v in (o1, e1, o0, e0)):
@@ -268,18 +288,6 @@ class EngineCheck:
                 kinds.append("template")
                 r.findings.append(f"{what} messages are rendered differently: {ours_g} tokens for ctxfold, "
                                   f"{theirs_g} for the engine")
-        for kind in kinds:
-            self.metrics.engine_divergences.inc(kind)
-        if kinds:
-            r.state = "differ"
-            log.warning("engine check: the upstream does not see what ctxfold counts: %s; the calibration keeps "
-                        "the window safe, but counts are off", "; ".join(r.findings))
-        else:
-            r.state = "agree"
-            if r.findings:
-                log.warning("engine check: the upstream counts what ctxfold counts, but: %s", "; ".join(r.findings))
-            log.info("engine check: the upstream counts what ctxfold counts (%s)",
-                     ", ".join(f"{k} {v['engine']}" for k, v in r.figures.items()))
 
 
 __all__ = ["DEFAULT_ENGINE_CHECK_EVERY", "ENGINE_CHECK_MODES", "EngineCheck", "EngineCheckReport"]

@@ -247,60 +247,86 @@ def _collect(messages: Sequence[Message]) -> _Facts:
         if m.role is Role.SYSTEM:
             continue
         if m.role is Role.ASSISTANT:
-            if text.strip():
-                f.notes.append(text.strip())
-            for c in m.tool_calls:
-                rendered = _note_call(f, c, i)
-                f.commands.append(rendered)
-                calls[c.id] = (rendered, len(f.commands) - 1)
-                waiting[c.id] = None
-            if not m.tool_calls and text:
-                # Text-based agents (mini-swe-agent, SWE-agent without function calling): a fenced shell block.
-                blocks = _FENCE_RE.findall(_ends(text))
-                if blocks:
-                    cmd = blocks[-1][1].strip()
-                    if cmd:
-                        f.commands.append(f"`{_one_line(cmd, _CMD_CHARS)}`")
-                        last_text_command = len(f.commands) - 1
-                        _note_shell_paths(f, cmd, i)
+            fenced = _note_assistant(f, m, i, calls, waiting)
+            if fenced is not None:
+                last_text_command = fenced
             continue
         # A tool result, or a user message that is an observation.
-        scan = _ends(text)
-        lowered = scan.lower()
-        code = _exit_code(scan, lowered)
-        err = _error_line(text) if (m.is_error or (code is not None and code != 0) or
-                                    _might_be_error(lowered)) else None
-        slot: int | None = None
-        if m.role is Role.TOOL:
-            cid = m.tool_call_id
-            if cid not in waiting:
-                # No usable id (some recorders drop it): pair with the oldest call still waiting.
-                cid = next(iter(waiting), None)
-            if cid is not None:
-                del waiting[cid]
-                slot = calls[cid][1]
-        elif m.role is Role.USER and last_text_command is not None:
-            slot = last_text_command
+        _note_observation(f, m, calls, waiting, last_text_command)
         last_text_command = None
-        if slot is not None:
-            if code is not None:
-                f.commands[slot] += f" -> exit {code}"
-            elif f.commands[slot].startswith("`"):
-                pass  # a command without a visible exit code
-            else:
-                head = _one_line(text, _RESULT_HEAD_CHARS)
-                if head:
-                    f.commands[slot] += f" -> {head}"
-            if m.is_error and code is None:
-                f.commands[slot] += " (error)"
-        if err is not None or m.is_error:
-            who = f"{m.name}: " if m.name else ""
-            line = err if err is not None else _one_line(text, _ERROR_CHARS)
-            f.errors.append(who + _one_line(line, _ERROR_CHARS))
-        for p in _find_paths(scan):
-            f.mentioned[p] += 1
 
-    # Pending: calls without results, an unanswered user turn, the last assistant intent.
+    _note_pending(f, messages, calls, waiting)
+    return f
+
+
+def _note_assistant(f: _Facts, m: Message, i: int, calls: dict[str, tuple[str, int]],
+                    waiting: OrderedDict[str, None]) -> int | None:
+    """An assistant message's note and calls, as ``_collect`` keeps them; the ``f.commands`` index of a
+    fenced shell command it wrote (a text-based agent's), which awaits its observation, or None."""
+    text = m.text
+    if text.strip():
+        f.notes.append(text.strip())
+    for c in m.tool_calls:
+        rendered = _note_call(f, c, i)
+        f.commands.append(rendered)
+        calls[c.id] = (rendered, len(f.commands) - 1)
+        waiting[c.id] = None
+    if not m.tool_calls and text:
+        # Text-based agents (mini-swe-agent, SWE-agent without function calling): a fenced shell block.
+        blocks = _FENCE_RE.findall(_ends(text))
+        if blocks:
+            cmd = blocks[-1][1].strip()
+            if cmd:
+                f.commands.append(f"`{_one_line(cmd, _CMD_CHARS)}`")
+                fenced = len(f.commands) - 1
+                _note_shell_paths(f, cmd, i)
+                return fenced
+    return None
+
+
+def _note_observation(f: _Facts, m: Message, calls: dict[str, tuple[str, int]], waiting: OrderedDict[str, None],
+                      last_text_command: int | None) -> None:
+    """A tool result (or a user message that is an observation): its exit code or first line joins the
+    command it answers, its error line the errors, the paths it names the mentioned ones."""
+    text = m.text
+    scan = _ends(text)
+    lowered = scan.lower()
+    code = _exit_code(scan, lowered)
+    err = _error_line(text) if (m.is_error or (code is not None and code != 0) or
+                                _might_be_error(lowered)) else None
+    slot: int | None = None
+    if m.role is Role.TOOL:
+        cid = m.tool_call_id
+        if cid not in waiting:
+            # No usable id (some recorders drop it): pair with the oldest call still waiting.
+            cid = next(iter(waiting), None)
+        if cid is not None:
+            del waiting[cid]
+            slot = calls[cid][1]
+    elif m.role is Role.USER and last_text_command is not None:
+        slot = last_text_command
+    if slot is not None:
+        if code is not None:
+            f.commands[slot] += f" -> exit {code}"
+        elif f.commands[slot].startswith("`"):
+            pass  # a command without a visible exit code
+        else:
+            head = _one_line(text, _RESULT_HEAD_CHARS)
+            if head:
+                f.commands[slot] += f" -> {head}"
+        if m.is_error and code is None:
+            f.commands[slot] += " (error)"
+    if err is not None or m.is_error:
+        who = f"{m.name}: " if m.name else ""
+        line = err if err is not None else _one_line(text, _ERROR_CHARS)
+        f.errors.append(who + _one_line(line, _ERROR_CHARS))
+    for p in _find_paths(scan):
+        f.mentioned[p] += 1
+
+
+def _note_pending(f: _Facts, messages: Sequence[Message], calls: dict[str, tuple[str, int]],
+                  waiting: OrderedDict[str, None]) -> None:
+    """Pending: calls without results, an unanswered user turn, the last assistant intent."""
     for cid in waiting:
         f.pending.append(f"call without a result yet: {calls[cid][0]}")
     last = next((m for m in reversed(messages) if not m.extra.get(INTERNAL_KEY)), None)
@@ -311,7 +337,6 @@ def _collect(messages: Sequence[Message]) -> _Facts:
         last_assistant = next((m for m in reversed(messages) if m.role is Role.ASSISTANT and m.text.strip()), None)
         if last_assistant is not None:
             f.pending.append("last assistant note: " + _one_line(last_assistant.text, _NOTE_CHARS))
-    return f
 
 
 def _note_call(f: _Facts, c: ToolCall, i: int) -> str:
