@@ -106,6 +106,13 @@ def test_compacts_within_the_window_without_orphans() -> None:
     assert model.bound[0] == ["shell"] and "read_archive" in model.bound[-1]
 
 
+def test_the_recall_tool_is_counted_even_without_other_tools() -> None:
+    mw = middleware()
+    mw.compact_messages([HumanMessage("hi", id="u0")], thread_id="t")  # an agent with no tools of its own
+    c = mw.compactor("t")
+    assert c is not None and [t.name for t in c.header.tools] == ["read_archive"]
+
+
 def test_recall_tool_answers_an_archived_output() -> None:
     model, mw = ScriptedModel(script=script(12, recall=True)), middleware()
     state = agent(model, mw).invoke(turn("fix the failing test", 0), CONFIG)

@@ -321,7 +321,7 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         self.events: list[CompactionEvent] = []  # every compaction of every thread, in order
         self._threads: dict[str, _Thread] = {}
         self._lock = threading.Lock()
-        self._tool_specs: tuple[tuple[int, ...], tuple[ToolSpec, ...]] = ((), ())
+        self._tool_specs: tuple[tuple[int, ...], tuple[ToolSpec, ...]] | None = None  # see _specs
         self.recall_tool = ReadArchiveTool(store_for=self._store_for)
         self.tools = [self.recall_tool]
 
@@ -415,7 +415,7 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         """The tools the requests count: those offered, and read_archive always (it may be offered at any
         call, so the window keeps room for it). Converted again only when the list changes."""
         ids = tuple(map(id, tools))
-        if ids != self._tool_specs[0]:
+        if self._tool_specs is None or ids != self._tool_specs[0]:
             specs = tuple(tool_spec(x) for x in tools if x is not self.recall_tool)
             self._tool_specs = (ids, (*specs, tool_spec(self.recall_tool)))
         return self._tool_specs[1]
