@@ -231,6 +231,22 @@ class Compactor:
             self._accounting.reset(self.header, self.view)
             self._pending_bound_tokens = 0  # the reset counted the whole view
 
+    def update_system(self, system: str | None) -> None:
+        """The system prompt the next requests send, where it differs from what the conversation started
+        with (a prompt built per request): counted from now on, as :meth:`update_tools` counts tools. Not
+        logged: a resumed session counts the prompt it started with until the next request sets it."""
+        with self._lock:
+            if system == self.header.system:
+                return
+            self.header = replace(self.header, system=system)
+            self._accounting.reset(self.header, self.view)
+            self._pending_bound_tokens = 0
+
+    def run(self, step: Step[T]) -> T:
+        """Drive a step of this compactor's core that the caller put together from the ``*_step``
+        methods (several appends and a request, as one operation) in this thread, under the lock."""
+        return run_sync(step, self._lock)
+
     def expect_reply(self, max_tokens: int | None) -> None:
         """The next requests' own limit on the answer (their ``max_tokens``), None where they give none:
         the reply reserve is at least that (:meth:`reply_reserve_tokens`). The proxy sets it per request,
@@ -557,6 +573,11 @@ class AsyncCompactor:
     async def before_request(self, queued: Sequence[Message] = (), *, max_reply_tokens: int | None = None,
                              cancel: asyncio.Event | None = None) -> CompactionEvent | None:
         return await self._run(self.sync.before_request_step(queued, max_reply_tokens=max_reply_tokens), cancel)
+
+    async def run(self, step: Step[T], *, cancel: asyncio.Event | None = None) -> T:
+        """Drive a step the caller put together from the compactor's ``*_step`` methods (the
+        asynchronous twin of :meth:`Compactor.run`)."""
+        return await self._run(step, cancel)
 
     async def append(self, *messages: Message) -> None:
         async with self._lock:
