@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 import synthetic_traces as synthetic
 from ctxfold.serve import ProxyApp
@@ -26,6 +27,12 @@ from proxy_helpers import start_proxy
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
 REQUIRE_TRACES = os.environ.get("CTXFOLD_REQUIRE_TRACES", "") not in ("", "0")
+
+# CI (.ci/run sets CTXFOLD_HYPOTHESIS_PROFILE=ci) checks a fixed set of examples for each property: a red
+# run then means the change broke something, not that a new draw found an old gap. Local runs keep
+# drawing new examples, and Hypothesis replays any that failed (.hypothesis/) until they pass.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("CTXFOLD_HYPOTHESIS_PROFILE", "default"))
 
 WHERE_TO_GET_THEM = (
     "the real agent traces are not part of the project; put them in ../shared/traces beside the clone or "

@@ -169,3 +169,15 @@ def test_the_proxy_compacts_a_gemma_chat_and_passes_a_conversation_gemma_refuses
             assert up.received[-1]["messages"] == tools
         finally:
             srv.close()
+
+
+def test_the_guard_sizes_a_huge_newest_request_in_its_place_for_gemma() -> None:
+    """A short chat, then one user message far over a 1k window: the guard's smallest request counts that
+    message as its marker where it stands. Counted as if appended after itself, it followed a user
+    message, which Gemma's template refuses (found by the property test above)."""
+    gemma = next(t for t in TEMPLATES if t.name == "gemma-3")
+    messages: list[Message] = []
+    for turn in range(7):
+        messages += [Message(Role.USER, f"turn {turn}: 0"), Message(Role.ASSISTANT, f"answer {turn}: 0")]
+    messages += [Message(Role.USER, "turn 7: " + "lorem ipsum dolor " * 400), Message(Role.ASSISTANT, "answer 7: 0")]
+    assert check_every_rewrite(gemma, Conversation(messages=messages), 1024) >= 1  # the guard's rewrite renders

@@ -90,10 +90,18 @@ def fit_floor(c: Compactor, turn_start: bool, queued: Sequence[Message]) -> dict
 
 def smallest_tokens(c: Compactor, m: Message) -> int:
     """Tokens of ``m`` as the guard can show it at its smallest: whole, or as its marker."""
-    whole = c.accounting.message_tokens(m)
+    acc = c.accounting
+    whole = acc.message_tokens(m)
     head, tail = oversized_preview_chars(c)
-    marker = make_marker("0" * 64, m.text, head, tail)
-    return min(whole, c.accounting.message_tokens(replace(m, content=marker)))
+    stand_in = replace(m, content=make_marker("0" * 64, m.text, head, tail))
+    # Counted where it would stand: a message of the view in its place (counted as if appended after
+    # itself, a user message would follow a user message, which a template that wants turns to
+    # alternate refuses); a queued one after the view, where it goes.
+    for i in range(len(c.view) - 1, -1, -1):
+        if c.view[i] is m:
+            replaced = [*c.view[:i], stand_in, *c.view[i + 1:]]
+            return min(whole, acc.count_view(c.header, replaced) - (acc.total_tokens - whole))
+    return min(whole, acc.message_tokens(stand_in))
 
 
 def oversized_preview_chars(c: Compactor) -> tuple[int, int]:
@@ -133,13 +141,16 @@ def archive_oversized_messages(c: Compactor, ctx: int, queued: list[Message],
         new = result.messages[0]
         if new is m:
             continue
-        if i < n:
-            view[i] = new
-        else:
-            shown[i - n] = new
         archived += [ArchivedOutput(a.message_id, a.archive_id, a.chars_before, a.chars_after)
                      for a in result.report.archived]
-        used -= size - c.accounting.message_tokens(new)
+        if i < n:
+            # Counted in its place (see smallest_tokens): the request with it, the queued ones and the reserve.
+            view[i] = new
+            used = (c.accounting.count_view(c.header, view) + sum(c.accounting.message_tokens(q) for q in shown)
+                    + c.reply_reserve_tokens())
+        else:
+            shown[i - n] = new
+            used -= size - c.accounting.message_tokens(new)
     if not archived:
         return None, queued
     unseen = c.state.unseen_start()
