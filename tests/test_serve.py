@@ -184,11 +184,11 @@ def test_least_recently_used_conversations_are_closed_and_come_back_from_disk(
                 turns.append(("assistant", r.json()["choices"][0]["message"]["content"]))
                 # The handler trims after the client has its answer (and the answer is recorded): wait for it.
                 deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and (proxy.sessions.num_sessions > 2 or len(proxy._models) > 2
+                while time.monotonic() < deadline and (proxy.sessions.num_sessions > 2 or len(proxy.compactors.models) > 2
                                                        or len(proxy.sessions.cache._loaded_locks) > 2):
                     time.sleep(0.001)
                 assert proxy.sessions.num_sessions <= 2
-                assert len(proxy._models) <= 2
+                assert len(proxy.compactors.models) <= 2
                 assert len(proxy.sessions.cache._loaded_locks) <= 2  # an evicted key's lock goes with its last user
     finally:
         srv.close()

@@ -18,7 +18,7 @@ import pytest
 
 from ctxfold.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
-from ctxfold.serve.app import _Resumed, uncancelled
+from ctxfold.serve.tasks import _Resumed, uncancelled
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from ctxfold.session import Session
 from proxy_helpers import chat, post, serve_in_background, start_proxy

@@ -33,32 +33,29 @@ client's messages are already in the session, so a retry continues the same conv
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import gc
-import hmac
-import json
 import logging
-import math
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ctxfold.archive import ArchiveStore
 from ctxfold.compactor import Compactor
 from ctxfold.errors import ConfigError, NoFitError
 from ctxfold.jinja_template import TemplateRenderError
 from ctxfold.messages import Conversation
 from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
+from ctxfold.serve.compactors import Compactors
 from ctxfold.serve.config import ProxyConfig, redact_url
 from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Forwarder, PromptTooLong
+from ctxfold.serve.health import Operations
 from ctxfold.serve.keys import (
     ANONYMOUS_TENANT,
     MAX_SESSION_KEY_CHARS,
@@ -69,7 +66,7 @@ from ctxfold.serve.keys import (
     load_tenant_key,
     tenant_of,
 )
-from ctxfold.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ctxfold.serve.listener import BoundedListener, runner_options
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.quota import (
     DiskQuota,
@@ -81,7 +78,6 @@ from ctxfold.serve.quota import (
 )
 from ctxfold.serve.record import prompt_tokens, record
 from ctxfold.serve.request import (
-    OPERATOR_HEADER,
     OWN_REQUEST_HEADERS,
     RELAY_DROPPED_HEADERS,
     BadRequest,
@@ -95,11 +91,9 @@ from ctxfold.serve.request import (
 from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, is_storage_error
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
+from ctxfold.serve.tasks import uncancelled
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
-from ctxfold.store import BufferedLog, QuotaExceeded, Store, StoreError, open_store
-
-# /health asks whether the upstream can be reached at most this often.
-UPSTREAM_PROBE_INTERVAL_S = 5.0
+from ctxfold.store import QuotaExceeded, Store, StoreError, open_store
 
 # Re-exported: the names the proxy's users and tests have imported from here.
 __all__ = ["BadRequest", "BoundedListener", "ProxyApp", "ProxyConfig", "failure_kind", "make_runner", "parse_request",
@@ -124,78 +118,6 @@ async def add_warning_headers(request: web.Request, response: web.StreamResponse
     """An ``on_response_prepare`` hook: each warning of the request as one header (ASCII, one line)."""
     for text in request.get(_WARNINGS, ()):
         response.headers.add(WARNING_HEADER, " ".join(text.split()).encode("ascii", "replace").decode())
-
-
-async def uncancelled(work: Coroutine[Any, Any, T], on_cancel: Callable[[], None] | None = None, *,
-                      eager: bool = False) -> T:
-    """``await work`` to its end even when the awaiting task is cancelled (its client left); the
-    cancellation is raised after it. For work that must not stop half way: a compactor's append and
-    passes (in a worker thread, which a cancellation would not stop anyway), recording an answer.
-    ``on_cancel`` is called at the cancellation: to ask the work to finish early (a summary stops).
-
-    ``eager``: the work's first step runs at once, in the caller (in a copy of its context, as a
-    task's would be). A cancellation reaches a coroutine only where it waits, and the usual request's
-    work never waits (nothing to load, nothing fires): it ends in that step, with no task and no turn
-    of the event loop. Under load each turn waits behind every other connection's callbacks: at 64
-    paced conversations the two turns of a task took 0.14 ms (median) of the request's way upstream.
-    What waits goes on in a task of its own, as without ``eager``. Only for work whose first step
-    starts no timer that cancels "the current task" (``asyncio.timeout``, ``asyncio.wait_for`` on
-    3.12, a ``TaskGroup``, redis-py's and aiohttp's client timeouts): that would be the caller, and its
-    expiry would read as the client leaving. Worker threads are fine."""
-    if eager:
-        context = contextvars.copy_context()
-        try:
-            waiting_on = context.run(work.send, None)
-        except StopIteration as done:
-            return cast(T, done.value)
-        task = asyncio.get_running_loop().create_task(_Resumed(work, waiting_on), context=context)
-    else:
-        task = asyncio.ensure_future(work)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            if not cancelled and on_cancel is not None:
-                on_cancel()
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
-
-
-class _Resumed(Coroutine[Any, Any, T]):
-    """``work`` from where its first step stopped (it yielded ``waiting_on``, what it waits on), for
-    a task to drive as any coroutine: the first step yields ``waiting_on``; every other step, and
-    anything thrown in (a cancellation before the first step included), goes on to ``work``."""
-
-    __slots__ = ("waiting_on", "work")
-
-    def __init__(self, work: Coroutine[Any, Any, T], waiting_on: Any) -> None:
-        self.work = work
-        self.waiting_on: Any = waiting_on
-
-    def send(self, value: Any) -> Any:
-        if self.waiting_on is not _SENT:
-            waiting_on, self.waiting_on = self.waiting_on, _SENT
-            return waiting_on
-        return self.work.send(value)
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        self.waiting_on = _SENT
-        return self.work.throw(typ) if val is None and tb is None else self.work.throw(typ, val, tb)
-
-    def close(self) -> None:
-        self.work.close()
-
-    def __await__(self) -> Generator[Any, None, T]:
-        raise TypeError("a resumed work is driven by its task, not awaited")
-
-
-_SENT = object()  # _Resumed's first step is done
 
 
 class ProxyApp:
@@ -223,23 +145,22 @@ class ProxyApp:
                 log.warning("tenants are keyed with %s/%s: replicas on other machines must use the same key "
                             "(--tenant-key-file or %s), else their tenants differ and share no conversation",
                             config.data_dir, TENANT_KEY_FILE, TENANT_KEY_ENV)
-        self.sessions = SessionStore(config.data_dir, make_compactor or self._make_compactor,
+        self.compactors = Compactors(config, self.counter, self.template, self._client)
+        self.sessions = SessionStore(config.data_dir, make_compactor or self.compactors.for_data_dir,
                                      max_loaded_sessions=config.max_loaded_conversations,
                                      max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
                                      tenant_key=self._tenant_key(),
                                      create_in_thread=config.fsync == "always" or config.archive_url is not None,
-                                     store=store, make_store_compactor=self._make_store_compactor,
+                                     store=store, make_store_compactor=self.compactors.for_store,
                                      lease_ms=config.lease_ms, quota=self._disk_quota())
+        self.compactors.sessions = self.sessions
         self._replayer: asyncio.Task[None] | None = None  # writes the spool back once the store is back
         self._sweeper: asyncio.Task[None] | None = None  # deletes idle sessions, measures the accounts again
         self._refusals = RefusalLog()
-        self._upstream_probed: tuple[float, str | None] = (-math.inf, None)  # (when, why unreachable)
-        self._health_problem: str | None = None  # what /health said last (None: ok), to log its changes
         self._upstream: UpstreamClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop serving: the store's reads are asked on it
         self.compaction = CompactionStep(config, self.metrics)
         self.forwarder = Forwarder(config, self.metrics, self._client)
-        self._models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
         self.engine_check = EngineCheck(mode=config.engine_check, every=config.engine_check_every,
                                         counter=self.counter, template=self.template, metrics=self.metrics,
                                         client=self._client, completions_url=config.completions_url,
@@ -266,49 +187,14 @@ class ProxyApp:
         except (OSError, ValueError) as e:
             raise ConfigError(f"tenant_key_file: cannot read a tenant key from {path}: {e}") from None
 
-    # -- compactors ----------------------------------------------------------------------------------
-    def _make_compactor(self, header: Conversation, path: Path) -> Compactor:
-        # A tenant's archive is its key's, an anonymous conversation's its own (SessionStore.archive_dir).
-        # With archive_url, replicas share it through object storage; event logs stay on local disk.
-        if self.config.archive_url is not None:
-            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
-        else:
-            store = ArchiveStore(self.sessions.archive_dir(path))
-        return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
-                         summarizer=self._summarizer(path), session_dir=path, store=store,
-                         durable=self.config.fsync != "never", fsync_appends=self.config.fsync == "always")
-
-    def _make_store_compactor(self, header: Conversation, path: Path, session_log: BufferedLog) -> Compactor:
-        """A compactor whose log goes to the shared store, through ``session_log`` (the proxy commits
-        it); its archive is the store's (the key's), or ``archive_url``'s when one is given."""
-        store = None
-        if self.config.archive_url is not None:
-            store = ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self.sessions.archive_prefix(path)}")
-        return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
-                         summarizer=self._summarizer(path), session_log=session_log, store=store)
-
-    def _summarizer(self, path: Path) -> Any:
-        summarizer = None
-        if self.config.summarizer == "config":
-            from ctxfold.summarize import make_summarizer
-
-            summarizer = make_summarizer(self.config.compact)
-        elif self.config.summarizer == "upstream":
-            from ctxfold.serve.summaries import UpstreamSummarizer
-
-            model = self.config.summary_model or self._models.get(self.sessions.key_of(path)) or "default"
-            summarizer = UpstreamSummarizer(self.config.base_url, model, client=self._client,
-                                            api_key=self.config.summary_api_key,
-                                            timeout_s=self.config.compact.summary.timeout_s)
-        return summarizer
-
     # -- app -----------------------------------------------------------------------------------------
     def app(self) -> web.Application:
         # client_max_size backs up the Content-Length check for chunked uploads (read in a stream).
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.completions)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_handler)
+        operations = Operations(self.config, self.sessions, self.metrics, self.engine_check, self._client)
+        app.router.add_get("/health", operations.health)
+        app.router.add_get("/metrics", operations.metrics)
         # Everything else (/v1/models, /v1/embeddings, a vendor's own paths) goes to the upstream as it came.
         app.router.add_route("*", "/{path:.*}", self.relay)
         app.on_response_prepare.append(add_warning_headers)
@@ -363,7 +249,7 @@ class ProxyApp:
 
     def _forget_key(self, key: str) -> None:
         self.sessions.unload(key)
-        self._models.pop(key, None)
+        self.compactors.models.pop(key, None)
 
     async def _cleanup(self, app: web.Application) -> None:
         if self._replayer is not None:
@@ -380,58 +266,6 @@ class ProxyApp:
             await self._upstream.close()
         await asyncio.to_thread(self.sessions.close)
         await self.sessions.aclose()
-
-    def _operator(self, request: web.Request) -> bool:
-        """Whether ``request`` may read the operator's figures (``operator_token``, when one is set)."""
-        token = self.config.operator_token
-        given = request.headers.get(OPERATOR_HEADER, "")
-        return token is None or hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
-
-    async def health(self, request: web.Request) -> web.Response:
-        problem = await asyncio.to_thread(self.sessions.storage_problem)
-        if problem is None:
-            problem = await self.sessions.store_problem()
-        if problem is None:
-            problem = await self._upstream_problem()
-        report: dict[str, Any] = {"status": "ok" if problem is None else "degraded",
-                                  "upstream": redact_url(self.config.completions_url),
-                                  "sessions_loaded": self.sessions.num_sessions,
-                                  "engine_check": self.engine_check.report.as_dict()}
-        if problem is not None:  # requests still pass through, uncompacted: the reason is the operator's to fix
-            report["reason"] = problem
-        if not self._operator(request):  # a load balancer's check: the status alone, no details
-            report = {"status": report["status"]}
-        if problem != self._health_problem:  # said once per change, not once per probe
-            if problem is not None:
-                log.warning("health: degraded: %s", problem, extra={"health": "degraded", "reason": problem})
-            else:
-                log.info("health: ok again", extra={"health": "ok"})
-            self._health_problem = problem
-        spool = self.sessions.spool
-        if spool is not None:  # refused and unreadable batches are the operator's to look at, not an outage
-            report["spool"] = {"pending_batches": spool.num_pending, "refused_batches": spool.num_refused,
-                               "unreadable_files": [str(p) for p in spool.set_aside]}
-        return web.json_response(report, status=200 if problem is None else 503)
-
-    async def _upstream_problem(self) -> str | None:
-        """Why the upstream cannot be reached, asked at most every UPSTREAM_PROBE_INTERVAL_S (a health
-        check every second must not cost a connection every second)."""
-        now = time.monotonic()
-        if now - self._upstream_probed[0] >= UPSTREAM_PROBE_INTERVAL_S:
-            why = await self._client().unreachable()
-            if why is not None and self._upstream_probed[1] is None:
-                log.warning("the upstream %s cannot be reached: %s", redact_url(self.config.completions_url), why)
-            self._upstream_probed = (now, why)
-        why = self._upstream_probed[1]
-        return None if why is None else f"the upstream {redact_url(self.config.completions_url)} cannot be reached: {why}"
-
-    async def metrics_handler(self, request: web.Request) -> web.Response:
-        if not self._operator(request):
-            return error_response(404, f"no such path without the {OPERATOR_HEADER} header",
-                                  code="not_found")
-        self.metrics.note_state(self.sessions)
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE,
-                                                                 "X-Content-Type-Options": "nosniff"})
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A request the proxy does not handle, to the upstream and back: method, path and query,
@@ -510,7 +344,7 @@ class ProxyApp:
                 self._count_request(request, parsed.stream, key)
                 model = parsed.body.get("model")
                 if isinstance(model, str):
-                    self._models.setdefault(key, model)
+                    self.compactors.models.setdefault(key, model)
                 async with self.sessions.lock(key):
                     try:
                         return await self._handle(request, parsed, key, t0)
@@ -539,7 +373,7 @@ class ProxyApp:
                 return self._counted(request, await self._pass_through(request, parsed, reason, "template_refused"))
             finally:  # after the lock is released; also when the client left and the handler is cancelled
                 for evicted in self.sessions.trim():
-                    self._models.pop(evicted, None)
+                    self.compactors.models.pop(evicted, None)
                 if self.metrics.per_request_state:
                     self.metrics.note_state(self.sessions)
         except asyncio.CancelledError:
@@ -721,116 +555,9 @@ class ProxyApp:
         return resp
 
 
-# After an answer to a request whose body was not read (413, 408), aiohttp reads and drops what the client
-# still sends for this long, so the client sees the answer rather than a reset; then it closes.
-LINGER_S = 2.0
-
-
-def runner_options(config: ProxyConfig) -> dict[str, Any]:
-    """The options of the proxy's aiohttp runner. aiohttp's keep-alive timer also runs from the moment
-    a connection opens until a request's head has arrived: with ``client_timeout_s`` it times out
-    half-sent heads (and idle connections), where aiohttp's default would wait an hour. A handler is
-    cancelled when its client leaves: its upstream call is closed at once (the engine stops) and its
-    conversation is free for the next request (see :func:`uncancelled` for what still runs to its end)."""
-    return {"access_log": None, "handle_signals": False, "keepalive_timeout": config.client_timeout_s,
-            "lingering_time": LINGER_S, "handler_cancellation": True}
-
-
 def make_runner(proxy: ProxyApp) -> web.AppRunner:
     """The proxy's aiohttp runner (:func:`runner_options`)."""
     return web.AppRunner(proxy.app(), **runner_options(proxy.config))
-
-
-_BUSY_BODY = json.dumps({"error": {
-    "message": "ctxfold serve has as many client connections open as it accepts (--max-connections); retry shortly",
-    "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-         b"Connection: close\r\nContent-Length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
-
-
-class _Gate(asyncio.Protocol):
-    """One client connection: counted by its site, handed to aiohttp's protocol when under the limit,
-    else answered 503 and closed before anything is read. Counted from connection_made to
-    connection_lost, which asyncio calls in pairs and one at a time, so the count is exact."""
-
-    __slots__ = ("_inner", "_site")
-
-    def __init__(self, site: BoundedListener) -> None:
-        self._site = site
-        self._inner: asyncio.Protocol | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        site = self._site
-        if site.open_connections >= site.max_connections or site.factory is None:
-            site.refused += 1
-            cast(asyncio.Transport, transport).write(_BUSY)
-            transport.close()  # after the write is flushed
-            return
-        site.open_connections += 1
-        self._inner = site.factory()
-        self._inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self._inner is not None:
-            self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._inner is not None else None
-
-    def pause_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._inner is not None:
-            self._site.open_connections -= 1
-            self._inner.connection_lost(exc)
-
-
-# Connections the kernel queues before the proxy accepts them (it caps this at net.core.somaxconn).
-LISTEN_BACKLOG = 1024
-
-
-class BoundedListener:
-    """The proxy's listening socket, with at most ``max_connections`` client connections open at once:
-    each accepted connection goes to aiohttp's protocol (the runner's public ``server`` factory) through
-    a :class:`_Gate`. Public APIs only (asyncio's ``create_server`` and the runner's ``server``): no
-    subclass of aiohttp's sites, whose internals change between releases. With ``sock``, it accepts on
-    that listening socket (bound by a parent, shared by several workers)."""
-
-    def __init__(self, runner: web.AppRunner, *, max_connections: int) -> None:
-        self.runner = runner
-        self.max_connections = max_connections
-        self.open_connections = 0
-        self.refused = 0  # connections answered 503 since the start
-        self.factory: Callable[[], asyncio.Protocol] | None = None
-        self._server: asyncio.Server | None = None
-
-    async def start(self, host: str, port: int, *, sock: socket.socket | None = None) -> int:
-        """Listen (or accept on ``sock``); returns the port bound."""
-        server = self.runner.server
-        if server is None:
-            raise RuntimeError("the runner is not set up")
-        self.factory = server
-        loop = asyncio.get_running_loop()
-        if sock is not None:
-            self._server = await loop.create_server(lambda: _Gate(self), sock=sock, backlog=LISTEN_BACKLOG)
-        else:
-            self._server = await loop.create_server(lambda: _Gate(self), host, port, backlog=LISTEN_BACKLOG,
-                                                    reuse_address=True)
-        sockets = self._server.sockets
-        return int(sockets[0].getsockname()[1]) if sockets else port
-
-    async def stop(self) -> None:
-        """Accept no more connections (those open are closed by the runner's cleanup)."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
 
 
 async def serve(config: ProxyConfig, host: str, port: int, *, ready: Callable[[str], None] | None = None,

@@ -1,0 +1,76 @@
+"""How the proxy builds a conversation's compactor: one counter and template for all (both stateless and
+thread-safe), the summarizer the configuration asks for (the upstream model by default), and the archive
+where the session store says it lives (a tenant's key's, an anonymous conversation's own, or object
+storage shared by replicas)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ctxfold.archive import ArchiveStore
+from ctxfold.compactor import Compactor
+from ctxfold.counting import TokenCounter
+from ctxfold.messages import Conversation
+from ctxfold.serve.config import ProxyConfig
+from ctxfold.serve.upstream import UpstreamClient
+from ctxfold.store import BufferedLog
+
+if TYPE_CHECKING:
+    from ctxfold.serve.sessions import SessionStore
+
+
+class Compactors:
+    """The proxy's compactor factories (``SessionStore``'s ``make_compactor`` and ``make_store_compactor``)."""
+
+    def __init__(self, config: ProxyConfig, counter: TokenCounter, template: Any,
+                 client: Callable[[], UpstreamClient]) -> None:
+        self.config = config
+        self.counter = counter
+        self.template = template
+        self._client = client
+        self.sessions: SessionStore | None = None  # set once it exists: the archives' places come from it
+        self.models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
+
+    def _sessions(self) -> SessionStore:
+        if self.sessions is None:  # not an assert: python -O must not turn this into an AttributeError
+            raise RuntimeError("a compactor is asked for before the session store exists")
+        return self.sessions
+
+    def _shared_archive(self, path: Path) -> ArchiveStore | None:
+        """With archive_url, replicas share the archive through object storage; event logs stay local."""
+        if self.config.archive_url is None:
+            return None
+        return ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self._sessions().archive_prefix(path)}")
+
+    def for_data_dir(self, header: Conversation, path: Path) -> Compactor:
+        """A compactor whose session lives in the data directory at ``path``. A tenant's archive is its
+        key's, an anonymous conversation's its own (SessionStore.archive_dir)."""
+        store = self._shared_archive(path)
+        if store is None:
+            store = ArchiveStore(self._sessions().archive_dir(path))
+        return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
+                         summarizer=self.summarizer(path), session_dir=path, store=store,
+                         durable=self.config.fsync != "never", fsync_appends=self.config.fsync == "always")
+
+    def for_store(self, header: Conversation, path: Path, session_log: BufferedLog) -> Compactor:
+        """A compactor whose log goes to the shared store, through ``session_log`` (the proxy commits
+        it); its archive is the store's (the key's), or ``archive_url``'s when one is given."""
+        return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
+                         summarizer=self.summarizer(path), session_log=session_log, store=self._shared_archive(path))
+
+    def summarizer(self, path: Path) -> Any:
+        """The summarizer the configuration asks for; None: the compactor's extractive one."""
+        if self.config.summarizer == "config":
+            from ctxfold.summarize import make_summarizer
+
+            return make_summarizer(self.config.compact)
+        if self.config.summarizer == "upstream":
+            from ctxfold.serve.summaries import UpstreamSummarizer
+
+            model = self.config.summary_model or self.models.get(self._sessions().key_of(path)) or "default"
+            return UpstreamSummarizer(self.config.base_url, model, client=self._client,
+                                      api_key=self.config.summary_api_key,
+                                      timeout_s=self.config.compact.summary.timeout_s)
+        return None
