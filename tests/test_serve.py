@@ -217,7 +217,7 @@ def test_restart_resumes_sessions_from_the_data_dir(upstream: tuple[ScriptedUpst
 
 # -- recall ------------------------------------------------------------------------------------------
 
-def test_a_quiet_request_goes_out_first_and_one_due_for_an_archive_pass_does_not(
+def test_a_quiet_request_goes_out_as_sent_and_one_due_for_an_archive_pass_does_not(
         upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
     up, _ = upstream
     compact = CompactConfig.from_mapping({"minor": {"keep_recent_user_turns": 1, "archive_threshold": 100}})
@@ -234,7 +234,7 @@ def test_a_quiet_request_goes_out_first_and_one_due_for_an_archive_pass_does_not
         ]
         assert post(srv.url, history).status_code == 200
         session = app.sessions.loaded()[0]
-        # Nothing could fire: its bytes went out as sent, and its messages were stored after the answer.
+        # Nothing could fire: its bytes went out as sent, its messages stored.
         assert up.received[-1]["messages"][4]["content"] == big
         history["messages"] += [{"role": "assistant", "content": "echo: start"}, {"role": "user", "content": "next"}]
         assert post(srv.url, history).status_code == 200
@@ -243,7 +243,7 @@ def test_a_quiet_request_goes_out_first_and_one_due_for_an_archive_pass_does_not
         sent = up.received[-1]
         assert sent["messages"][4]["content"].startswith(MARKER_PREFIX)
         assert any(t["function"]["name"] == "read_archive" for t in sent["tools"])
-        # Quiet again: the compacted view goes out with the new message as sent, stored after the answer.
+        # Quiet again: the compacted view goes out with the new message as sent.
         history["messages"] += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "more"}]
         assert post(srv.url, history).status_code == 200
         sent = up.received[-1]

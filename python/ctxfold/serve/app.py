@@ -10,9 +10,7 @@ completion goes through the modules below, each calling only those after it:
    into it), under that conversation's lock;
 3. :mod:`~ctxfold.serve.compaction`: append the new messages to its compactor, run the automatic
    passes and build the outgoing body from the compacted view (``read_archive`` offered once the
-   conversation has archived outputs); when nothing can fire and the view is the client's messages as
-   they came, the body is built first and the append runs once the request is on its way upstream
-   (:attr:`~ctxfold.serve.compaction.Outgoing.pending`);
+   conversation has archived outputs);
 4. :mod:`~ctxfold.serve.forward`: send it upstream and the answer back, JSON or event stream, the
    upstream's bytes and headers unchanged, answering the model's ``read_archive`` calls itself
    (:mod:`~ctxfold.serve.recall`); an upstream that refuses the prompt as too long gets it again
@@ -445,17 +443,14 @@ class ProxyApp:
         try:
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,
                                                         stream=parsed.stream, recall=out.recall, too_long_raises=True,
-                                                        extra_headers=partial(self._own_headers, out),
-                                                        on_sent=partial(self._store_pending, request, out))
+                                                        extra_headers=partial(self._own_headers, out))
         except PromptTooLong as e:
             # The engine counts more than ctxfold does (or its window is smaller than --context-tokens):
             # compact to a lower window and ask once more; the client sees that one answer.
             self.metrics.upstream_errors.inc("context_length_exceeded")
             log.warning("the upstream refused a prompt as too long (%s); compacting further and retrying once", e)
-            lowered = None
-            if out.stored:  # else the session lacks the request: a view built from it would too
-                lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens, left), left.set)
-            if lowered is None:  # no window to aim lower at, or no request stored: the client gets the refusal
+            lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens, left), left.set)
+            if lowered is None:  # no window to aim lower at: the client gets the refusal
                 refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)
             lowered.compactions += out.compactions
@@ -464,39 +459,17 @@ class ProxyApp:
                                                         stream=parsed.stream, recall=out.recall,
                                                         too_long_raises=False,
                                                         extra_headers=partial(self._own_headers, out))
-        finally:  # the forwarding ended without sending the request (no upstream, the client left)
-            self._store_pending(request, out)
         self._counted(request, resp)
-        if answer is not None and out.stored:
+        if answer is not None:
             await uncancelled(record(self.config, out.session, answer, check=self.engine_check,
                                      commit=self._commit_answer), eager=eager)
         return resp
-
-    def _store_pending(self, request: web.Request, out: Outgoing) -> None:
-        """The request's append that waited for its sending (:attr:`Outgoing.pending`), once. It cannot
-        fail the request, which is on its way: a failure is said as a pass-through says it (a warning
-        header; /health for the data directory), and the answer is not recorded (``out.stored``)."""
-        pending, out.pending = out.pending, None
-        if pending is None:
-            return
-        try:
-            pending()
-        except Exception as e:  # said below; the answer reaches the client all the same
-            out.stored = False
-            if is_storage_error(e):
-                self._note_pass_through(request, self.sessions.note_storage_error(e), "storage_error")
-            else:
-                log.exception("internal error while storing a request's messages")
-                self._note_pass_through(request, f"internal error in ctxfold serve ({type(e).__name__}: {e})",
-                                        "internal_error")
 
     def _own_headers(self, out: Outgoing) -> list[tuple[str, str]]:
         """The headers that tell the client what the proxy did: ctxfold's count of the request as it left
         (when it was counted: from about a fifth of the window on, or every request with --engine-check
         every), the compactions this request made and the KV their plan keeps."""
         own: list[tuple[str, str]] = [("X-Ctxfold-Compactions", str(out.compactions))]
-        if not out.stored:  # the session lacks the request: a count of it would be short
-            return own
         predicted = prompt_tokens(out.session.compactor, count=self.engine_check.counts_every_request)
         if predicted is not None:
             own.append(("X-Ctxfold-Prompt-Tokens", str(predicted)))

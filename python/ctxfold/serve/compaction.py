@@ -9,11 +9,7 @@ The compactor's work is a step of its core (:mod:`ctxfold.compaction.effects`), 
 proxy's event loop: a summary it asks for is awaited on the loop, through the proxy's own upstream client,
 and stops early when the client leaves. The core's own work between summaries (counting, the session
 log's writes) costs a thread hop only when something may fire or be flushed
-(:meth:`CompactionStep.inline`): the common request appends on the event loop. When, besides, the view is the client's messages as
-they came (nothing was ever compacted), what goes upstream does not depend on the append: the request
-goes out first and the append runs while the upstream works (:attr:`Outgoing.pending`). On the
-benchmark machine that took about 0.6 ms off the median latency the proxy adds with 64 paced
-conversations (``bench/bench_serve.py``; the figures are in docs/serve.md).
+(:meth:`CompactionStep.inline`): the common request appends on the event loop, before it is sent.
 """
 
 from __future__ import annotations
@@ -22,13 +18,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from ctxfold import fastjson
 from ctxfold.archive import READ_ARCHIVE, read_archive_tool_openai
 from ctxfold.archive.marker import MARKER_PREFIX
-from ctxfold.compaction.effects import Step, no_calls, run_async
+from ctxfold.compaction.effects import Step, run_async
 from ctxfold.compactor import CompactionEvent, Compactor
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.serve.config import ProxyConfig
@@ -58,14 +53,6 @@ class Outgoing:
     # The engine's KV the last applied pass of this request plans to keep (its exact common prefix with the
     # request before, page-aligned), None when none was applied or it has no plan.
     kv_reused_tokens: int | None = None
-    # The request's own append, when it need not come before the sending: nothing can fire and the
-    # client's messages go out as they came (CompactionStep.prepare). Run once the request is on its
-    # way upstream (while the upstream works: less latency added), or when the forwarding ends without
-    # sending it; raises as the append does (a storage error). A request that fails before it is
-    # forwarded (the store refused the step's commit) drops it: the client's next request carries
-    # those messages again.
-    pending: Callable[[], None] | None = None
-    stored: bool = True  # False when the pending append failed: the session lacks the request
 
 
 def failure_kind(reason: str | None) -> str:
@@ -101,8 +88,7 @@ class CompactionStep:
                       create: Callable[[Conversation], Awaitable[ProxySession]],
                       left: asyncio.Event | None = None) -> Outgoing:
         """Store the request's new messages in ``session`` (None: a new conversation, made by
-        ``create``), compact, and build what goes upstream; or, when nothing can fire and what goes
-        upstream is the client's messages, build it and leave the append to :attr:`Outgoing.pending`.
+        ``create``), compact, and build what goes upstream.
         Raises BadRequest for a message or tool that is wrong (before anything is stored) and
         NoFitError when no compaction can fit it. ``left``: set when the client leaves (a summary in
         progress stops; the extractive summary stands in)."""
@@ -132,14 +118,8 @@ class CompactionStep:
             c.update_tools(specs)
             session.tools_wire = tools
         quiet = self.inline(c, new)
-        # Nothing can fire and the view is the client's messages as they came: what goes upstream is the
-        # same before the append as after it, so the append waits until the request is on its way and
-        # runs while the upstream works (Outgoing.pending).
-        defer = quiet and not session.resend_drop and c.view == c.originals
-        events: list[CompactionEvent] = []
-        if not defer:
-            events = await run_async(self._ingest(session, new, parsed.messages, quiet=quiet), c._lock,
-                                     in_thread=not quiet, cancel=left)
+        events = await run_async(self._ingest(session, new, parsed.messages, quiet=quiet), c._lock,
+                                 in_thread=not quiet, cancel=left)
         self.count_events(events)
         if not has_own_recall and not session.inject_recall:
             # Offer the tool once the conversation has archived outputs: from a pass of this request, in
@@ -155,13 +135,7 @@ class CompactionStep:
         out.compactions = len(applied)
         planned = [e.kv for e in applied if e.kv is not None]
         out.kv_reused_tokens = planned[-1].tokens_reused if planned else None
-        if defer:
-            out.pending = partial(self._append_quiet, session, new, parsed.messages)
         return out
-
-    def _append_quiet(self, session: ProxySession, new: list[Message], sent: list[dict[str, Any]]) -> None:
-        """The append of a request whose sending did not wait for it (:attr:`Outgoing.pending`)."""
-        self.count_events(no_calls(self._ingest(session, new, sent, quiet=True)))
 
     async def lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
                     limit_tokens: int | None, left: asyncio.Event | None = None) -> Outgoing | None:

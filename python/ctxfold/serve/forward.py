@@ -360,13 +360,12 @@ class Forwarder:
 
     async def forward(self, request: web.Request, store: ArchiveStore, body: dict[str, Any], payload: bytes,
                       headers: dict[str, str], *, stream: bool, recall: bool, too_long_raises: bool,
-                      extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple,
-                      on_sent: Callable[[], None] | None = None) -> tuple[web.StreamResponse, Answer | None]:
+                      extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple
+                      ) -> tuple[web.StreamResponse, Answer | None]:
         """The response the client gets and, when the client has an answer whole, that answer.
         ``too_long_raises``: a first-round 400 that says the prompt is too long raises PromptTooLong.
         ``extra_headers``: the proxy's own headers on a successful answer, asked for when its head is
-        built. ``on_sent``: called once the request is on its way upstream (the first round's; see
-        :meth:`UpstreamClient.post`). A stream whose client did not ask for usage asks for it
+        built. A stream whose client did not ask for usage asks for it
         (``ProxyConfig.stream_usage``) and keeps it from the client."""
         upstream = self._client()
         strip_usage = False
@@ -384,7 +383,7 @@ class Forwarder:
         while True:
             too_long: PromptTooLong | None = None
             try:
-                async with upstream.post(payload, headers, on_sent=on_sent if rounds == 0 else None) as up:
+                async with upstream.post(payload, headers) as up:
                     if up.status != 200:
                         raw = await up.read(max_nbytes=cfg.max_answer_bytes, decoded=True)
                         self.metrics.upstream_errors.inc("status")

@@ -23,7 +23,7 @@ import asyncio
 import ssl
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import cast
 from urllib.parse import urlsplit
@@ -314,13 +314,10 @@ class UpstreamClient:
         self._idle: list[_Connection] = []  # most recently used last: the warmest connection is reused
         self._busy: set[_Connection] = set()
 
-    def post(self, body: bytes, headers: Mapping[str, str], *, on_sent: Callable[[], None] | None = None
-             ) -> AbstractAsyncContextManager[UpstreamResponse]:
+    def post(self, body: bytes, headers: Mapping[str, str]) -> AbstractAsyncContextManager[UpstreamResponse]:
         """Send ``body`` with ``headers`` (no Host or Content-Length: this client writes those) to the
-        client's URL and wait for the head of the answer; read its body within the ``async with``.
-        ``on_sent``: called once the request is handed to the connection, before the wait (work to
-        do while the upstream works); what it raises fails the exchange."""
-        return self._exchange(self._request_line, body, headers.items(), expect_body=True, on_sent=on_sent)
+        client's URL and wait for the head of the answer; read its body within the ``async with``."""
+        return self._exchange(self._request_line, body, headers.items(), expect_body=True)
 
     def request(self, method: str, target: str, body: bytes, headers: Iterable[tuple[str, str]]
                 ) -> AbstractAsyncContextManager[UpstreamResponse]:
@@ -333,8 +330,7 @@ class UpstreamClient:
 
     @asynccontextmanager
     async def _exchange(self, request_line: bytes, body: bytes, headers: Iterable[tuple[str, str]], *,
-                        expect_body: bool, on_sent: Callable[[], None] | None = None
-                        ) -> AsyncIterator[UpstreamResponse]:
+                        expect_body: bool) -> AsyncIterator[UpstreamResponse]:
         head = [request_line]
         for name, value in headers:
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
@@ -345,8 +341,6 @@ class UpstreamClient:
         self._busy.add(conn)
         try:
             conn.send([b"".join(head), body], expect_body=expect_body)
-            if on_sent is not None:
-                on_sent()
             while not conn.head_done:
                 if conn.error is not None:
                     raise conn.error
