@@ -32,8 +32,8 @@ sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # the server launcher and replay client the test uses
 
 from ctxfold.formats import load
-from gemma_gguf import gemma_gguf_path
-from llama_server import (
+from helpers.gemma_gguf import gemma_gguf_path
+from helpers.llama_server import (
     GEMMA_FORMAT_TEMPLATE,
     TurnResult,
     chat_only_turns,

@@ -1,7 +1,7 @@
 """The llama.cpp adapter on Gemma 3 270M: what executing ctxfold's KV plan saves against a cold re-prefill.
 
 Shared traces are replayed as an engine runs them: each message rendered in Gemma 3's chat format as token ids
-(tests/gemma_gguf.py: the system text as the first user turn, tool calls as text, tool results as user turns;
+(tests/helpers/gemma_gguf.py: the system text as the first user turn, tool calls as text, tool results as user turns;
 a message is cut to ``n_ctx`` characters so that one fits the window) and appended to a
 :class:`~ctxfold.engines.llama_cpp.LlamaCppSequence`. Before each message the sequence's ``check`` decides;
 when compaction is due the model writes the summary as a suffix of its live KV (ds4's contract, greedy, capped
@@ -43,7 +43,7 @@ sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # the Gemma rendering and G
 
 from ctxfold import formats
 from ctxfold.engine import Decision
-from gemma_gguf import (
+from helpers.gemma_gguf import (
     EXTRA_BUFFER_TYPES,
     framed_summary_ids,
     gemma_gguf_path,

@@ -17,7 +17,7 @@ transformations, in the same run, at each window:
   judge's counter instead of its own (``token_counter=``), so that its decisions and the judgement agree.
 
 Both write their summaries with one deterministic fake chat model (``SummaryModel``: 150 words drawn from a
-digest of the prompt; tests/langchain_helpers.py), so neither waits on a model and the summaries are the same
+digest of the prompt; tests/helpers/langchain_helpers.py), so neither waits on a model and the summaries are the same
 size. Every request either sends is counted by one counter, the same for both (the estimate counter with the
 default template: system prompt, tools and messages, read_archive always counted among ctxfold's tools):
 over the window when that count plus the reply reserve exceeds the window. Orphaned tool results:
@@ -53,7 +53,7 @@ from ctxfold.messages import Conversation, Message, ToolSpec
 from ctxfold.replay import default_reply_reserve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from langchain_helpers import SummaryModel  # the tests' fake models: one definition
+from helpers.langchain_helpers import SummaryModel  # the tests' fake models: one definition
 
 WINDOWS = (8192, 16384, 32768)
 COUNTER = "estimate:deepseek-v4"

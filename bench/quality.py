@@ -401,7 +401,7 @@ def _default_count_on_deepseek(traces_dir: Path) -> list[Any] | None:
     from ctxfold.templates import DEEPSEEK_V32, RenderOptions
 
     sys.path.insert(0, str(BENCH_DIR.parent / "tests"))
-    from deepseek_traces import deepseek_runs  # the runs with the `bash` tool their agent offered
+    from helpers.deepseek_traces import deepseek_runs  # the runs with the `bash` tool their agent offered
 
     runs = deepseek_runs(traces_dir)
     if not runs:

@@ -26,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from ctxfold.config import CompactConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from proxy_helpers import start_proxy
+from helpers.proxy_helpers import start_proxy
 
 TEXT = "the tool printed this line of output, and more of the same " * 20  # ~1.2 kB a message
 

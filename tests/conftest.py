@@ -7,7 +7,7 @@ instead, so a run that should have read them cannot pass quietly. The ``traces_d
 one place that decides: tests take it rather than reading the path themselves.
 
 ``synthetic_traces`` writes a small folder of generated traces in every format the importers read
-(tests/synthetic_traces.py), so the same behaviour is tested on a fresh clone.
+(tests/helpers/synthetic_traces.py), so the same behaviour is tested on a fresh clone.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-import synthetic_traces as synthetic
-from ctxfold.serve import ProxyApp
-from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from proxy_helpers import start_proxy
+from helpers import synthetic_traces as synthetic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
@@ -65,26 +62,8 @@ def synthetic_traces_dir(_synthetic: tuple[Path, dict[Path, synthetic.Expected]]
 
 @pytest.fixture(scope="session")
 def synthetic_traces(_synthetic: tuple[Path, dict[Path, synthetic.Expected]]) -> dict[Path, synthetic.Expected]:
-    """The generated trace files (tests/synthetic_traces.py), each with what its importer must read."""
+    """The generated trace files (tests/helpers/synthetic_traces.py), each with what its importer must read."""
     return _synthetic[1]
-
-
-# -- the proxy's tests: the scripted upstream and a proxy in front of it, on loopback ------------------------
-
-@pytest.fixture()
-def upstream() -> Iterator[tuple[ScriptedUpstream, str]]:
-    up = ScriptedUpstream()
-    with BackgroundServer(up.app()) as srv:
-        yield up, srv.url
-
-
-@pytest.fixture()
-def proxy(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> Iterator[tuple[ProxyApp, str]]:
-    p, srv = start_proxy(upstream[1], tmp_path / "data")
-    try:
-        yield p, srv.url
-    finally:
-        srv.close()
 
 
 # -- a real redis-server on loopback, for the session store's tests ---------------------------------------
@@ -93,68 +72,8 @@ def proxy(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> Iterator[tu
 # CTXFOLD_REQUIRE_REDIS=1 (CI), where a missing server fails them.
 
 import shutil  # this section's own imports, kept with it (merges stay local)
-import socket
-import subprocess
-import time
 
-REQUIRE_REDIS = os.environ.get("CTXFOLD_REQUIRE_REDIS", "") not in ("", "0")
-
-
-class RedisServer:
-    """One redis-server process on 127.0.0.1: AOF on, fsynced on every write, no RDB snapshots."""
-
-    def __init__(self, binary: str, folder: Path) -> None:
-        self.binary = binary
-        self.dir = folder
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.extra: tuple[str, ...] = ()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, *extra: str) -> None:
-        """Start it (again: the same port and directory, so it reads its append-only file back)."""
-        if extra:
-            self.extra = extra
-        if not self.port:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.port = s.getsockname()[1]
-        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - the process writes it until stopped
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-             "--appendfsync", "always", "--dir", str(self.dir), *self.extra],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
-                                   f"{(self.dir / 'server.log').read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(64).startswith(b"+PONG"):  # not -LOADING: the AOF is read back
-                        return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError(f"redis-server on port {self.port} did not answer within 20 s")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=20)
-        self.proc = None
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no last write; what it acknowledged must be in its append-only file."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=20)
-        self.proc = None
+from helpers.redis_server import REQUIRE_REDIS, RedisServer
 
 
 @pytest.fixture()

@@ -1,0 +1,119 @@
+"""What `ctxfold serve` writes to its log: a timestamped line per request, per compaction, per failure and
+per change of health, as text or as one JSON object a line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
+from helpers.proxy_helpers import chat, post
+from helpers.subprocess_env import ctxfold_env
+
+FILLER = "lorem ipsum dolor sit amet " * 40
+
+
+def run_proxy(upstream_url: str, data_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ctxfold", "serve", "--upstream", upstream_url, "--port", "0", "--data-dir",
+         str(data_dir), "--context-tokens", "2048", "--template", "none", "--tokenizer", "chars4",
+         "--summarizer", "extractive", "--engine-check", "off", "--no-fsync", *extra],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ctxfold_env())
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    m = re.search(r"listening on (\S+),", line)
+    assert m is not None, line + proc.stderr.read()[-2000:]
+    return proc, m.group(1)
+
+
+def stop(proc: subprocess.Popen[str]) -> list[str]:
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    return err.splitlines()
+
+
+def test_json_lines_for_requests_compactions_failures_and_health(tmp_path: Path) -> None:
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as upstream:
+        proc, url = run_proxy(upstream.url + "/v1", tmp_path / "data", "--log-format", "json")
+        try:
+            messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+            for k in range(8):  # enough turns at a 2k window for a compaction
+                messages.append({"role": "user", "content": f"question {k} {FILLER}"})
+                resp = post(url, {"model": "m", "messages": messages})
+                assert resp.status_code == 200
+                messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+            up.fail_status, up.fail_count = 503, 1
+            assert post(url, chat(("user", "this one fails"))).status_code == 503
+        finally:
+            upstream.close()  # the upstream goes: /health says so, once
+            time.sleep(0.1)
+            for _ in range(3):
+                httpx.get(url + "/health", timeout=30)
+            lines = stop(proc)
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert records and len(records) == len([line for line in lines if line.strip()]), lines  # every line is JSON
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", r["time"]) for r in records)
+    access = [r for r in records if r["logger"] == "ctxfold.access"]
+    assert [r["status"] for r in access] == [200] * 8 + [503]
+    assert all(r["tenant"] == "anonymous" and r["ms"] > 0 for r in access)
+    assert any(r["compactions"] > 0 for r in access) and any(r["prompt_tokens"] for r in access)
+    compactions = [r for r in records if r["message"].startswith("compaction: ")]
+    assert compactions and all(r["applied"] and r["tokens_after"] < r["tokens_before"] for r in compactions)
+    assert sum(r["compactions"] for r in access) == len(compactions)
+    degraded = [r for r in records if r.get("health") == "degraded"]
+    assert len(degraded) == 1 and "cannot be reached" in degraded[0]["reason"]
+
+
+def test_text_lines_have_a_timestamp_and_the_level_filters(tmp_path: Path) -> None:
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as upstream:
+        proc, url = run_proxy(upstream.url + "/v1", tmp_path / "a")
+        assert post(url, chat(("user", "hi"))).status_code == 200
+        lines = stop(proc)
+        quiet, url = run_proxy(upstream.url + "/v1", tmp_path / "b", "--log-level", "warning")
+        assert post(url, chat(("user", "hi"))).status_code == 200
+        quiet_lines = stop(quiet)
+    (access,) = [line for line in lines if " ctxfold.access: " in line]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO ctxfold\.access: POST /v1/chat/completions 200 "
+                        r"tenant=anonymous prompt_tokens=\S+ compactions=0 warnings=0 [\d.]+ ms", access), access
+    assert not [line for line in quiet_lines if "ctxfold.access" in line]
+
+
+def test_a_stderr_nobody_reads_never_blocks_the_proxy(tmp_path: Path) -> None:
+    """A script that reads the listening line and nothing more: once the pipe is full, a log write
+    that waited would stop the proxy's loop (the bench's 64 conversations hung so), and its exit."""
+    up = ScriptedUpstream()
+    with BackgroundServer(up.app()) as upstream:
+        proc, url = run_proxy(upstream.url + "/v1", tmp_path / "data", "--log-level", "debug")
+        try:
+            with httpx.Client(timeout=30) as client:
+                for k in range(1500):  # ~200 bytes of access line each: several times a pipe's 64 kB
+                    r = client.post(url + "/v1/chat/completions", json=chat(("user", f"hello {k}")))
+                    assert r.status_code == 200
+        finally:
+            t0 = time.monotonic()
+            proc.terminate()
+            proc.wait(timeout=30)
+        assert proc.returncode == 0 and time.monotonic() - t0 < 10
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+def test_a_full_log_queue_drops_and_counts_instead_of_waiting() -> None:
+    import logging
+    import queue
+
+    from ctxfold.serve.logs import _DroppingQueueHandler
+
+    handler = _DroppingQueueHandler(queue.Queue(3))
+    for k in range(10):
+        handler.handle(logging.LogRecord("ctxfold.access", logging.INFO, "", 0, "line %d", (k,), None))
+    assert handler.dropped == 7 and handler.queue.qsize() == 3
