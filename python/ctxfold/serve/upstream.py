@@ -314,13 +314,16 @@ class UpstreamClient:
         self._idle: list[_Connection] = []  # most recently used last: the warmest connection is reused
         self._busy: set[_Connection] = set()
 
-    def post(self, body: bytes, headers: Mapping[str, str], *, on_sent: Callable[[], None] | None = None
-             ) -> AbstractAsyncContextManager[UpstreamResponse]:
+    def post(self, body: bytes, headers: Mapping[str, str], *, on_sent: Callable[[], None] | None = None,
+             target: str | None = None) -> AbstractAsyncContextManager[UpstreamResponse]:
         """Send ``body`` with ``headers`` (no Host or Content-Length: this client writes those) to the
-        client's URL and wait for the head of the answer; read its body within the ``async with``.
-        ``on_sent``: called once the request is handed to the connection, before the wait (work to
-        do while the upstream works); what it raises fails the exchange."""
-        return self._exchange(self._request_line, body, headers.items(), expect_body=True, on_sent=on_sent)
+        client's URL (or ``target``, a path on its origin) and wait for the head of the answer; read its
+        body within the ``async with``. ``on_sent``: called once the request is handed to the
+        connection, before the wait (work to do while the upstream works); what it raises fails the
+        exchange."""
+        line = self._request_line if target is None else f"POST {target} HTTP/1.1\r\n{self._host_line}".encode(
+            "utf-8", "surrogateescape")
+        return self._exchange(line, body, headers.items(), expect_body=True, on_sent=on_sent)
 
     def request(self, method: str, target: str, body: bytes, headers: Iterable[tuple[str, str]]
                 ) -> AbstractAsyncContextManager[UpstreamResponse]:
