@@ -48,9 +48,11 @@ from ctxfold.compactor import Compactor
 from ctxfold.errors import ConfigError, NoFitError
 from ctxfold.jinja_template import TemplateRenderError
 from ctxfold.messages import Conversation
+from ctxfold.serve.anthropic import ANTHROPIC, count_tokens_body
 from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.compactors import Compactors
 from ctxfold.serve.config import ProxyConfig, redact_url
+from ctxfold.serve.dialect import OPENAI, Dialect
 from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Forwarder, PromptTooLong
 from ctxfold.serve.health import Operations
@@ -75,6 +77,7 @@ from ctxfold.serve.quota import (
     sweep_interval_s,
 )
 from ctxfold.serve.record import prompt_tokens, record
+from ctxfold.serve.relay import relay_body
 from ctxfold.serve.request import (
     OWN_REQUEST_HEADERS,
     RELAY_DROPPED_HEADERS,
@@ -90,7 +93,7 @@ from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, is_storage_error
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.tasks import uncancelled
-from ctxfold.serve.upstream import UpstreamClient, UpstreamError
+from ctxfold.serve.upstream import UpstreamClient
 from ctxfold.store import QuotaExceeded, Store, StoreError, open_store
 
 # Re-exported: the names the proxy's users and tests have imported from here.
@@ -190,6 +193,8 @@ class ProxyApp:
         # client_max_size backs up the Content-Length check for chunked uploads (read in a stream).
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         operations = Operations(self.config, self.sessions, self.metrics, self.engine_check, self._client)
         app.router.add_get("/health", operations.health)
         app.router.add_get("/metrics", operations.metrics)
@@ -279,38 +284,31 @@ class ProxyApp:
         return await self._relay_body(request, self.config.upstream_target(request.raw_path), body, headers)
 
     async def _relay_body(self, request: web.Request, target: str, body: bytes,
-                          headers: list[tuple[str, str]]) -> web.StreamResponse:
-        upstream = self._client()
-        resp: web.StreamResponse | None = None
-        try:
-            async with upstream.request(request.method, target, body, headers) as up:
-                resp = web.StreamResponse(status=up.status,
-                                          headers=relayed_headers(up.header_list, frozenset({"content-length"})))
-                length = up.headers.get("content-length")
-                if length is not None and length.isdigit() and request.method != "HEAD":
-                    resp.content_length = int(length)  # the same bytes: the upstream's framing holds
-                await resp.prepare(request)
-                async for chunk in up.iter_chunks():
-                    await resp.write(chunk)
-                await resp.write_eof()
-            return resp
-        except ValueError as e:  # a method, path or header the upstream client cannot write
-            return error_response(400, f"cannot relay this request: {e}", code="invalid_request")
-        except (UpstreamError, TimeoutError) as e:
-            if resp is None or not resp.prepared:
-                return self.forwarder.upstream_failure(e)
-            if request.transport is not None:  # the head went out: a cut connection is the only way to tell
-                request.transport.close()
-            return resp
-        except (ConnectionError, RuntimeError):  # the client went away
-            return resp if resp is not None else web.Response(status=499)
+                          headers: list[tuple[str, str]], dialect: Dialect = OPENAI) -> web.StreamResponse:
+        return await relay_body(request, self._client(), target, body, headers,
+                                partial(self.forwarder.upstream_failure, dialect=dialect))
 
-    # -- a chat completion ---------------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's ``/v1/messages/count_tokens``: counted here when the tokenizer is the model's own
+        (an exact counter, the chat template in use), else relayed to the upstream."""
+        if not self.counter.exact:
+            return await self.relay(request)
+        try:
+            check_one_credential(request.headers, self.config)
+            parsed = ANTHROPIC.parse(await read_body(request, self.config))
+            return count_tokens_body(parsed, self.compactors.count_view)
+        except BadRequest as e:
+            return ANTHROPIC.error(e.status, e.message, code=e.code, param=e.param)
+
+    # -- a chat completion (or an Anthropic message) -------------------------------------------------------
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self.completions(request, ANTHROPIC)
+
+    async def completions(self, request: web.Request, dialect: Dialect = OPENAI) -> web.StreamResponse:
         t0 = time.perf_counter()
         resp: web.StreamResponse | None = None
         try:
-            resp = await self._completion(request, t0)
+            resp = await self._completion(request, t0, dialect)
             return resp
         finally:  # one access line per request, whatever became of it (a client that left: 499)
             if access_log.isEnabledFor(logging.INFO):
@@ -327,11 +325,11 @@ class ProxyApp:
                         request.path, status, fields["tenant"], fields["prompt_tokens"], fields["compactions"],
                         fields["warnings"], fields["ms"], extra=fields)
 
-    async def _completion(self, request: web.Request, t0: float) -> web.StreamResponse:
+    async def _completion(self, request: web.Request, t0: float, dialect: Dialect) -> web.StreamResponse:
         try:
             check_one_credential(request.headers, self.config)
             raw = await read_body(request, self.config)
-            parsed = parse_request(raw)
+            parsed = dialect.parse(raw)
             header_key = request.headers.get(SESSION_HEADER)
             if header_key is not None and not (0 < len(header_key) <= MAX_SESSION_KEY_CHARS):
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
@@ -382,20 +380,20 @@ class ProxyApp:
             # Said before the request, never after: nothing goes upstream (what the client sent is stored).
             self.metrics.bad_requests.inc("context_length_exceeded")
             self.metrics.responses.inc("400", self._tenant_label(request))
-            return error_response(400, str(e), code="context_length_exceeded", param="messages")
+            return dialect.error(400, str(e), code="context_length_exceeded", param="messages")
         except BadRequest as e:
             self.metrics.bad_requests.inc(e.code)
             self.metrics.responses.inc(str(e.status), self._tenant_label(request))
-            resp = error_response(e.status, e.message, code=e.code, param=e.param)
+            resp = dialect.error(e.status, e.message, code=e.code, param=e.param)
             if e.status in (408, 413):
                 resp.force_close()  # the rest of the body is not read: the connection cannot be reused
             return resp
         except Exception as e:  # a bug must cost one request, not the server
             log.exception("internal error while handling a request")
             self.metrics.responses.inc("500", self._tenant_label(request))
-            return error_response(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); retrying "
-                                       "is safe: messages already stored are not stored twice", kind="server_error",
-                                  code="internal_error")
+            return dialect.error(500, f"internal error in ctxfold serve ({type(e).__name__}: {e}); retrying "
+                                      "is safe: messages already stored are not stored twice", kind="server_error",
+                                 code="internal_error")
 
     async def _pass_through(self, request: web.Request, parsed: ParsedRequest, reason: str,
                             label: str) -> web.StreamResponse:
@@ -404,7 +402,11 @@ class ProxyApp:
         history, which is stored once the data directory, or the store, takes writes again)."""
         self._note_pass_through(request, reason, label)
         headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
-        return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
+        return await self._relay_body(request, self._target(parsed), parsed.raw, headers, parsed.dialect or OPENAI)
+
+    def _target(self, parsed: ParsedRequest) -> str:
+        """Where the request goes on the upstream's origin: its API's path under the upstream's base."""
+        return (parsed.dialect or OPENAI).upstream_target(urlsplit(self.config.base_url).path)
 
     async def _over_quota(self, request: web.Request, parsed: ParsedRequest, e: QuotaExceeded) -> web.StreamResponse:
         """A request of a tenant at its bound: relayed as the client sent it, nothing stored. Chosen over a
@@ -417,7 +419,7 @@ class ProxyApp:
         self._refusals.note(label, e)
         request_warnings(request).append(f"not compacted: {reason}")
         headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
-        return await self._relay_body(request, urlsplit(self.config.completions_url).path, parsed.raw, headers)
+        return await self._relay_body(request, self._target(parsed), parsed.raw, headers, parsed.dialect or OPENAI)
 
     def _note_pass_through(self, request: web.Request, reason: str, label: str) -> None:
         """A request that goes (or went) upstream as the client sent it, its messages not stored: logged,
@@ -440,10 +442,12 @@ class ProxyApp:
         # The proxy reads the answer: it asks for it uncompressed (no Accept-Encoding would allow any coding).
         headers["Accept-Encoding"] = "identity"
         store = out.session.compactor.store
+        dialect = parsed.dialect or OPENAI
         try:
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,
                                                         stream=parsed.stream, recall=out.recall, too_long_raises=True,
-                                                        extra_headers=partial(self._own_headers, out))
+                                                        extra_headers=partial(self._own_headers, out),
+                                                        dialect=dialect)
         except PromptTooLong as e:
             # The engine counts more than ctxfold does (or its window is smaller than --context-tokens):
             # compact to a lower window and ask once more; the client sees that one answer.
@@ -451,13 +455,13 @@ class ProxyApp:
             log.warning("the upstream refused a prompt as too long (%s); compacting further and retrying once", e)
             lowered = await uncancelled(self._lower(parsed, out, e.prompt_tokens, e.limit_tokens, left), left.set)
             if lowered is None:  # no window to aim lower at: the client gets the refusal
-                refused = e.answer or error_response(400, str(e), code="context_length_exceeded", param="messages")
+                refused = e.answer or dialect.error(400, str(e), code="context_length_exceeded", param="messages")
                 return self._counted(request, refused)
             lowered.compactions += out.compactions
             out = lowered
             resp, answer = await self.forwarder.forward(request, store, out.body, out.payload, headers,
                                                         stream=parsed.stream, recall=out.recall,
-                                                        too_long_raises=False,
+                                                        too_long_raises=False, dialect=dialect,
                                                         extra_headers=partial(self._own_headers, out))
         self._counted(request, resp)
         if answer is not None:

@@ -20,24 +20,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ctxfold import fastjson
-from ctxfold.archive import READ_ARCHIVE, read_archive_tool_openai
 from ctxfold.archive.marker import MARKER_PREFIX
 from ctxfold.compaction.effects import Step, run_async
 from ctxfold.compactor import CompactionEvent, Compactor
 from ctxfold.messages import Conversation, Message, Role
 from ctxfold.serve.config import ProxyConfig
+from ctxfold.serve.dialect import OPENAI
 from ctxfold.serve.metrics import ProxyMetrics
-from ctxfold.serve.recall import to_wire
-from ctxfold.serve.request import ParsedRequest, parse_messages, parse_tools
+from ctxfold.serve.request import ParsedRequest
 from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.window import lower_after_refusal
 
 log = logging.getLogger("ctxfold.serve")
-
-# The recall tool as the proxy offers it, once the conversation has archived outputs.
-_RECALL_TOOL = parse_tools({"tools": [read_archive_tool_openai()]})
-
 
 @dataclass(slots=True)
 class Outgoing:
@@ -65,16 +59,6 @@ def failure_kind(reason: str | None) -> str:
     return "unknown"
 
 
-def _max_reply_tokens(body: dict[str, Any]) -> int | None:
-    """The request's own limit on the answer: ``max_completion_tokens`` (OpenAI's current name) or
-    ``max_tokens``; None when it gives neither as a whole number >= 0 (the upstream judges the rest)."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        n = body.get(name)
-        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
-            return n
-    return None
-
-
 def _has_archive_marker(messages: list[Message]) -> bool:
     return any(m.role is Role.TOOL and m.text.startswith(MARKER_PREFIX) for m in messages)
 
@@ -93,14 +77,14 @@ class CompactionStep:
         NoFitError when no compaction can fit it. ``left``: set when the client leaves (a summary in
         progress stops; the extractive summary stands in)."""
         known = session.num_known if session is not None else 0
-        new = parse_messages(parsed.messages[known:], parsed.offset + known)  # checked before anything is stored
+        dialect = parsed.dialect or OPENAI
+        new = dialect.new_messages(parsed, known)  # checked before anything is stored
         tools = parsed.body.get("tools") or []
-        has_own_recall = any(isinstance(t, dict) and (t.get("function") or t).get("name") == READ_ARCHIVE
-                             for t in tools)
+        has_own_recall = dialect.has_own_recall(tools)
         if session is None or tools != session.tools_wire:
             # The tools this request offers, and the recall tool the proxy may add to them, are part of
             # what goes upstream: counted with every request that changes them (one comparison when not).
-            specs = parse_tools(parsed.body) + (() if has_own_recall else _RECALL_TOOL)
+            specs = dialect.tool_specs(parsed.body) + (() if has_own_recall else dialect.recall_specs)
         if session is None:
             # Built with the history at once, but the tool results that end the request go in through
             # append_tool_result, so the hard trigger sees them arrive as it would in a running session.
@@ -113,7 +97,7 @@ class CompactionStep:
             new = new[k:]
         c = session.compactor
         first_new = known  # 0 for a new conversation: all of it is new
-        c.expect_reply(_max_reply_tokens(parsed.body))  # before the quiet check: the reserve is part of it
+        c.expect_reply(dialect.max_reply_tokens(parsed.body))  # before the quiet check: the reserve is part of it
         if tools != session.tools_wire:
             c.update_tools(specs)
             session.tools_wire = tools
@@ -173,17 +157,13 @@ class CompactionStep:
         untouched = view == originals
         if untouched and not recall:
             return Outgoing(session, parsed.body, parsed.raw, recall, own_recall)  # the client's own bytes go upstream
+        dialect = parsed.dialect or OPENAI
         body = dict(parsed.body)
         if not untouched:
-            # Messages the view shows unchanged go out as the client sent them; the rest as ctxfold wrote them.
-            sent = parsed.messages
-            body["messages"] = ([{"role": "system", "content": c.header.system}]
-                                if c.header.system is not None else []) + [
-                sent[o] if 0 <= o < len(sent) and m is originals[o] else to_wire(m)
-                for m, o in zip(view, origins, strict=True)]
+            body.update(dialect.outgoing_messages(parsed, c.header.system, view, origins, originals))
         if recall:
-            body["tools"] = list(parsed.body.get("tools") or []) + [read_archive_tool_openai()]
-        return Outgoing(session, body, fastjson.dumps(body, fast=parsed.fast_json), recall, own_recall)
+            body["tools"] = list(parsed.body.get("tools") or []) + [dialect.recall_tool()]
+        return Outgoing(session, body, dialect.dumps(body, parsed.fast_json), recall, own_recall)
 
     def inline(self, c: Compactor, new: list[Message]) -> bool:
         """Whether appending ``new`` is cheap enough to run on the event loop: nothing fires and nothing

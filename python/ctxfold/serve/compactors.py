@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ctxfold.archive import ArchiveStore
 from ctxfold.compactor import Compactor
 from ctxfold.counting import TokenCounter
-from ctxfold.messages import Conversation
+from ctxfold.messages import Conversation, Message
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.upstream import UpstreamClient
 from ctxfold.store import BufferedLog
@@ -59,6 +59,12 @@ class Compactors:
         it); its archive is the store's (the key's), or ``archive_url``'s when one is given."""
         return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
                          summarizer=self.summarizer(path), session_log=session_log, store=self._shared_archive(path))
+
+    def count_view(self, header: Conversation, messages: list[Message]) -> int:
+        """Tokens of the request ``header`` and ``messages`` make, with the proxy's counter and template."""
+        from ctxfold.accounting import RequestAccounting
+
+        return RequestAccounting(self.counter, self.template).count_view(header, messages)
 
     def summarizer(self, path: Path) -> Any:
         """The summarizer the configuration asks for; None: the compactor's extractive one."""

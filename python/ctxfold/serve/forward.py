@@ -22,8 +22,9 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -31,10 +32,11 @@ from ctxfold import fastjson
 from ctxfold.archive import ArchiveStore
 from ctxfold.errors import CtxfoldError
 from ctxfold.serve.config import ProxyConfig, redact_url
+from ctxfold.serve.dialect import OPENAI, Dialect
 from ctxfold.serve.metrics import ProxyMetrics
-from ctxfold.serve.recall import answer_recall, hold_event, is_recall_round
-from ctxfold.serve.request import OWN_ANSWER_HEADERS, error_response, relayed_headers
-from ctxfold.serve.sse import AnswerAssembler, SseEventTooLarge, SseReader
+from ctxfold.serve.recall import recall_results
+from ctxfold.serve.request import OWN_ANSWER_HEADERS, relayed_headers
+from ctxfold.serve.sse import SseEventTooLarge, SseReader
 from ctxfold.serve.upstream import (
     UpstreamClient,
     UpstreamCut,
@@ -51,9 +53,10 @@ log = logging.getLogger("ctxfold.serve")
 class Answer:
     """An answer the client has whole: what the proxy records."""
 
-    message: dict[str, Any]  # choices[0].message (assembled from the deltas of a stream)
+    message: dict[str, Any]  # choices[0].message, or Anthropic's message (assembled from a stream's events)
     usage: Any  # the upstream's usage object, when it sent one
     rounds: int  # read_archive rounds the proxy answered before it: 0 means the answer is to the view as sent
+    dialect: Dialect = field(default=OPENAI)  # the API it is in: how it is recorded
 
 
 class PromptTooLong(CtxfoldError):
@@ -198,8 +201,9 @@ class _Source:
 
 class JsonAnswer(_Source):
     def __init__(self, request: web.Request, metrics: ProxyMetrics, max_answer_bytes: int,
-                 extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple) -> None:
+                 extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple, dialect: Dialect = OPENAI) -> None:
         self.message, self.usage = {}, None
+        self.dialect = dialect
         self.request = request
         self.metrics = metrics
         self.max_answer_bytes = max_answer_bytes
@@ -212,15 +216,14 @@ class JsonAnswer(_Source):
         self._raw = await up.read(max_nbytes=self.max_answer_bytes, decoded=True)
         self._headers = relayed_headers(up.header_list, OWN_ANSWER_HEADERS) + list(self._extra_headers())
         try:
-            data = fastjson.loads(self._raw)
-            message = data["choices"][0]["message"]
-        except (ValueError, KeyError, IndexError, TypeError, RecursionError):  # nested past what Python reads too
-            message = None
-        if not isinstance(message, dict):
+            message, usage = self.dialect.answer_of(fastjson.loads(self._raw))
+        except (ValueError, RecursionError):  # nested past what Python reads too
+            message, usage = None, None
+        if message is None:
             self.metrics.upstream_errors.inc("bad_body")
-            return error_response(502, "the upstream answered 200 with a body that is not a chat completion",
-                                  kind="upstream_error", code="bad_upstream_body")
-        self.message, self.usage = message, data.get("usage")
+            return self.dialect.error(502, f"the upstream answered 200 with a body that is not an answer of "
+                                           f"{self.dialect.path}", kind="upstream_error", code="bad_upstream_body")
+        self.message, self.usage = message, usage
         return None
 
     async def refused(self, status: int, raw: bytes, headers: list[tuple[str, str]]) -> web.StreamResponse:
@@ -244,8 +247,9 @@ class StreamAnswer(_Source):
 
     def __init__(self, request: web.Request, *, recall: bool, read_timeout_s: float, max_answer_bytes: int,
                  max_event_bytes: int, strip_usage: bool = False,
-                 extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple) -> None:
+                 extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple, dialect: Dialect = OPENAI) -> None:
         self.request = request
+        self.dialect = dialect
         self.max_answer_bytes = max_answer_bytes
         self.max_event_bytes = max_event_bytes
         self.answer_nbytes = 0  # of every round's stream together
@@ -259,9 +263,11 @@ class StreamAnswer(_Source):
         self.next_round()
 
     def next_round(self) -> None:
-        self.reader, self.answer = SseReader(self.max_event_bytes), AnswerAssembler()
+        self.reader, self.answer = SseReader(self.max_event_bytes), self.dialect.assembler()
         self.held: list[bytes] = []
-        self.recall_calls: set[int] = set()  # tool-call indexes of read_archive calls in this answer
+        if not hasattr(self, "filter"):  # one filter for every round: it numbers what the client has seen
+            self.filter = self.dialect.stream_filter()
+        self.filter.next_round()
 
     async def _send(self, data: bytes) -> None:
         resp = self.resp
@@ -299,8 +305,10 @@ class StreamAnswer(_Source):
                         if parsed is not None and parsed.get("choices") == [] and isinstance(parsed.get("usage"), dict):
                             continue  # the usage event the client did not ask for
                         raw_event = strip_null_usage(raw_event)
-                    if self.recall and hold_event(data, parsed, self.recall_calls):
-                        self.held.append(raw_event)
+                    if self.recall:
+                        hold, routed = self.filter.route(raw_event, data, parsed)
+                        if routed is not None:
+                            (self.held if hold else out).append(routed)
                     else:
                         out.append(raw_event)
                 if out:
@@ -314,22 +322,23 @@ class StreamAnswer(_Source):
         except UpstreamCut as e:
             return await self.cut(f"the upstream stream was cut: {e}")
         if not answer.done:
-            return await self.cut("the upstream stream ended without [DONE]")
+            return await self.cut("the upstream stream ended before its last event")
         self.message, self.usage = answer.message(), answer.usage
         return None
 
     async def cut(self, reason: str, *, code: str = "upstream_stream_cut") -> web.StreamResponse:
         resp = self.resp
         if resp is None or (not resp.prepared and not self.recall and not self.answer.chunks):
-            return error_response(502, reason, kind="upstream_error", code=code)
+            return self.dialect.error(502, reason, kind="upstream_error", code=code)
         if not resp.prepared:
             await resp.prepare(self.request)
-        await _write_error(resp, reason, code=code)
+        await _write_error(resp, self.dialect.stream_error(reason, code))
         return resp
 
     async def refused(self, status: int, raw: bytes, headers: list[tuple[str, str]]) -> web.StreamResponse:
         if self.resp is not None and self.resp.prepared:  # a later recall round failed after bytes went out
-            await _write_error(self.resp, f"the upstream answered {status}: {raw[:300]!r}")
+            await _write_error(self.resp, self.dialect.stream_error(f"the upstream answered {status}: {raw[:300]!r}",
+                                                                    "upstream_stream_cut"))
             return self.resp
         return web.Response(body=raw, status=status, headers=headers)
 
@@ -338,7 +347,8 @@ class StreamAnswer(_Source):
         return self.resp is not None and self.resp.prepared
 
     async def finish(self) -> bool:
-        tail = b"".join(self.held) + self.reader.rest()
+        tail = self.filter.release(self.held) if self.recall else b"".join(self.held)
+        tail += self.reader.rest()
         try:
             if tail or self.resp is None or not self.resp.prepared:
                 await self._send(tail)
@@ -360,7 +370,8 @@ class Forwarder:
 
     async def forward(self, request: web.Request, store: ArchiveStore, body: dict[str, Any], payload: bytes,
                       headers: dict[str, str], *, stream: bool, recall: bool, too_long_raises: bool,
-                      extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple
+                      extra_headers: Callable[[], Sequence[tuple[str, str]]] = tuple,
+                      dialect: Dialect = OPENAI
                       ) -> tuple[web.StreamResponse, Answer | None]:
         """The response the client gets and, when the client has an answer whole, that answer.
         ``too_long_raises``: a first-round 400 that says the prompt is too long raises PromptTooLong.
@@ -369,21 +380,24 @@ class Forwarder:
         (``ProxyConfig.stream_usage``) and keeps it from the client."""
         upstream = self._client()
         strip_usage = False
-        if stream and self.config.stream_usage:
+        if stream and self.config.stream_usage and dialect.asks_stream_usage:
             asking = with_stream_usage(body)
             if asking is not None:
                 body, payload, strip_usage = asking, fastjson.dumps(asking), True
         cfg = self.config
         source: _Source = (StreamAnswer(request, recall=recall, read_timeout_s=cfg.read_timeout_s,
                                         max_answer_bytes=cfg.max_answer_bytes, max_event_bytes=cfg.max_event_bytes,
-                                        strip_usage=strip_usage, extra_headers=extra_headers)
-                           if stream else JsonAnswer(request, self.metrics, cfg.max_answer_bytes, extra_headers))
+                                        strip_usage=strip_usage, extra_headers=extra_headers, dialect=dialect)
+                           if stream else JsonAnswer(request, self.metrics, cfg.max_answer_bytes, extra_headers,
+                                                     dialect))
+        # None: the client's URL (chat completions); else the dialect's path under the upstream's base.
+        target = None if dialect is OPENAI else dialect.upstream_target(urlsplit(cfg.base_url).path)
         rounds = 0
         recall_left = [self.config.max_recall_chars]  # read_archive output this request may still add
         while True:
             too_long: PromptTooLong | None = None
             try:
-                async with upstream.post(payload, headers) as up:
+                async with upstream.post(payload, headers, target=target) as up:
                     if up.status != 200:
                         raw = await up.read(max_nbytes=cfg.max_answer_bytes, decoded=True)
                         self.metrics.upstream_errors.inc("status")
@@ -405,15 +419,16 @@ class Forwarder:
                 return source.resp or web.Response(status=499), None
             except Exception as e:  # noqa: BLE001 - connection or timeout: 502/504 (an error event mid-stream)
                 if not source.started:
-                    return self.upstream_failure(e), None
+                    return self.upstream_failure(e, dialect), None
                 self.metrics.upstream_errors.inc("cut_stream")
                 return await source.cut(f"the upstream failed: {e}"), None
             if too_long is not None:
                 raise too_long
-            if recall and rounds < self.config.max_recall_rounds and is_recall_round(source.message):
+            if recall and rounds < self.config.max_recall_rounds and dialect.is_recall_round(source.message):
                 rounds += 1
-                body = await answer_recall(store, body, source.message, recall_left,
-                                           max_chars=self.config.max_recall_chars, metrics=self.metrics)
+                results = await recall_results(store, dialect.recall_calls(source.message), recall_left,
+                                               max_chars=self.config.max_recall_chars, metrics=self.metrics)
+                body = dialect.with_recall_answers(body, source.message, results)
                 payload = fastjson.dumps(body)
                 source.next_round()
                 continue
@@ -428,9 +443,10 @@ class Forwarder:
                 log.warning("the upstream sends no usage in streamed answers, although asked "
                             "(stream_options.include_usage): streamed answers do not calibrate the token "
                             "estimate, answers that are not streamed do (said once)")
-            return resp, Answer(source.message, source.usage, rounds)
+            return resp, Answer(source.message, source.usage, rounds, dialect)
 
-    def upstream_failure(self, e: BaseException) -> web.Response:
+    def upstream_failure(self, e: BaseException, dialect: Dialect = OPENAI) -> web.Response:
+        error_response = dialect.error
         if isinstance(e, UpstreamTooLarge):
             self.metrics.upstream_errors.inc("too_large")
             return error_response(502, f"the upstream {redact_url(self.config.completions_url)} sent {e} "
@@ -449,10 +465,9 @@ class Forwarder:
                               kind="upstream_error", code="upstream_unreachable")
 
 
-async def _write_error(resp: web.StreamResponse, message: str, *, code: str = "upstream_stream_cut") -> None:
-    event = {"error": {"message": message, "type": "upstream_error", "code": code}}
+async def _write_error(resp: web.StreamResponse, event: bytes) -> None:
     try:
-        await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write(event)
         await resp.write_eof()
     except (ConnectionError, RuntimeError):
         pass  # the client went away too

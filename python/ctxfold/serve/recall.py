@@ -34,20 +34,37 @@ def to_wire(m: Message) -> dict[str, Any]:
     return out
 
 
-async def answer_recall(store: ArchiveStore, body: dict[str, Any], message: dict[str, Any], left: list[int], *,
-                        max_chars: int, metrics: ProxyMetrics) -> dict[str, Any]:
-    """The request again, with the model's read_archive calls and their answers appended. ``left``
-    (one number, shared by the request's rounds): the characters of archived text the request may
-    still receive; a call asking for more gets what is left, and the answer says so."""
-    results = []
+def openai_calls(message: dict[str, Any]) -> list[ToolCall]:
+    """The tool calls of a ``choices[0].message`` dict."""
+    out = []
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        tc = ToolCall(id=str(call.get("id", "")), name=str(fn.get("name", "")),
-                      arguments=str(fn.get("arguments", "")))
+        out.append(ToolCall(id=str(call.get("id", "")), name=str(fn.get("name", "")),
+                            arguments=str(fn.get("arguments", ""))))
+    return out
+
+
+async def answer_recall(store: ArchiveStore, body: dict[str, Any], message: dict[str, Any], left: list[int], *,
+                        max_chars: int, metrics: ProxyMetrics) -> dict[str, Any]:
+    """The request again, with the model's read_archive calls and their answers appended (chat
+    completions' shape; :func:`recall_results` for any)."""
+    results = await recall_results(store, openai_calls(message), left, max_chars=max_chars, metrics=metrics)
+    out = dict(body)
+    out["messages"] = list(body["messages"]) + [message] + [to_wire(r) for r in results]
+    return out
+
+
+async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[int], *, max_chars: int,
+                         metrics: ProxyMetrics) -> list[Message]:
+    """The answers to the model's read_archive ``calls``, one tool message each. ``left`` (one number,
+    shared by the request's rounds): the characters of archived text the request may still receive;
+    a call asking for more gets what is left, and the answer says so."""
+    results = []
+    for tc in calls:
         metrics.recall_calls.inc()
         wanted = _recall_limit(tc.arguments)
         if wanted is not None and left[0] <= 0:
-            results.append(to_wire(_recall_refused(tc, max_chars)))
+            results.append(_recall_refused(tc, max_chars))
             continue
         cut = wanted is not None and wanted > left[0]
         if cut:
@@ -60,10 +77,8 @@ async def answer_recall(store: ArchiveStore, body: dict[str, Any], message: dict
             left[0] -= len(piece)
             if cut and "next_offset=" in header:  # the limit, not the end of the output, stopped it
                 answer = replace(answer, content=answer.text + _recall_cut_note(max_chars))
-        results.append(to_wire(answer))
-    out = dict(body)
-    out["messages"] = list(body["messages"]) + [message] + results
-    return out
+        results.append(answer)
+    return results
 
 
 def _recall_limit(arguments: str) -> int | None:

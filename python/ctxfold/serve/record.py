@@ -15,10 +15,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ctxfold.compactor import Compactor
-from ctxfold.errors import FormatError
-from ctxfold.formats.openai import message_from_openai
 from ctxfold.messages import Message
 from ctxfold.serve.config import ProxyConfig
+from ctxfold.serve.dialect import OPENAI, Dialect
 from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Answer
 from ctxfold.serve.routing import ProxySession
@@ -28,17 +27,11 @@ from ctxfold.store import Spooled, StoreError
 log = logging.getLogger("ctxfold.serve")
 
 
-def answer_message(c: Compactor, message: dict[str, Any], usage: Any, index: int) -> Message | None:
+def answer_message(c: Compactor, message: dict[str, Any], usage: Any, index: int,
+                   dialect: Dialect = OPENAI) -> Message | None:
     """The upstream's answer as the conversation's original ``index`` (None, logged, when it is not
     a chat message)."""
-    wire = dict(message)
-    if isinstance(usage, dict):
-        wire["usage"] = usage
-    try:
-        return message_from_openai(wire, f"m{index + (1 if c.header.system is not None else 0)}", keep_id=False)
-    except FormatError as e:
-        log.warning("answer not recorded: %s", e)
-        return None
+    return dialect.answer_message(message, usage, f"m{index + (1 if c.header.system is not None else 0)}")
 
 
 def prompt_tokens(c: Compactor, *, count: bool = False) -> int | None:
@@ -74,7 +67,7 @@ async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, ch
     if session.resend_drop:  # a re-sent request: the session holds the answer it got the first time
         return
     index = len(c.originals)
-    m = answer_message(c, answer.message, answer.usage, index)
+    m = answer_message(c, answer.message, answer.usage, index, answer.dialect)
     if m is None:
         return
     # The estimate of the request as it was sent, before the answer joins the view, when the trigger
@@ -82,7 +75,7 @@ async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, ch
     # line), so the factor has settled long before it decides anything; below, nothing is counted.
     # (Not the occupancy less the configured reply reserve: the reserve of a request may be larger.)
     usage = answer.usage
-    reported = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    reported = answer.dialect.reported_prompt_tokens(usage)
     estimate = None
     if answer.rounds == 0:
         estimate = prompt_tokens(c)  # counted already when the request was (the X-Ctxfold-Prompt-Tokens header)
@@ -94,6 +87,6 @@ async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, ch
         await asyncio.to_thread(c.append, m)  # fsync off the event loop
     else:
         c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop
-    session.note_wire([answer.message], index)
+    session.note_wire([answer.dialect.answer_wire(answer.message, m)], index)
     if estimate is not None and isinstance(reported, int):
         calibrate(session, config.compact, reported, estimate)

@@ -11,7 +11,7 @@ import math
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -22,6 +22,9 @@ from ctxfold.formats.openai import conversation_from_messages, message_from_open
 from ctxfold.messages import Message, ToolSpec
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.keys import SESSION_HEADER
+
+if TYPE_CHECKING:
+    from ctxfold.serve.dialect import Dialect
 
 # Headers that describe one connection, not the message (RFC 9110, 7.6.1): never relayed either way.
 # Those a Connection header names are dropped too.
@@ -65,6 +68,14 @@ class ParsedRequest:
     messages: list[dict[str, Any]]  # the chat messages after the system prompt, as sent
     stream: bool
     fast_json: bool  # read by orjson, so orjson may write it back (see fastjson)
+    # The API the request speaks (chat completions, Anthropic messages): None is chat completions.
+    dialect: Dialect | None = None
+    # A dialect whose messages are not one dict per ctxfold message (Anthropic's: tool results are
+    # blocks of a user message) parses them all up front: ``messages`` then holds the chat form of each
+    # (what routing compares) and ``units`` the parsed messages; ``sources`` what the dialect needs to
+    # send the client's own blocks back out.
+    units: list[Message] | None = None
+    sources: Any = None
 
     @property
     def offset(self) -> int:
@@ -120,12 +131,18 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_request(raw: bytes) -> ParsedRequest:
-    """Decode a chat.completions request body and check its shape. Raises BadRequest (400) with what
-    and where. The messages themselves are checked by :func:`parse_messages` when they are new."""
+def decode_object(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """The request object and whether orjson read it; BadRequest when it is not a JSON object."""
     body, fast = _decode_body(raw)
     if not isinstance(body, dict):
         raise BadRequest(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_type")
+    return body, fast
+
+
+def parse_request(raw: bytes) -> ParsedRequest:
+    """Decode a chat.completions request body and check its shape. Raises BadRequest (400) with what
+    and where. The messages themselves are checked by :func:`parse_messages` when they are new."""
+    body, fast = decode_object(raw)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty array of chat messages", code="invalid_type",

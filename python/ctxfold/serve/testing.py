@@ -1,6 +1,7 @@
 """A small scripted OpenAI-compatible upstream, for tests and benchmarks of the proxy.
 
-It serves ``POST /v1/chat/completions`` (streaming and not) over real HTTP, records what it received,
+It serves ``POST /v1/chat/completions`` (streaming and not; ``/v1/messages`` too: see
+:mod:`ctxfold.serve.testing_messages`) over real HTTP, records what it received,
 and can be told to misbehave: answer 500, be slow, cut a stream, or enforce a context window by
 rejecting requests whose prompt is longer than it (``context_length_exceeded``, as OpenAI does).
 
@@ -33,9 +34,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Self
 
 from aiohttp import web
+
+from ctxfold.serve.testing_messages import answer_messages
 
 COMPACTION_MARKER = "Internal context compaction request"
 CHUNK_CHARS = 8  # content characters per streamed chunk: many small chunks, as models stream
@@ -144,6 +148,8 @@ class ScriptedUpstream:
         self.count_tokens = count_tokens
         self.model = model
         self.received: deque[dict[str, Any]] = deque(maxlen=keep_requests)  # request bodies, in order
+        self.received_headers: deque[dict[str, str]] = deque(maxlen=keep_requests)  # of /v1/messages requests
+        self.messages_script: list[list[dict[str, Any]]] = []  # /v1/messages answers (content blocks), in turn
         self.prompt_tokens_seen: deque[int] = deque(maxlen=keep_requests)
         self.sent: deque[bytes] = deque(maxlen=keep_requests)  # the bytes of each completion answered, in order
         self.delay_s = 0.0  # wait before answering (before the first byte when streaming)
@@ -202,6 +208,7 @@ class ScriptedUpstream:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post("/v1/messages", partial(answer_messages, self))
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_route("*", "/{path:.*}", self._other)

@@ -314,10 +314,14 @@ class UpstreamClient:
         self._idle: list[_Connection] = []  # most recently used last: the warmest connection is reused
         self._busy: set[_Connection] = set()
 
-    def post(self, body: bytes, headers: Mapping[str, str]) -> AbstractAsyncContextManager[UpstreamResponse]:
+    def post(self, body: bytes, headers: Mapping[str, str], *, target: str | None = None
+             ) -> AbstractAsyncContextManager[UpstreamResponse]:
         """Send ``body`` with ``headers`` (no Host or Content-Length: this client writes those) to the
-        client's URL and wait for the head of the answer; read its body within the ``async with``."""
-        return self._exchange(self._request_line, body, headers.items(), expect_body=True)
+        client's URL (or ``target``, a path on its origin) and wait for the head of the answer; read its
+        body within the ``async with``."""
+        line = self._request_line if target is None else f"POST {target} HTTP/1.1\r\n{self._host_line}".encode(
+            "utf-8", "surrogateescape")
+        return self._exchange(line, body, headers.items(), expect_body=True)
 
     def request(self, method: str, target: str, body: bytes, headers: Iterable[tuple[str, str]]
                 ) -> AbstractAsyncContextManager[UpstreamResponse]:
