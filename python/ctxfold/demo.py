@@ -31,7 +31,7 @@ TOOLS = (
 )
 
 _MODULES = ["inventory/models.py", "inventory/store.py", "inventory/pricing.py", "inventory/api.py",
-            "inventory/reports.py", "inventory/importer.py", "tests/sessions/test_store.py", "tests/test_pricing.py"]
+            "inventory/reports.py", "inventory/importer.py", "tests/test_store.py", "tests/test_pricing.py"]
 
 _USER_TURNS = [
     "The nightly job reports negative stock for some SKUs. Find out why and fix it.",
@@ -77,7 +77,7 @@ def _test_log(rng: random.Random, failing: int) -> str:
                 f"        store.reserve('SKU-{rng.randint(1000, 9999)}', {rng.randint(1, 9)})",
                 ">       assert store.level('SKU-1042') >= 0",
                 f"E       AssertionError: assert -{rng.randint(1, 9)} >= 0",
-                "tests/sessions/test_store.py:88: AssertionError"]
+                "tests/test_store.py:88: AssertionError"]
     out.append(f"===== {failing} failed, {148 - failing} passed in {rng.uniform(2, 9):.2f}s =====")
     return "\n".join(out)
 
