@@ -152,8 +152,13 @@ _KINDS = ("archive", "summary", "last_resort")
 def totals(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     t: dict[str, Any] = {"conversations": len(entries)}
     for key in ("requests", "tokens_archived", "tokens_summarized", "kv_tokens_reused", "kv_tokens_prefilled",
-                "overflows", "orphans", "seconds", "seconds_in_ctxfold"):
+                "cache_tokens_written", "saving_tokens", "summary_prompt_tokens", "summary_cached_tokens",
+                "summary_output_tokens", "min_gain_waits", "overflows", "orphans", "seconds", "seconds_in_ctxfold"):
         t[key] = sum(e[key] for e in entries)
+    money = [e["money"] for e in entries if e.get("money")]
+    if money:
+        t["money"] = {"currency": money[0]["currency"],
+                      **{k: round(sum(m[k] for m in money), 6) for k in ("invalidated", "saving", "net")}}
     verified = [e["overflows_verified"] for e in entries if e["overflows_verified"] is not None]
     t["overflows_verified"] = sum(verified) if verified else None
     t["unfittable"] = sum(len(e["unfittable"]) for e in entries)
@@ -191,7 +196,7 @@ def shorten(label: str, width: int = 44) -> str:
 
 def render_table(term: Terminal, entries: Sequence[dict[str, Any]], context_tokens: int | None) -> str:
     headers = ["conversation", "requests", "archive", "summary", "last-resort", "peak", "archived", "summarized",
-               "kv-reused", "kv-prefill", "orphans", "overflows", "restore", "ctxfold-s"]
+               "kv-reused", "kv-prefill", "cache-written", "saving", "waits", "orphans", "overflows", "restore", "ctxfold-s"]
     # With --verify-with, the overflows that count are the verifying tokenizer's: a column beside them.
     verified = any(e.get("overflows_verified") is not None for e in entries)
     if verified:
@@ -205,7 +210,8 @@ def render_table(term: Terminal, entries: Sequence[dict[str, Any]], context_toke
         out: list[object] = [
             label, e["requests"], c.get("archive", 0), c.get("summary", 0), c.get("last_resort", 0),
             peak(e["peak_occupancy_tokens"]), tokens(e["tokens_archived"]), tokens(e["tokens_summarized"]),
-            tokens(e["kv_tokens_reused"]), tokens(e["kv_tokens_prefilled"]), e["orphans"], e["overflows"],
+            tokens(e["kv_tokens_reused"]), tokens(e["kv_tokens_prefilled"]), tokens(e["cache_tokens_written"]),
+            tokens(e["saving_tokens"]), e["min_gain_waits"], e["orphans"], e["overflows"],
             "exact" if e["restore_exact"] else "FAILED", f"{e['seconds_in_ctxfold']:.2f}"]
         if verified:
             v = e.get("overflows_verified")
