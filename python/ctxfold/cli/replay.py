@@ -96,7 +96,9 @@ the previous request are appended (tool results through the hard trigger) and th
 runs; the recorded answer is then appended as recorded. The table at the end has one row per
 conversation: requests, compactions by kind, peak occupancy (prompt + reply reserve), tokens
 freed by archiving and by summaries, the KV cache tokens an engine keeps and must prefill again
-across the rewrites, orphaned tool results and requests over the window (both must be 0), whether
+across the rewrites, the cache tokens the compactions wrote beyond what the requests would have
+written anyway and the cached tokens they save later (docs/cost.md), the summaries the minimum-gain
+rule put off, orphaned tool results and requests over the window (both must be 0), whether
 the session restores the recording byte for byte, and the seconds spent inside ctxfold.
 
 A summary the --summarizer endpoint could not write is replaced by the extractive one: the

@@ -66,7 +66,8 @@ def event_record(event: CompactionEvent) -> dict[str, Any]:
             "archived": len(event.archived), "tail_tokens": event.tail_tokens,
             "summary_fallback": event.summary_fallback, "summary_failure": event.summary_failure,
             "kv_tokens_reused": event.kv.tokens_reused if event.kv else None,
-            "kv_tokens_prefilled": event.kv.tokens_to_prefill if event.kv else None}
+            "kv_tokens_prefilled": event.kv.tokens_to_prefill if event.kv else None,
+            "cost": event.cost.to_json() if event.cost else None}
 
 
 def describe_event(term: Terminal, e: dict[str, Any], label: str, many: bool) -> list[str]:
@@ -90,6 +91,10 @@ def describe_event(term: Terminal, e: dict[str, Any], label: str, many: bool) ->
     if e["kv_tokens_reused"] is not None:
         lines.append(f"{prefix} KV plan: keep {tokens(e['kv_tokens_reused'])} cached tokens, "
                      f"prefill {tokens(e['kv_tokens_prefilled'])}")
+    cost = e.get("cost")
+    if cost is not None:
+        lines.append(f"{prefix} cost: {tokens(cost['cache_tokens_written'])} cache tokens written, "
+                     f"{tokens(cost['saving_tokens'])} fewer read over {cost['horizon_requests']} requests")
     return lines
 
 
