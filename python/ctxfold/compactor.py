@@ -444,10 +444,7 @@ class Compactor:
                                         f"{cfg.minor.mid_turn_token_threshold:.0%} of the window") or last
             used = self.occupancy_tokens(queued)
         trigger = self.policy.summary_trigger(used, ctx, turn_start=turn_start)
-        if trigger is not None and cost.waits(self, used, ctx, queued):
-            self.min_gain_waits += 1  # the minimum-gain rule: not worth it yet, and the next request fits
-            return last
-        if trigger is not None:
+        if trigger is not None and not cost.waits(self, used, ctx, queued):  # the minimum-gain rule
             kind, reason = trigger
             last = yield from summary_pass(self, trigger=kind, reason=reason, mid_turn=not turn_start, queued=queued)
         return last

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ctxfold.config import CostConfig
 from ctxfold.errors import ConfigError
 from ctxfold.messages import Message, Role
+from ctxfold.summarize import ExtractiveSummarizer
 
 if TYPE_CHECKING:
     from ctxfold.compactor import Compactor
@@ -285,8 +286,6 @@ def estimate(c: Compactor, ctx: int, *, queued_tokens: int = 0) -> CompactionCos
     what the model has not seen, at most the low-water mark the pass aims under; and a summary request
     over what the model has seen, answered at the summary's cap by a model (no request when the
     summarizer is the extractive one)."""
-    from ctxfold.summarize import ExtractiveSummarizer
-
     policy = c.policy
     reserve = c.reply_reserve_tokens()
     before = request_before(c, queued_tokens)
@@ -311,9 +310,12 @@ def estimate(c: Compactor, ctx: int, *, queued_tokens: int = 0) -> CompactionCos
 
 def waits(c: Compactor, used_tokens: int, ctx: int, queued: Sequence[Message] = ()) -> bool:
     """Whether the automatic summary due at ``used_tokens`` waits under the policy's minimum-gain rule
-    (:meth:`~ctxfold.compaction.policy.Policy.min_gain_waits`), estimated before anything runs."""
+    (:meth:`~ctxfold.compaction.policy.Policy.min_gain_waits`), estimated before anything runs; counted
+    in ``c.min_gain_waits`` when it does."""
     if not c.config.cost.min_gain:
         return False
     queued_tokens = sum(c.accounting.message_tokens(m) for m in queued)
-    return c.policy.min_gain_waits(estimate(c, ctx, queued_tokens=queued_tokens), used_tokens, ctx,
+    wait = c.policy.min_gain_waits(estimate(c, ctx, queued_tokens=queued_tokens), used_tokens, ctx,
                                    growth_per_request_tokens(c))
+    c.min_gain_waits += int(wait)
+    return wait
