@@ -41,6 +41,7 @@ import numpy.typing as npt
 from ctxfold.accounting import RequestAccounting
 from ctxfold.archive import ArchiveParams, ArchiveStore, MemoryBackend, archive_oversized
 from ctxfold.compaction import archive_pass as archive
+from ctxfold.compaction import cost
 from ctxfold.compaction.effects import Step, run_async, run_sync
 from ctxfold.compaction.events import (
     GUARD_STEPS,
@@ -144,6 +145,7 @@ class Compactor:
         self._tools_bound: tuple[Any, int] | None = None  # (the tools it is for, the bound): _moving_tools_bound_tokens
         self._answer_tokens: list[int] = []  # tokens of each answer so far, sorted (the reserve's percentile)
         self._max_reply_tokens: int | None = None  # the current request's own max_tokens, where it gave one
+        self.min_gain_waits = 0  # automatic summaries the minimum-gain rule put off (compaction.cost)
 
         # The event log: a session directory, or a buffer a session store commits (ctxfold.store.buffer).
         self.session: Session | BufferedLog | None = session_log
@@ -442,7 +444,7 @@ class Compactor:
                                         f"{cfg.minor.mid_turn_token_threshold:.0%} of the window") or last
             used = self.occupancy_tokens(queued)
         trigger = self.policy.summary_trigger(used, ctx, turn_start=turn_start)
-        if trigger is not None:
+        if trigger is not None and not cost.waits(self, used, ctx, queued):  # the minimum-gain rule
             kind, reason = trigger
             last = yield from summary_pass(self, trigger=kind, reason=reason, mid_turn=not turn_start, queued=queued)
         return last

@@ -190,6 +190,28 @@ class SummarizerConfig:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class CostConfig:
+    """What a compaction costs (:mod:`ctxfold.compaction.cost`) and the minimum-gain rule: an automatic
+    summary whose expected saving over its horizon is below what it invalidates waits, while the next
+    request still fits. The window guard never consults it. Prices per million tokens; the defaults are
+    relative weights (an uncached input token is 1), the ratios of common hosted pricing."""
+
+    _SECTION = "cost"
+    min_gain: bool = setting(True, Check(bool))  # the minimum-gain rule, for automatic summaries only
+    # H, the requests a saving is counted over; 0: until the next compaction at the current growth rate.
+    horizon_requests: int = setting(0, _NONNEG_INT)
+    input_per_mtok: float = setting(1.0, Check(float, 0.0))  # uncached prompt tokens
+    cached_input_per_mtok: float = setting(0.1, Check(float, 0.0))  # prompt tokens read from a prefix cache
+    # Prompt tokens written to the cache; None: the input price (no write surcharge).
+    cache_write_per_mtok: float | None = setting(None, Check(float, 0.0, optional=True))
+    output_per_mtok: float = setting(4.0, Check(float, 0.0))  # generated tokens
+    currency: str = setting("relative", Check(str))  # "relative": weights, not money
+
+    def __post_init__(self) -> None:
+        validate_fields(self, self._SECTION)
+
+
 _SECTIONS: dict[str, type[Any]] = {
     "major": MajorConfig,
     "minor": MinorConfig,
@@ -198,6 +220,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "tail": TailConfig,
     "summary": SummaryConfig,
     "summarizer": SummarizerConfig,
+    "cost": CostConfig,
 }
 
 # Top-level scalar keys of the compact mapping, with their checks.
@@ -236,6 +259,7 @@ class CompactConfig:
     tail: TailConfig = field(default_factory=TailConfig)
     summary: SummaryConfig = field(default_factory=SummaryConfig)
     summarizer: SummarizerConfig = field(default_factory=SummarizerConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     context_tokens: int | None = setting(None, _TOP_CHECKS["context_tokens"])  # the model's window
     max_output_tokens: int | None = setting(None, _TOP_CHECKS["max_output_tokens"])  # the model's reply cap
     reply_reserve_tokens: int | None = setting(None, _TOP_CHECKS["reply_reserve_tokens"])  # None: the rule

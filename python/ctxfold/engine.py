@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ctxfold._arrays import ids_view
+from ctxfold.compaction.cost import CompactionCost, RequestTokens, horizon_requests
 from ctxfold.compaction.policy import Policy
 from ctxfold.config import CompactConfig
 from ctxfold.kvplan import KvPlan, plan_kv_resync
@@ -415,6 +416,29 @@ class EngineSequence:
             self._seg_kinds.replace(np.array(new_kinds, dtype=np.uint8))
             self.num_compactions += 1
             return result
+
+    def compaction_cost(self, rebuild: Rebuild, *, bottom: int, instruction_tokens: int = 0,
+                        growth_tokens_per_request: float | None = None) -> CompactionCost:
+        """What the compaction that :meth:`rebuild` returned cost and is expected to save, as the
+        library's compactions report it (:mod:`ctxfold.compaction.cost`; price it with
+        ``cost.money(PriceTable(...))``). Over the engine's own cache: without the rewrite the next
+        request reads the whole old buffer from it and writes nothing more than with it; with it, the
+        plan's reuse and prefill. The summary request is the engine's own: ``ids[:bottom]`` (cached) and
+        its ``instruction_tokens``, answered with the summary ids. The horizon is the config's
+        ``cost.horizon_requests``, else the requests until the trigger line at
+        ``growth_tokens_per_request`` (else DEFAULT_HORIZON_REQUESTS: the sequence does not count requests)."""
+        if not 0 <= bottom <= rebuild.tokens_before:
+            raise IndexError(f"bottom {bottom} is outside [0, {rebuild.tokens_before}]")
+        if instruction_tokens < 0:
+            raise ValueError(f"instruction_tokens must be >= 0, got {instruction_tokens}")
+        line = None if growth_tokens_per_request is None or self.context_tokens is None else self._trigger_line
+        horizon = horizon_requests(self.config.cost, after_tokens=len(rebuild.ids) + self._reserve, line_tokens=line,
+                                   growth_tokens=growth_tokens_per_request or 0.0)
+        return CompactionCost(
+            before=RequestTokens(rebuild.tokens_before, 0),
+            after=RequestTokens(rebuild.kv.reuse_tokens, rebuild.kv.prefill_tokens),
+            summary_prompt_tokens=bottom + instruction_tokens, summary_cached_tokens=bottom,
+            summary_output_tokens=rebuild.summary_tokens, summary_model_call=True, horizon_requests=horizon)
 
 
 class SequenceRegistry:

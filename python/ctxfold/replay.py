@@ -25,6 +25,7 @@ from typing import Any
 
 from ctxfold.accounting import RequestAccounting
 from ctxfold.codec import encode_message
+from ctxfold.compaction.cost import CompactionCost, PriceTable
 from ctxfold.compactor import CompactionEvent, Compactor, Observer
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter
@@ -78,6 +79,8 @@ class ReplayReport:
     unfittable: list[tuple[int, str]] = field(default_factory=list)  # (message index, why): no fit existed
     orphans: int = 0  # orphaned tool results seen in any view after a rewrite, and in the final view
     restore_exact: bool = False  # the session restored the recording byte for byte
+    min_gain_waits: int = 0  # automatic summaries the minimum-gain rule put off (Compactor.min_gain_waits)
+    prices: PriceTable | None = None  # what the cost figures are priced with (the config's cost section)
     seconds: float = 0.0  # wall time of the whole replay
     seconds_in_ctxfold: float = 0.0  # of which spent inside the compactor
     session_dir: str | None = None
@@ -119,6 +122,29 @@ class ReplayReport:
     def kv_tokens_prefilled(self) -> int:
         return sum(e.kv.tokens_to_prefill for _, e in self.events if e.kv is not None)
 
+    @property
+    def costs(self) -> list[CompactionCost]:
+        """The cost figures of the applied compactions that have them (the summaries)."""
+        return [e.cost for _, e in self.events if e.applied and e.cost is not None]
+
+    def cost_totals(self) -> dict[str, Any]:
+        """The cost figures summed over the conversation's compactions (ctxfold.compaction.cost)."""
+        costs = self.costs
+        out: dict[str, Any] = {
+            "cache_tokens_written": sum(c.cache_tokens_written for c in costs),
+            "saving_tokens": sum(c.saving_tokens for c in costs),
+            "summary_prompt_tokens": sum(c.summary_prompt_tokens for c in costs),
+            "summary_cached_tokens": sum(c.summary_cached_tokens for c in costs),
+            "summary_output_tokens": sum(c.summary_output_tokens for c in costs),
+            "min_gain_waits": self.min_gain_waits,
+        }
+        if self.prices is not None:
+            p = self.prices
+            inval, save = sum(c.invalidated(p) for c in costs), sum(c.saving(p) for c in costs)
+            out["money"] = {"currency": p.currency, "invalidated": round(inval, 6), "saving": round(save, 6),
+                            "net": round(save - inval, 6)}
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
             "conversation": self.conversation_id,
@@ -149,6 +175,7 @@ class ReplayReport:
             "restore_exact": self.restore_exact,
             "kv_tokens_reused": self.kv_tokens_reused,
             "kv_tokens_prefilled": self.kv_tokens_prefilled,
+            **self.cost_totals(),
             "seconds": round(self.seconds, 4),
             "seconds_in_ctxfold": round(self.seconds_in_ctxfold, 4),
             "occupancy": [r.occupancy_tokens for r in self.requests],
@@ -159,7 +186,8 @@ class ReplayReport:
                  "summary_failure": e.summary_failure, "tail_rule": e.tail_rule,
                  "tail_tokens": e.tail_tokens, "failure": e.failure, "guard_step": e.guard_step,
                  "kv_tokens_reused": e.kv.tokens_reused if e.kv else None,
-                 "kv_tokens_prefilled": e.kv.tokens_to_prefill if e.kv else None}
+                 "kv_tokens_prefilled": e.kv.tokens_to_prefill if e.kv else None,
+                 "cost": e.cost.to_json(self.prices) if e.cost else None}
                 for i, e in self.events
             ],
         }
@@ -214,7 +242,8 @@ def replay_conversation(
     report = ReplayReport(conversation_id=conversation.id, source=conversation.source,
                           context_tokens=config.context_tokens, reply_reserve_tokens=config.reply_reserve(),
                           messages=len(conversation.messages), session_dir=str(session_dir),
-                          verified_by=verify.name if verify is not None else None)
+                          verified_by=verify.name if verify is not None else None,
+                          prices=PriceTable.from_config(config.cost))
     verifier = None
     if verify is not None:
         verifier = RequestAccounting(verify.counter, verify.template)
@@ -249,6 +278,7 @@ def replay_conversation(
         new_events = compactor.events[seen_events:]
         report.events.extend((len(report.requests), e) for e in new_events)
         report.orphans += count_orphans(compactor.view)
+        report.min_gain_waits = compactor.min_gain_waits
     finally:
         compactor.close()
     report.restore_exact = _restore_exact(Path(session_dir), conversation)

@@ -200,8 +200,11 @@ def test_compaction_reasons_use_plain_words() -> None:
     assert proc.returncode == EXIT_OK, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "COMPACTING" in line]
     reasons = {line.split("COMPACTING ", 1)[1].split(":")[0] for line in lines
-               if "rebuilding" not in line and "KV plan" not in line}
-    assert reasons == {"mid-turn occupancy over 75% of the window", "soft limit before tool continuation"}
+               if "rebuilding" not in line and "KV plan" not in line and "cost:" not in line}
+    # Which passes fire depends on when the minimum-gain rule lets a summary go: the reasons are words all the same.
+    assert "mid-turn occupancy over 75% of the window" in reasons
+    assert reasons <= {"mid-turn occupancy over 75% of the window", "soft limit before tool continuation",
+                       "soft limit before user turn"}
     # No config key (minor.mid_turn_token_threshold, keep_recent_user_turns) and no BOTTOM on any line.
     assert not [line for line in lines if re.search(r"\b[a-z]+[._][a-z_]+\b|BOTTOM", line)]
 

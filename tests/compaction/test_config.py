@@ -9,6 +9,7 @@ import pytest
 
 from ctxfold.config import (
     CompactConfig,
+    CostConfig,
     HardConfig,
     MajorConfig,
     MinorConfig,
@@ -221,6 +222,13 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("summarizer.send_tools", "y", "'y' is not a boolean"),
     ("summarizer.connect_timeout_s", -1, "-1.0 is out of range (0, inf)"),
     ("summarizer.extra_body", "x", "'x' is not a mapping"),
+    ("cost.min_gain", "on", "'on' is not a boolean"),
+    ("cost.horizon_requests", -1, "-1 is out of range [0, inf)"),
+    ("cost.input_per_mtok", -1, "-1.0 is out of range [0, inf)"),
+    ("cost.cached_input_per_mtok", "0.1", "'0.1' is a quoted string"),
+    ("cost.cache_write_per_mtok", True, "True is not a number"),
+    ("cost.output_per_mtok", float("inf"), "inf is not a number"),
+    ("cost.currency", 3, "3 is not a string"),
     ("policy", "claude", "'claude' is not one of ds4, datus, both"),
     ("context_tokens", 0, "0 is out of range [1, inf)"),
     ("context_tokens", "128k", "'128k' is not an integer in [1, inf)"),
@@ -249,7 +257,7 @@ def test_every_field_has_a_bad_value_case() -> None:
 
     covered = {k for k, _, _ in BAD_VALUES}
     sections = {"major": MajorConfig, "minor": MinorConfig, "soft": SoftConfig, "hard": HardConfig,
-                "tail": TailConfig, "summary": SummaryConfig, "summarizer": SummarizerConfig}
+                "tail": TailConfig, "summary": SummaryConfig, "summarizer": SummarizerConfig, "cost": CostConfig}
     expected = {f"{s}.{f.name}" for s, cls in sections.items() for f in fields(cls)}
     expected |= {f.name for f in fields(CompactConfig) if f.name not in sections}
     assert expected - covered == set()

@@ -96,7 +96,9 @@ the previous request are appended (tool results through the hard trigger) and th
 runs; the recorded answer is then appended as recorded. The table at the end has one row per
 conversation: requests, compactions by kind, peak occupancy (prompt + reply reserve), tokens
 freed by archiving and by summaries, the KV cache tokens an engine keeps and must prefill again
-across the rewrites, orphaned tool results and requests over the window (both must be 0), whether
+across the rewrites, the cache tokens the compactions wrote beyond what the requests would have
+written anyway and the cached tokens they save later (docs/cost.md), the summaries the minimum-gain
+rule put off, orphaned tool results and requests over the window (both must be 0), whether
 the session restores the recording byte for byte, and the seconds spent inside ctxfold.
 
 A summary the --summarizer endpoint could not write is replaced by the extractive one: the
@@ -138,6 +140,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="lines of each summary shown while it is written (default: 8; 0 hides them)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress and no COMPACTING lines: "
                    "only the table, problems and errors")
+    p.add_argument("--prices", metavar="FILE", help="price the compactions' cost figures with this table "
+                   "(JSON or TOML: input, cached, write, output per million tokens, and currency); it weighs "
+                   "the minimum-gain rule too. Default: the config's cost section (relative weights)")
+    p.add_argument("--price", metavar="input=..,cached=..,write=..,output=..", help="the same table on the "
+                   "command line, e.g. input=3,cached=0.3,write=3.75,output=15 (cached and write default to "
+                   "input; currency=USD unless given)")
+    p.add_argument("--min-gain", choices=("on", "off"), help="the minimum-gain rule: an automatic summary "
+                   "whose expected saving is below what it invalidates waits while the next request fits "
+                   "(default: on, or the config's cost.min_gain)")
     p.add_argument("--verify-with", metavar="TOKENIZER", help="count every request the policy let go also with "
                    "this tokenizer (an exact one, e.g. deepseek-v4; framed with --template), and report "
                    "requests over the window by that count as overflows-verified")
@@ -267,11 +278,42 @@ def _check_args(args: argparse.Namespace) -> None:
             raise CommandError(f"--session-dir {root}: exists and is not a directory", EXIT_USAGE)
 
 
+def _cost_config(args: argparse.Namespace, config: CompactConfig) -> CompactConfig:
+    """The config's cost section with --prices or --price and --min-gain over it."""
+    from dataclasses import replace
+
+    from ctxfold.compaction.cost import PriceTable
+    from ctxfold.errors import ConfigError
+
+    if args.prices is not None and args.price is not None:
+        raise CommandError("give --prices FILE or --price input=..,output=.., not both", EXIT_USAGE)
+    cost = config.cost
+    if args.min_gain is not None:
+        cost = replace(cost, min_gain=args.min_gain == "on")
+    table = None
+    if args.prices is not None:
+        try:
+            table = PriceTable.load(args.prices)
+        except ConfigError as exc:
+            raise CommandError(f"--prices {exc}", EXIT_USAGE) from None
+    elif args.price is not None:
+        try:
+            table = PriceTable.parse(args.price)
+        except ConfigError as exc:
+            raise CommandError(f"--price {args.price}: {exc}", EXIT_USAGE) from None
+    if table is not None:
+        cost = replace(cost, input_per_mtok=table.input_per_mtok, cached_input_per_mtok=table.cached_input_per_mtok,
+                       cache_write_per_mtok=table.cache_write_per_mtok, output_per_mtok=table.output_per_mtok,
+                       currency=table.currency)
+    return replace(config, cost=cost)
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     term = Terminal(quiet=args.quiet)
     config = build_config(args, default_context_tokens=DEFAULT_CONTEXT_TOKENS)
     config, auto_reserve = reply_reserve_config(config, args.reply_reserve)
+    config = _cost_config(args, config)
     check_settings(args, config)
     jobs: list[Job] = []
     skipped_files: list[str] = []
@@ -434,6 +476,7 @@ def _drain(q: Any, term: Terminal, progress: Progress) -> None:
 def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, settings: Settings,
             entries: list[dict[str, Any]], wall_s: float, num_workers: int, skipped_files: Sequence[str]) -> int:
     from ctxfold import __version__
+    from ctxfold.compaction.cost import PriceTable
 
     if args.json != "-":
         print(render_table(term, entries, config.context_tokens), end="", flush=True)
@@ -446,6 +489,8 @@ def _finish(args: argparse.Namespace, term: Terminal, config: CompactConfig, set
                          "summarizer": config.summarizer.kind, "summarizer_url": config.summarizer.base_url,
                          "model": config.summarizer.model,
                          "page_size_tokens": settings.page_size_tokens,
+                         "min_gain": config.cost.min_gain, "horizon_requests": config.cost.horizon_requests,
+                         "prices": PriceTable.from_config(config.cost).to_json(),
                          "reply_reserve_tokens": "per conversation" if settings.auto_reserve
                          else config.reply_reserve(), "processes": num_workers, "trigger_lines": trigger_lines(config)},
             "wall_seconds": round(wall_s, 3),

@@ -66,7 +66,8 @@ def event_record(event: CompactionEvent) -> dict[str, Any]:
             "archived": len(event.archived), "tail_tokens": event.tail_tokens,
             "summary_fallback": event.summary_fallback, "summary_failure": event.summary_failure,
             "kv_tokens_reused": event.kv.tokens_reused if event.kv else None,
-            "kv_tokens_prefilled": event.kv.tokens_to_prefill if event.kv else None}
+            "kv_tokens_prefilled": event.kv.tokens_to_prefill if event.kv else None,
+            "cost": event.cost.to_json() if event.cost else None}
 
 
 def describe_event(term: Terminal, e: dict[str, Any], label: str, many: bool) -> list[str]:
@@ -90,6 +91,10 @@ def describe_event(term: Terminal, e: dict[str, Any], label: str, many: bool) ->
     if e["kv_tokens_reused"] is not None:
         lines.append(f"{prefix} KV plan: keep {tokens(e['kv_tokens_reused'])} cached tokens, "
                      f"prefill {tokens(e['kv_tokens_prefilled'])}")
+    cost = e.get("cost")
+    if cost is not None:
+        lines.append(f"{prefix} cost: {tokens(cost['cache_tokens_written'])} cache tokens written, "
+                     f"{tokens(cost['saving_tokens'])} fewer read over {cost['horizon_requests']} requests")
     return lines
 
 
@@ -152,8 +157,13 @@ _KINDS = ("archive", "summary", "last_resort")
 def totals(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
     t: dict[str, Any] = {"conversations": len(entries)}
     for key in ("requests", "tokens_archived", "tokens_summarized", "kv_tokens_reused", "kv_tokens_prefilled",
-                "overflows", "orphans", "seconds", "seconds_in_ctxfold"):
+                "cache_tokens_written", "saving_tokens", "summary_prompt_tokens", "summary_cached_tokens",
+                "summary_output_tokens", "min_gain_waits", "overflows", "orphans", "seconds", "seconds_in_ctxfold"):
         t[key] = sum(e[key] for e in entries)
+    money = [e["money"] for e in entries if e.get("money")]
+    if money:
+        t["money"] = {"currency": money[0]["currency"],
+                      **{k: round(sum(m[k] for m in money), 6) for k in ("invalidated", "saving", "net")}}
     verified = [e["overflows_verified"] for e in entries if e["overflows_verified"] is not None]
     t["overflows_verified"] = sum(verified) if verified else None
     t["unfittable"] = sum(len(e["unfittable"]) for e in entries)
@@ -191,7 +201,7 @@ def shorten(label: str, width: int = 44) -> str:
 
 def render_table(term: Terminal, entries: Sequence[dict[str, Any]], context_tokens: int | None) -> str:
     headers = ["conversation", "requests", "archive", "summary", "last-resort", "peak", "archived", "summarized",
-               "kv-reused", "kv-prefill", "orphans", "overflows", "restore", "ctxfold-s"]
+               "kv-reused", "kv-prefill", "cache-written", "saving", "waits", "orphans", "overflows", "restore", "ctxfold-s"]
     # With --verify-with, the overflows that count are the verifying tokenizer's: a column beside them.
     verified = any(e.get("overflows_verified") is not None for e in entries)
     if verified:
@@ -205,7 +215,8 @@ def render_table(term: Terminal, entries: Sequence[dict[str, Any]], context_toke
         out: list[object] = [
             label, e["requests"], c.get("archive", 0), c.get("summary", 0), c.get("last_resort", 0),
             peak(e["peak_occupancy_tokens"]), tokens(e["tokens_archived"]), tokens(e["tokens_summarized"]),
-            tokens(e["kv_tokens_reused"]), tokens(e["kv_tokens_prefilled"]), e["orphans"], e["overflows"],
+            tokens(e["kv_tokens_reused"]), tokens(e["kv_tokens_prefilled"]), tokens(e["cache_tokens_written"]),
+            tokens(e["saving_tokens"]), e["min_gain_waits"], e["orphans"], e["overflows"],
             "exact" if e["restore_exact"] else "FAILED", f"{e['seconds_in_ctxfold']:.2f}"]
         if verified:
             v = e.get("overflows_verified")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ctxfold.compaction.cost import CompactionCost
 from ctxfold.messages import Message
 
 
@@ -76,6 +77,9 @@ class CompactionEvent:
     # The window guard's step that ran (GUARD_STEPS), None for a policy pass. The guard runs when a
     # request would leave over the window; its last applied step is the one that made it fit.
     guard_step: str | None = None
+    # What the compaction cost and what it is expected to save (ctxfold.compaction.cost): an applied
+    # summary's, None for the other kinds.
+    cost: CompactionCost | None = None
 
 
 # The window guard's cascade, in order: each runs only while the request is still over the window.

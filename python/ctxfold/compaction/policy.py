@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ctxfold.compaction.cost import CompactionCost, PriceTable
 from ctxfold.config import CompactConfig
 
 
@@ -81,6 +82,17 @@ class Policy:
             return (("major" if turn_start else "mid_turn"),
                     f"summary threshold ({major.token_threshold:.0%} of the window) reached {where}")
         return None
+
+    def min_gain_waits(self, cost: CompactionCost, used_tokens: int, ctx: int, growth_tokens: float) -> bool:
+        """The minimum-gain rule (``cost.min_gain``): whether an automatic summary due at ``used_tokens``
+        waits, because its expected saving over its horizon is below what it invalidates (weighed with the
+        configured prices), and waiting is possible: the next request, ``growth_tokens`` larger, still
+        fits the window. Only the automatic passes ask; the window guard never does, so a request over
+        the window is compacted all the same."""
+        if not self.config.cost.min_gain or used_tokens + growth_tokens > ctx:
+            return False
+        prices = PriceTable.from_config(self.config.cost)
+        return cost.saving(prices) < cost.invalidated(prices)
 
     def archive_enabled(self, *, mid_turn: bool) -> bool:
         """Whether the archive pass runs: at turn starts, and between a turn's requests where allowed."""

@@ -9,13 +9,14 @@ and applies a rewrite only when the rebuilt view is smaller than the old one.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ctxfold.archive import archive_whole
 from ctxfold.archive.marker import is_marker, make_marker
+from ctxfold.compaction import cost as costs
 from ctxfold.compaction.effects import Step, SummaryCall
 from ctxfold.compaction.events import CompactionEvent
 from ctxfold.compaction.rebuild import (
@@ -39,6 +40,7 @@ from ctxfold.summarize import (
     Summarizer,
     SummaryResult,
     build_summary_request,
+    contract_text,
 )
 from ctxfold.tail import SegmentTail, select_tail_from_ledger, widen_tail, widened_preview_chars
 
@@ -85,6 +87,9 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
     timings["dump"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
+    # Asked of a model: not the extractive summarizer, not the guard, not past the breaker.
+    model_call = (guard_step is None and not isinstance(c.summarizer, ExtractiveSummarizer)
+                  and c.state.turn.failures < c.config.max_consecutive_failures)
     summary = yield from summarize(c, plan.bottom, reason, mid_turn,
                                    guard_cap_tokens=_guard_cap_tokens(c, plan, guard_step))
     timings["summary"] = time.perf_counter() - t1
@@ -106,12 +111,14 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
         return failed(c, trigger, reason, before,
                       f"with the configured tail the request would still be over the window ({after} > "
                       f"{ctx} tokens)", timings, summary=summary, dump=dump, guard_step=guard_step)
+    spend = _spend(c, plan, summary, reason, mid_turn=mid_turn, model_call=model_call)
     old_view = c.view
     c._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
     c._rewrites += 1
     c._dumped, c._history_id = len(c.originals), history_id
     c._rewrite(new_view, new_origins)
     kv = c._kv_figures(old_view, new_view)
+    cost = spend(kv.tokens_reused, kv.tokens_to_prefill, c.occupancy_tokens(queued))
     timings["total"] = time.perf_counter() - t0
     event = CompactionEvent(
         kind="summary", trigger=trigger, reason=reason, applied=True, tokens_before=before,
@@ -121,6 +128,7 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
         tail_start=start, tail_rule=tail.rule.name.lower() if start == tail.start else "widened",
         tail_tokens=tail_tokens,
         history_dump=str(dump) if dump is not None else None, kv=kv, seconds=timings, guard_step=guard_step,
+        cost=cost,
     )
     if guard_step is None:  # the guard's passes are outside the policy: they leave its breaker alone
         _settle_breaker(c, event, summary, mid_turn=mid_turn, manual=manual)
@@ -152,6 +160,29 @@ def _plan(c: Compactor, queued: Sequence[Message], *, mid_turn: bool, guard_step
             # The turn's request and the messages queued after it stay ahead of the summary.
             besides += int(tokens[r]) + sum(int(tokens[i]) for i in range(r + 1, bottom) if view[i].queued)
     return _Plan(bottom, fresh, besides)
+
+
+def _spend(c: Compactor, plan: _Plan, summary: Summary, reason: str, *, mid_turn: bool,
+           model_call: bool) -> Callable[[int, int, int], costs.CompactionCost]:
+    """The cost figures that must be read before the rewrite (the request the cache holds, the summary
+    request's prompt, the growth rate), as a function of the rewrite's KV plan (reused, prefilled) and
+    occupancy after it (:mod:`ctxfold.compaction.cost`)."""
+    before = costs.request_before(c)
+    prompt = cached = output = 0
+    if model_call:
+        contract = c.accounting.message_tokens(Message(Role.USER, contract_text(reason, mid_turn=mid_turn)))
+        prompt, cached = costs.summary_prompt(c, plan.bottom, contract)
+        output = c.counter.count(summary.text) if summary.fallback_from is None else 0
+    growth = costs.growth_per_request_tokens(c)
+    ctx = c.context_tokens
+
+    def figures(reused_tokens: int, prefill_tokens: int, after_tokens: int) -> costs.CompactionCost:
+        line = c.policy.trigger_line_tokens(ctx) if ctx is not None else None
+        horizon = costs.horizon_requests(c.config.cost, after_tokens=after_tokens, line_tokens=line,
+                                         growth_tokens=growth)
+        return costs.CompactionCost(before, costs.RequestTokens(reused_tokens, prefill_tokens), prompt, cached,
+                                    output, model_call, horizon)
+    return figures
 
 
 def _write_history_dump(c: Compactor) -> tuple[Path | None, str]:
