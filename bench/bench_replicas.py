@@ -228,12 +228,16 @@ def run_replicas(n: int, redis: Redis, db: int, args: argparse.Namespace, tmp: P
     up = ScriptedUpstream(keep_requests=1_000_000)
     with BackgroundServer(up.app()) as srv:
         procs = []
+        # Replicas are checked on compactions they see of each other's: every due summary runs (the
+        # minimum-gain rule, which may put one off while the next request fits, is off here).
+        config = tmp / "compact.toml"
+        config.write_text("[agent.compact.cost]\nmin_gain = false\n")
         try:
             for i in range(n):
                 procs.append(start_proxy(
                     ["--upstream", srv.url + "/v1", "--store", redis.url(db), "--data-dir", str(tmp / f"r{n}-{i}"),
                      "--context-tokens", str(args.context_tokens), "--tokenizer", "chars4", "--template", "none",
-                     "--fsync", "never"]))
+                     "--fsync", "never", "--config", str(config)]))
             urls = [u for _, u in procs]
             t0 = time.monotonic()
             out = asyncio.run(drive(urls, args.conversations, args.tenants, args.turns, args.time_limit_s))
