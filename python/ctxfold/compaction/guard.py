@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
     from ctxfold.compactor import Compactor
 
+# The last step folded again at most this often, each time with its summary's room lowered by what it came
+# out over by and this margin (the estimates that sized it are off by a few tokens, not by hundreds).
+MAX_REFOLDS = 2
+REFOLD_MARGIN_TOKENS = 8
+
 
 def guard(c: Compactor, turn_start: bool, queued: list[Message]) -> tuple[list[Message], CompactionEvent | None]:
     """Make the request fit the window, whatever the policy and the breaker did: the steps of
@@ -59,6 +64,24 @@ def guard(c: Compactor, turn_start: bool, queued: list[Message]) -> tuple[list[M
             last = event
         if c.occupancy_tokens(shown) <= ctx:
             return shown, last
+    # The last summary is sized on estimates (its frame, the messages around it as the template renders
+    # them) and can come out a little over: fold again, its room lowered by what it came out over by.
+    refold = [s for s in events.GUARD_STEPS if s == "shorter_tail" or (s == "fold_newest" and not turn_start)]
+    for step in refold[-1:] * MAX_REFOLDS:  # the last summary step that ran
+        over = c.occupancy_tokens(shown) - ctx
+        event = no_calls(summary_pass(c, trigger="guard", reason=reason, mid_turn=not turn_start, queued=shown,
+                                      guard_step=step, shrink_tokens=over + REFOLD_MARGIN_TOKENS))
+        if event.applied:
+            last = event
+        if c.occupancy_tokens(shown) <= ctx:
+            return shown, last
+        if not event.applied:
+            break
+    # The steps rewrote the view: the smallest request it allows now may be over the window after all (the
+    # queued messages a mid-turn rewrite keeps ahead of the summary, at their smallest, with the new ones).
+    floor = fit_floor(c, turn_start, shown)
+    if sum(floor.values()) > ctx:
+        raise NoFitError(ctx, floor)
     # Every step ran and the request is over still, though the floor fits: a case the steps do not
     # cover. Refuse it here rather than send it over the window.
     raise NoFitError(ctx, {"request after every compaction step": c.occupancy_tokens(shown)

@@ -58,7 +58,8 @@ class _Plan:
 
 
 def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, manual: bool = False,
-                 queued: Sequence[Message] = (), guard_step: str | None = None) -> Step[CompactionEvent]:
+                 queued: Sequence[Message] = (), guard_step: str | None = None,
+                 shrink_tokens: int = 0) -> Step[CompactionEvent]:
     """A summary rewrite: [turn's request,] summary, verbatim tail, what the model has not seen yet.
     The window guard's steps (``guard_step``) write the extractive summary, sized to the room left;
     "shorter_tail" keeps no tail and "fold_newest" summarizes the turn's newest messages too."""
@@ -91,7 +92,7 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
     model_call = (guard_step is None and not isinstance(c.summarizer, ExtractiveSummarizer)
                   and c.state.turn.failures < c.config.max_consecutive_failures)
     summary = yield from summarize(c, plan.bottom, reason, mid_turn,
-                                   guard_cap_tokens=_guard_cap_tokens(c, plan, guard_step))
+                                   guard_cap_tokens=_guard_cap_tokens(c, plan, guard_step, shrink_tokens))
     timings["summary"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -196,14 +197,15 @@ def _write_history_dump(c: Compactor) -> tuple[Path | None, str]:
     return dump, history_id
 
 
-def _guard_cap_tokens(c: Compactor, plan: _Plan, guard_step: str | None) -> int | None:
-    """The guard's summary takes what the window leaves beside everything else it must hold, and no
-    more than the extractive summary's own cap. None for a policy pass."""
+def _guard_cap_tokens(c: Compactor, plan: _Plan, guard_step: str | None, shrink_tokens: int = 0) -> int | None:
+    """The guard's summary takes what the window leaves beside everything else it must hold, less
+    ``shrink_tokens`` (what a rebuild sized so came out over by), and no more than the extractive
+    summary's own cap. None for a policy pass."""
     ctx = c.context_tokens
     if guard_step is None or ctx is None:
         return None
     cap = (ctx - c.accounting.fixed_tokens - plan.besides_tokens - c._summary_frame_tokens()
-           - c.reply_reserve_tokens())
+           - c.reply_reserve_tokens() - shrink_tokens)
     if guard_step != "fold_newest":
         cap //= 2  # the other half for the tail
     return max(16, cap)
