@@ -35,9 +35,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-import numpy.typing as npt
-
 from ctxfold.accounting import RequestAccounting
 from ctxfold.archive import ArchiveParams, ArchiveStore, MemoryBackend, archive_oversized
 from ctxfold.compaction import archive_pass as archive
@@ -53,6 +50,7 @@ from ctxfold.compaction.events import (
     Observer,
 )
 from ctxfold.compaction.guard import guard
+from ctxfold.compaction.kv import MIN_SHIFT_TOKENS
 from ctxfold.compaction.policy import Policy
 from ctxfold.compaction.rebuild import (
     SAMPLE_ARCHIVE_ID,
@@ -73,7 +71,6 @@ from ctxfold.compaction.view import (
 from ctxfold.config import CompactConfig
 from ctxfold.counting import TokenCounter, load_counter
 from ctxfold.jinja_template import JinjaChatTemplate
-from ctxfold.kvplan import plan_kv_resync
 from ctxfold.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.session import Session, ViewEntry
 from ctxfold.summarize import ExtractiveSummarizer, Summarizer
@@ -83,12 +80,11 @@ if TYPE_CHECKING:
     from ctxfold.store.buffer import BufferedLog
 
 # The records and pieces users import from here, where they were first defined.
-__all__ = ["GUARD_STEPS", "SAMPLE_ARCHIVE_ID", "SUMMARY_ACKNOWLEDGEMENT", "AppendResult", "ArchivedOutput",
-           "AsyncCompactor", "CompactionEvent", "Compactor", "KvPlanFigures", "NullObserver", "Observer",
-           "frame_summary", "keep_turns_alternating", "resume_message"]
+__all__ = ["GUARD_STEPS", "MIN_SHIFT_TOKENS", "SAMPLE_ARCHIVE_ID", "SUMMARY_ACKNOWLEDGEMENT", "AppendResult",
+           "ArchivedOutput", "AsyncCompactor", "CompactionEvent", "Compactor", "KvPlanFigures", "NullObserver",
+           "Observer", "frame_summary", "keep_turns_alternating", "resume_message"]
 
 T = TypeVar("T")
-MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)
 
 
 class Compactor:
@@ -426,6 +422,26 @@ class Compactor:
         """:meth:`compact_now` as a step for a driver (:mod:`ctxfold.compaction.effects`)."""
         return summary_pass(self, trigger="manual", reason=reason, mid_turn=False, manual=True)
 
+    def request_step(self, new: Sequence[Message], *, quiet: bool = False) -> Step[list[CompactionEvent]]:
+        """A model request that brings ``new`` messages, as a step: tool results through the hard trigger
+        (:meth:`append_tool_result_step`), the rest appended as they come, then :meth:`before_request_step`;
+        returns the events. ``quiet``: the caller found that nothing can fire (:meth:`quiet`), so all of
+        ``new`` goes in with one append (one write to the log)."""
+        first = len(self.events)
+        plain: list[Message] = []
+        for m in new:
+            if m.role is Role.TOOL and not quiet:
+                if plain:
+                    self.append(*plain)
+                    plain = []
+                yield from self.append_tool_result_step(m)
+            else:
+                plain.append(m)
+        if plain:
+            self.append(*plain)
+        yield from self.before_request_step()
+        return list(self.events[first:])
+
     def _run_automatic(self, turn_start: bool, queued: Sequence[Message]) -> Step[CompactionEvent | None]:
         cfg = self.config
         last: CompactionEvent | None = None
@@ -486,33 +502,6 @@ class Compactor:
         self.state.replace(view, origins)
         self._accounting.reset(self.header, view)
         self._pending_bound_tokens = 0
-
-    def _kv_figures(self, old: Sequence[Message], new: Sequence[Message]) -> KvPlanFigures:
-        """Reuse of the engine's KV cache across a rewrite: the exact common prefix (page-aligned),
-        what must be prefilled again, and what a position-shifting engine could move instead
-        (verbatim spans found again after the divergence: approximate)."""
-        if self.kv_plan == "tokens":
-            plan = plan_kv_resync(self._request_ids(old), self._request_ids(new),
-                                  page_size_tokens=self.page_size_tokens, min_shift_tokens=MIN_SHIFT_TOKENS)
-            return KvPlanFigures(tokens_reused=plan.reuse_tokens, tokens_to_prefill=plan.prefill_tokens,
-                                 tokens_shift_reusable=plan.shifted_tokens, exact=True)
-        new_tokens = self.accounting.tokens()
-        k = 0
-        while k < min(len(old), len(new)) and old[k] is new[k]:
-            k += 1
-        common = self.accounting.prefix_tokens + int(new_tokens[:k].sum())
-        reused = common - common % self.page_size_tokens
-        old_ids = {id(m) for m in old[k:]}
-        shiftable = int(sum(int(new_tokens[i]) for i in range(k, len(new)) if id(new[i]) in old_ids))
-        return KvPlanFigures(tokens_reused=reused, tokens_to_prefill=self.accounting.total_tokens - reused,
-                             tokens_shift_reusable=shiftable)
-
-    def _request_ids(self, messages: Sequence[Message]) -> npt.NDArray[np.int32]:
-        """The token ids of the request for ``messages``, as a server would tokenize the prompt."""
-        rendered = self.accounting.renderer.render(replace(self.header, messages=list(messages)),
-                                                   self.accounting.options)
-        tokenizer = self.counter.tokenizer  # type: ignore[attr-defined]
-        return np.asarray(tokenizer.encode(rendered.text(), add_special_tokens=False).ids, dtype=np.int32)
 
     def _state(self) -> dict[str, Any]:
         turn = self.state.turn

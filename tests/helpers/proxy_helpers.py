@@ -5,6 +5,8 @@ The fixtures built on these (``upstream``, ``proxy``) live in conftest.py."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,23 @@ def start_proxy(upstream_url: str, data_dir: Path, **kw: Any) -> tuple[ProxyApp,
                       fsync="never", **kw)
     proxy = ProxyApp(cfg)
     return proxy, serve_in_background(proxy).__enter__()
+
+
+@contextmanager
+def started_proxies(upstream_url: str, tmp_path: Path, n: int, **kw: Any) -> Iterator[list[tuple[ProxyApp, str]]]:
+    """``n`` proxies in this process (each its own event loop and thread, and data directory
+    ``tmp_path/app<i>``), with the same settings (``store_url=`` to share one store): (app, URL) each."""
+    out: list[tuple[ProxyApp, str]] = []
+    servers = []
+    try:
+        for i in range(n):
+            app, srv = start_proxy(upstream_url, tmp_path / f"app{i}", **kw)
+            servers.append(srv)
+            out.append((app, srv.url))
+        yield out
+    finally:
+        for srv in servers:
+            srv.close()
 
 
 def serve_in_background(proxy: ProxyApp) -> BackgroundServer:

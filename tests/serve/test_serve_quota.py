@@ -28,7 +28,7 @@ from ctxfold.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from helpers.proxy_helpers import metric, start_proxy
+from helpers.proxy_helpers import metric, started_proxies
 from helpers.redis_server import RedisServer
 from helpers.subprocess_env import ctxfold_env
 
@@ -51,18 +51,9 @@ def proxies(tmp_path: Path, upstream_url: str, n: int = 1, **kw: Any) -> Iterato
     """``n`` proxies in this process, each with its own loop and data directory (``store_url=`` to share one)."""
     key_file = tmp_path / "tenant.key"
     key_file.write_text(TENANT_KEY)
-    out, servers = [], []
-    try:
-        for i in range(n):
-            app, srv = start_proxy(upstream_url, tmp_path / f"app{i}", tenant_key_file=key_file,
-                                   compact=kw.pop("compact", CompactConfig(context_tokens=3000)) if i == 0 else
-                                   out[0][0].config.compact, **kw)
-            servers.append(srv)
-            out.append((app, srv.url))
+    compact = kw.pop("compact", CompactConfig(context_tokens=3000))
+    with started_proxies(upstream_url, tmp_path, n, tenant_key_file=key_file, compact=compact, **kw) as out:
         yield out
-    finally:
-        for srv in servers:
-            srv.close()
 
 
 def ask(url: str, messages: list[dict[str, Any]], key: str | None) -> httpx.Response:

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from helpers.cli_helpers import run_main
-from helpers.proxy_helpers import metric, start_proxy
+from helpers.proxy_helpers import metric, start_proxy, started_proxies
 from helpers.redis_server import RedisServer
 from helpers.subprocess_env import ctxfold_env
 
@@ -378,18 +378,9 @@ def test_workers_share_the_store(tmp_path: Path, redis_server: RedisServer,
 def two_apps(tmp_path: Path, redis: RedisServer, upstream_url: str,
              **kw: Any) -> Iterator[list[tuple[ProxyApp, str]]]:
     """Two proxies in this process (each its own event loop and thread), sharing one Redis."""
-    out: list[tuple[ProxyApp, str]] = []
-    servers = []
-    try:
-        for i in range(2):
-            app, srv = start_proxy(upstream_url, tmp_path / f"app{i}", store_url=redis.url, lease_ms=2000,
-                                   tenant_key_file=_key_file(tmp_path), **kw)
-            servers.append(srv)
-            out.append((app, srv.url))
+    with started_proxies(upstream_url, tmp_path, 2, store_url=redis.url, lease_ms=2000,
+                         tenant_key_file=_key_file(tmp_path), **kw) as out:
         yield out
-    finally:
-        for srv in servers:
-            srv.close()
 
 
 def _key_file(tmp_path: Path) -> Path:

@@ -19,6 +19,7 @@ from ctxfold.archive.marker import is_marker, make_marker
 from ctxfold.compaction import cost as costs
 from ctxfold.compaction.effects import Step, SummaryCall
 from ctxfold.compaction.events import CompactionEvent
+from ctxfold.compaction.kv import kv_figures
 from ctxfold.compaction.rebuild import (
     MARKER_MIN_TOKENS,
     SAMPLE_ARCHIVE_ID,
@@ -118,7 +119,7 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
     c._rewrites += 1
     c._dumped, c._history_id = len(c.originals), history_id
     c._rewrite(new_view, new_origins)
-    kv = c._kv_figures(old_view, new_view)
+    kv = kv_figures(c, old_view, new_view)
     cost = spend(kv.tokens_reused, kv.tokens_to_prefill, c.occupancy_tokens(queued))
     timings["total"] = time.perf_counter() - t0
     event = CompactionEvent(

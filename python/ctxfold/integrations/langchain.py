@@ -463,21 +463,7 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     @staticmethod
     def _step(t: _Thread, new: list[Message]) -> Step[list[CompactionEvent]]:
         """Store the call's new messages (tool results through the hard trigger), then the request's passes."""
-        c = t.compactor
-        first = len(c.events)
-        plain: list[Message] = []
-        for m in new:
-            if m.role is Role.TOOL:
-                if plain:
-                    c.append(*plain)
-                    plain = []
-                yield from c.append_tool_result_step(m)
-            else:
-                plain.append(m)
-        if plain:
-            c.append(*plain)
-        yield from c.before_request_step()
-        return list(c.events[first:])
+        return t.compactor.request_step(new)
 
     def _view(self, t: _Thread, messages: Sequence[BaseMessage], events: list[CompactionEvent]) -> list[BaseMessage]:
         """The view as LangChain messages: an original the view shows unchanged is the agent's own object."""

@@ -185,28 +185,11 @@ class CompactionStep:
         inline or in a worker thread: see :meth:`inline`). ``sent``: the request's messages, as it sent them. ``quiet``: the caller
         found that nothing can fire (:meth:`Compactor.quiet`), the hard trigger of tool results
         included: they go in with the rest, in one append (one write to the log)."""
-        c = session.compactor
-        first = len(c.events)
         try:
-            if quiet:
-                c.append(*new)
-            else:
-                plain: list[Message] = []
-                for m in new:
-                    if m.role is Role.TOOL:
-                        if plain:
-                            c.append(*plain)
-                            plain = []
-                        yield from c.append_tool_result_step(m)
-                    else:
-                        plain.append(m)
-                if plain:
-                    c.append(*plain)
-            yield from c.before_request_step()
+            return (yield from session.compactor.request_step(new, quiet=quiet))
         finally:
             # Whatever was stored before a failure is known, so a retry does not store it twice.
             session.note_wire(sent)
-        return list(c.events[first:])
 
     def count_events(self, events: list[CompactionEvent]) -> None:
         m = self.metrics
