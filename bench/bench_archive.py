@@ -21,17 +21,17 @@ from typing import Any
 
 import pytest
 
-from ctxfold import formats
-from ctxfold.archive import (
+from ctxfold.chat import formats
+from ctxfold.chat.formats.openai import message_to_openai
+from ctxfold.chat.messages import Message, Role
+from ctxfold.compaction.archive import (
     MARKER_PREFIX,
     ArchiveParams,
     ArchiveStore,
     archive_mid_turn,
     archive_turn_start,
 )
-from ctxfold.archive.marker import marker_chars
-from ctxfold.formats.openai import message_to_openai
-from ctxfold.messages import Message, Role
+from ctxfold.compaction.archive.marker import marker_chars
 from synth import TRACES_DIR
 
 NUM_MESSAGES = 2000

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from ctxfold.compactor import Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import load_counter
-from ctxfold.messages import Conversation, Message, Role, ToolCall
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.tokens.counting import load_counter
 
 GROUP = "compactor before_request, 2,000 messages, nothing fires"
 

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ctxfold import _core, formats
-from ctxfold.accounting import RequestAccounting
-from ctxfold.calibration_corpus import read_corpus
-from ctxfold.counting import CharsPerTokenCounter, HFTokenizerCounter, TiktokenCounter, load_counter
-from ctxfold.messages import Conversation, Message
-from ctxfold.templates import CHATML_QWEN3
+from ctxfold import _core
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Conversation, Message
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.calibration_corpus import read_corpus
+from ctxfold.tokens.counting import CharsPerTokenCounter, HFTokenizerCounter, TiktokenCounter, load_counter
+from ctxfold.tokens.templates import CHATML_QWEN3
 
 
 def best_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:

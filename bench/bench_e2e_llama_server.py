@@ -31,7 +31,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # the server launcher and replay client the test uses
 
-from ctxfold.formats import load
+from ctxfold.chat.formats import load
 from helpers.gemma_gguf import gemma_gguf_path
 from helpers.llama_server import (
     GEMMA_FORMAT_TEMPLATE,

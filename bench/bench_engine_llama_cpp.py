@@ -41,7 +41,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # the Gemma rendering and GGUF lookup the tests use
 
-from ctxfold import formats
+from ctxfold.chat import formats
 from ctxfold.engine import Decision
 from helpers.gemma_gguf import (
     EXTRA_BUFFER_TYPES,

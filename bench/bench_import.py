@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ctxfold import formats
+from ctxfold.chat import formats
 
 _NOT_TRACES = {"README.md", "LICENSE", "LICENSE.md", "SOURCE.txt"}
 

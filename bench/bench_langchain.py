@@ -43,14 +43,14 @@ from langchain_core.messages import AIMessage, BaseMessage, SystemMessage
 from langchain_core.messages.utils import count_tokens_approximately
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 
-from ctxfold.accounting import RequestAccounting
-from ctxfold.config import CompactConfig
-from ctxfold.counting import load_counter
-from ctxfold.formats import load
+from ctxfold.chat.formats import load
+from ctxfold.chat.integrity import count_orphans
+from ctxfold.chat.messages import Conversation, Message, ToolSpec
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.integrations.langchain import CtxfoldMiddleware, from_ctxfold, to_ctxfold, tool_spec
-from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation, Message, ToolSpec
 from ctxfold.replay import default_reply_reserve
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import load_counter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.langchain_helpers import SummaryModel  # the tests' fake models: one definition

@@ -192,8 +192,8 @@ def handoffs(received: list[dict[str, Any]], sent: dict[str, tuple[int, int, int
 
 
 async def stored_sessions(url: str) -> dict[str, Any]:
-    from ctxfold.store import restore_async
-    from ctxfold.store.redis_store import RedisStore
+    from ctxfold.compaction.store import restore_async
+    from ctxfold.compaction.store.redis_store import RedisStore
 
     store = RedisStore(url)
     try:

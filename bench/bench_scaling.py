@@ -119,10 +119,10 @@ TOKENIZERS_DIRECT = "tokenizers encode_batch"
 
 
 def _coefficients() -> npt.NDArray[np.float64]:
-    """A built-in calibration's coefficients when ctxfold.counting has them; the cost of the
+    """A built-in calibration's coefficients when ctxfold.tokens.counting has them; the cost of the
     estimator does not depend on their values, so any finite vector times it as well."""
     try:
-        from ctxfold.counting import builtin_calibration, builtin_calibrations
+        from ctxfold.tokens.counting import builtin_calibration, builtin_calibrations
 
         names = builtin_calibrations()
         if names:
@@ -153,7 +153,7 @@ def test_scaling_estimator(benchmark: Any, num_tokens: int) -> None:
 @pytest.mark.benchmark(group=COUNTING)
 @pytest.mark.parametrize("num_tokens", SIZES_TOKENS)
 def test_scaling_exact_ctxfold(benchmark: Any, num_tokens: int) -> None:
-    counting = pytest.importorskip("ctxfold.counting", reason="ctxfold.counting is not in this build")
+    counting = pytest.importorskip("ctxfold.tokens.counting", reason="ctxfold.tokens.counting is not in this build")
     counter = counting.load_counter("deepseek-v4")
     t = by_tokens(num_tokens)
     _info(
@@ -255,7 +255,7 @@ SEGMENT_TAIL = "scaling: segment tail (32k budget)"
 @pytest.mark.benchmark(group=SEGMENT_TAIL)
 @pytest.mark.parametrize("num_messages", SIZES_MESSAGES)
 def test_scaling_segment_tail(benchmark: Any, num_messages: int) -> None:
-    tail = pytest.importorskip("ctxfold.tail", reason="ctxfold.tail is not in this build")
+    tail = pytest.importorskip("ctxfold.core.tail", reason="ctxfold.core.tail is not in this build")
     t = by_messages(num_messages)
     _info(
         benchmark,
@@ -304,7 +304,7 @@ TOKEN_TAIL = "scaling: token tail (50k budget)"
 @pytest.mark.benchmark(group=TOKEN_TAIL)
 @pytest.mark.parametrize("num_tokens", SIZES_TOKENS)
 def test_scaling_token_tail(benchmark: Any, num_tokens: int) -> None:
-    tail = pytest.importorskip("ctxfold.tail", reason="ctxfold.tail is not in this build")
+    tail = pytest.importorskip("ctxfold.core.tail", reason="ctxfold.core.tail is not in this build")
     ids = ids_of(num_tokens)
     floor = min(synth.system_prefix_tokens(), len(ids))
     _info(
@@ -359,7 +359,7 @@ def _prefix_pair(num_tokens: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np
 @pytest.mark.benchmark(group=PREFIX)
 @pytest.mark.parametrize("num_tokens", SIZES_TOKENS)
 def test_scaling_common_prefix(benchmark: Any, num_tokens: int) -> None:
-    kvplan = pytest.importorskip("ctxfold.kvplan", reason="ctxfold.kvplan is not in this build")
+    kvplan = pytest.importorskip("ctxfold.core.kvplan", reason="ctxfold.core.kvplan is not in this build")
     a, b = _prefix_pair(num_tokens)
     _info(
         benchmark,
@@ -395,7 +395,7 @@ ARCHIVE = "scaling: archive pass, nothing to do"
 def archive_steady(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Per size, the transcript after one turn-start pass (old bulky outputs are markers now) and its
     store: the steady state every later turn sees."""
-    archive = pytest.importorskip("ctxfold.archive", reason="ctxfold.archive is not in this build")
+    archive = pytest.importorskip("ctxfold.compaction.archive", reason="ctxfold.compaction.archive is not in this build")
     cache: dict[int, tuple[list[Any], Any, Any]] = {}
 
     def get(num_messages: int) -> tuple[list[Any], Any, Any]:
@@ -412,7 +412,7 @@ def archive_steady(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.mark.benchmark(group=ARCHIVE)
 @pytest.mark.parametrize("num_messages", SIZES_MESSAGES)
 def test_scaling_archive_turn_start(benchmark: Any, archive_steady: Any, num_messages: int) -> None:
-    from ctxfold.archive import archive_turn_start
+    from ctxfold.compaction.archive import archive_turn_start
 
     msgs, store, params = archive_steady(num_messages)
     _info(
@@ -447,8 +447,8 @@ def json_scan(
 @pytest.mark.benchmark(group=ARCHIVE)
 @pytest.mark.parametrize("num_messages", SIZES_MESSAGES)
 def test_scaling_archive_json_baseline(benchmark: Any, archive_steady: Any, num_messages: int) -> None:
-    from ctxfold.archive import MARKER_PREFIX
-    from ctxfold.formats.openai import message_to_openai
+    from ctxfold.chat.formats.openai import message_to_openai
+    from ctxfold.compaction.archive import MARKER_PREFIX
 
     msgs, _, params = archive_steady(num_messages)
     items = [message_to_openai(m, api=True) for m in msgs]
@@ -472,10 +472,10 @@ BEFORE_REQUEST = "scaling: before_request, nothing fires"
 def _compactor(num_messages: int) -> Any:
     """A compactor holding the transcript, past its first request: the turn-start archive pass has
     run, and the window is four times the conversation, so no token trigger can fire."""
-    from ctxfold.compactor import Compactor
-    from ctxfold.config import CompactConfig
-    from ctxfold.messages import Conversation
-    from ctxfold.templates import DEEPSEEK_V4
+    from ctxfold.chat.messages import Conversation
+    from ctxfold.compaction.compactor import Compactor
+    from ctxfold.compaction.config import CompactConfig
+    from ctxfold.tokens.templates import DEEPSEEK_V4
 
     t = by_messages(num_messages)
     conv = Conversation(messages=t.messages[1:], system=t.messages[0].text)
@@ -490,7 +490,7 @@ def _compactor(num_messages: int) -> Any:
 @pytest.mark.benchmark(group=BEFORE_REQUEST)
 @pytest.mark.parametrize("num_messages", SIZES_MESSAGES)
 def test_scaling_before_request(benchmark: Any, num_messages: int) -> None:
-    pytest.importorskip("ctxfold.compactor", reason="ctxfold.compactor is not in this build")
+    pytest.importorskip("ctxfold.compaction.compactor", reason="ctxfold.compaction.compactor is not in this build")
     compactor = _compactor(num_messages)
     events = len(compactor.events)
     _info(

@@ -94,8 +94,8 @@ class Script:
 def trace_scripts(max_body_bytes: int) -> list[Script]:
     """Every conversation of the real traces (TRACES_DIR), each request cut off where its body would
     pass ``max_body_bytes``: well under the proxy's window, so nothing fires."""
-    from ctxfold.formats import load
-    from ctxfold.formats.openai import dump
+    from ctxfold.chat.formats import load
+    from ctxfold.chat.formats.openai import dump
 
     scripts = []
     for path in sorted(TRACES_DIR.rglob("*")):

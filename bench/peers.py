@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 import synth
-from ctxfold.messages import Message, Role
+from ctxfold.chat.messages import Message, Role
 
 
 def to_langchain(messages: Sequence[Message]) -> list[Any]:

@@ -37,9 +37,9 @@ import numpy.typing as npt
 
 import peers
 import synth
-from ctxfold import formats
-from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.chat import formats
+from ctxfold.chat.integrity import count_orphans
+from ctxfold.chat.messages import Conversation, Message, Role
 
 BUDGETS = [1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000, 128_000, 200_000]
 REPLAY_CONTEXTS = [8_192, 16_384, 32_768]
@@ -89,8 +89,8 @@ class Case:
         """Tokens of each message as an archive marker with a preview of ``preview_chars``, where that is
         smaller: what a group costs when it enters the tail with its results archived."""
         if preview_chars not in self._archived:
-            from ctxfold.archive.marker import make_marker
-            from ctxfold.compactor import SAMPLE_ARCHIVE_ID
+            from ctxfold.compaction.archive.marker import make_marker
+            from ctxfold.compaction.compactor import SAMPLE_ARCHIVE_ID
 
             tok = synth.deepseek_tokenizer()
             out = self.tokens.copy()
@@ -130,9 +130,9 @@ Method = Callable[[Case, int], list[int]]
 
 def _ctxfold_tail() -> Method | str:
     try:
-        from ctxfold import tail
+        from ctxfold.core import tail
     except ImportError:
-        return "ctxfold.tail is not in this build"
+        return "ctxfold.core.tail is not in this build"
 
     def run(case: Case, budget: int) -> list[int]:
         room = budget - int(case.tokens[0])
@@ -144,11 +144,11 @@ def _ctxfold_tail() -> Method | str:
 
 def _ctxfold_widened_tail() -> Method | str:
     try:
-        from ctxfold import tail
+        from ctxfold.core import tail
     except ImportError:
-        return "ctxfold.tail is not in this build"
+        return "ctxfold.core.tail is not in this build"
     if not hasattr(tail, "widen_tail"):
-        return "ctxfold.tail.widen_tail is not in this build"
+        return "ctxfold.core.tail.widen_tail is not in this build"
 
     def run(case: Case, budget: int) -> list[int]:
         room = budget - int(case.tokens[0])
@@ -209,7 +209,7 @@ def best_legal_tokens(case: Case, budget: int) -> int:
 
 
 def tail_preview(room_tokens: int) -> int:
-    from ctxfold import tail
+    from ctxfold.core import tail
 
     return tail.widened_preview_chars(room_tokens, 1000)
 
@@ -307,9 +307,9 @@ def section_tail(traces_dir: Path) -> Section:
 def section_estimator(traces_dir: Path) -> Section:
     title = "Estimator error against the exact tokenizer"
     try:
-        from ctxfold import calibration, counting
+        from ctxfold.tokens import calibration, counting
     except ImportError:
-        return {"title": title, "status": "ctxfold.counting is not in this build"}
+        return {"title": title, "status": "ctxfold.tokens.counting is not in this build"}
     names = counting.builtin_calibrations()
     if not names:
         return {"title": title, "status": "this build ships no built-in calibration"}
@@ -365,7 +365,7 @@ def section_estimator(traces_dir: Path) -> Section:
         "title": title,
         "status": "ok",
         "intro": (
-            f"The estimator is the default counter, fitted as an upper bound (`python/ctxfold/calibration.py`): "
+            f"The estimator is the default counter, fitted as an upper bound (`python/ctxfold/tokens/calibration.py`): "
             f"its under-count must stay within {calibration.ALLOWANCE_FRACTION:.0%} of the window at the "
             f"{calibration.BOUND_PERCENTILE:g}th percentile, for every window from "
             f"{calibration.MIN_WINDOW_TOKENS:,} to {calibration.MAX_WINDOW_TOKENS:,} tokens that holds the "
@@ -395,10 +395,10 @@ def section_estimator(traces_dir: Path) -> Section:
 def _default_count_on_deepseek(traces_dir: Path) -> list[Any] | None:
     """Every request of the DeepSeek runs: the default count against the exact one (DeepSeek V4
     tokenizer, deepseek-v3.2 template) and against DeepSeek's recorded prompt_tokens."""
-    from ctxfold import counting
-    from ctxfold.accounting import RequestAccounting
-    from ctxfold.calibration import allowance_tokens
-    from ctxfold.templates import DEEPSEEK_V32, RenderOptions
+    from ctxfold.tokens import counting
+    from ctxfold.tokens.accounting import RequestAccounting
+    from ctxfold.tokens.calibration import allowance_tokens
+    from ctxfold.tokens.templates import DEEPSEEK_V32, RenderOptions
 
     sys.path.insert(0, str(BENCH_DIR.parent / "tests"))
     from helpers.deepseek_traces import deepseek_runs  # the runs with the `bash` tool their agent offered

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from helpers.proxy_helpers import start_proxy
 

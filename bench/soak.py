@@ -424,8 +424,8 @@ def restored(session_dir: Path, cli: bool) -> list[dict[str, Any]]:
         if out.returncode != 0:
             raise RuntimeError(f"ctxfold restore {session_dir}: exit {out.returncode}: {out.stderr.strip()[-300:]}")
         return list(json.loads(out.stdout)["messages"])
-    from ctxfold.formats import dumps
-    from ctxfold.session import Session
+    from ctxfold.chat.formats import dumps
+    from ctxfold.compaction.session import Session
 
     return list(json.loads(dumps(Session(session_dir).restore(), "openai"))["messages"])
 

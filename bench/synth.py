@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ctxfold import formats
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Conversation, Message, Role
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACES_DIR = Path(os.environ.get("CTXFOLD_TRACES", REPO_ROOT.parent / "shared" / "traces"))
@@ -55,7 +55,7 @@ PER_MESSAGE_TOKENS = 4
 USER_ID = 128803
 ASSISTANT_ID = 128804
 
-# Segment flags of the C++ ledger (cpp/include/ctxfold/ledger.hpp, SegmentFlag); same values.
+# Segment flags of the C++ ledger (cpp/include/ctxfold/core/ledger.hpp, SegmentFlag); same values.
 FLAG_SYSTEM = 1 << 0
 FLAG_USER = 1 << 1
 FLAG_USER_TURN = 1 << 2

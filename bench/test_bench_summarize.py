@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from ctxfold import formats
-from ctxfold.messages import Message
-from ctxfold.summarize import StreamCutter, extractive_summary
-from ctxfold.summarize.request import render_plain, to_openai_messages
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Message
+from ctxfold.compaction.summarize import StreamCutter, extractive_summary
+from ctxfold.compaction.summarize.request import render_plain, to_openai_messages
 
 CAP_TOKENS = 4096
 

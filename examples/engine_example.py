@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ctxfold import formats
+from ctxfold.chat import formats
 from ctxfold.demo import demo_conversation
 from ctxfold.engine import Decision, SegmentKind, SequenceRegistry
 from ctxfold.errors import CtxfoldError
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"prefills {r.kv.prefill_tokens}")
         if seq.check(incoming) is Decision.HARD and message["role"] == "tool":
             # Too big for the window even after compacting: the model gets a short note in its place
-            # (a real engine archives the full output and says where, see ctxfold.archive).
+            # (a real engine archives the full output and says where, see ctxfold.compaction.archive).
             note = f"[this tool output ({incoming} tokens) does not fit the context window; it is not shown]"
             segments = render({**message, "content": note}, tok)
             print(f"message {i:3d}: a tool output of {incoming} tokens does not fit; the model gets a note")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ctxfold import _core
+from ctxfold.chat.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
 from ctxfold.errors import (
     ArchiveError,
     ConfigError,
@@ -13,7 +14,6 @@ from ctxfold.errors import (
     IntegrityError,
     TokenizerError,
 )
-from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
 
 try:
     __version__ = version("ctxfold")

@@ -63,7 +63,7 @@ class SegmentTail:
     @property
     def num_tokens(self) -> int: ...
     @property
-    def rule(self) -> int: ...  # a ctxfold.tail.TailRule value
+    def rule(self) -> int: ...  # a ctxfold.core.tail.TailRule value
 
 class SegmentCut:
     @property
@@ -73,7 +73,7 @@ class SegmentCut:
     @property
     def freed_tokens(self) -> int: ...
     @property
-    def rule(self) -> int: ...  # a ctxfold.tail.TailRule value
+    def rule(self) -> int: ...  # a ctxfold.core.tail.TailRule value
 
 class TokenTail:
     @property

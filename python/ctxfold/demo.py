@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
 
 SYSTEM_PROMPT = (
     "You are a careful software engineer working in a repository through tools. "

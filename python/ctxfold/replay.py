@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ctxfold.accounting import RequestAccounting
-from ctxfold.codec import encode_message
+from ctxfold.chat.codec import encode_message
+from ctxfold.chat.integrity import count_orphans
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.compactor import CompactionEvent, Compactor, Observer
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.cost import CompactionCost, PriceTable
-from ctxfold.compactor import CompactionEvent, Compactor, Observer
-from ctxfold.config import CompactConfig
-from ctxfold.counting import TokenCounter
+from ctxfold.compaction.session import Session
 from ctxfold.errors import NoFitError
-from ctxfold.integrity import count_orphans
-from ctxfold.jinja_loading import JinjaChatTemplate
-from ctxfold.messages import Conversation, Message, Role
-from ctxfold.session import Session
-from ctxfold.templates import ChatTemplate
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import TokenCounter
+from ctxfold.tokens.templates import ChatTemplate
+from ctxfold.tokens.templates.jinja_loading import JinjaChatTemplate
 
 
 @dataclass(frozen=True, slots=True)

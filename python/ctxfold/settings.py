@@ -3,7 +3,7 @@
 A frozen dataclass field made with :func:`setting` carries a :class:`Check` (kind, bounds, choices, an extra
 rule) and, where a command sets it, a :class:`Flag` (names, help, metavar, help group). The dataclass's
 ``__post_init__`` runs :func:`validate_fields`, so a value is checked the same way whether it came from a
-file (:class:`ctxfold.config.CompactConfig`), an embedder's code or a flag (:class:`ctxfold.serve.config
+file (:class:`ctxfold.compaction.config.CompactConfig`), an embedder's code or a flag (:class:`ctxfold.serve.config
 .ProxyConfig`); ``ctxfold.cli._flags`` makes the flags, and reads them back, from the same fields. A
 setting is so spelled once: its field.
 """

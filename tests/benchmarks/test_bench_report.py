@@ -137,13 +137,13 @@ def test_scaling_group_table_and_plot(report: ModuleType, tmp_path: Path) -> Non
 
 def test_skips_and_collection_errors_are_listed(report: ModuleType, tmp_path: Path) -> None:
     junit = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite>
-    <testcase classname="bench.bench_scaling" name="test_a[1]"><skipped message="ctxfold.tail is not in this build"/></testcase>
-    <testcase classname="bench.bench_scaling" name="test_a[2]"><skipped message="ctxfold.tail is not in this build"/></testcase>
+    <testcase classname="bench.bench_scaling" name="test_a[1]"><skipped message="ctxfold.core.tail is not in this build"/></testcase>
+    <testcase classname="bench.bench_scaling" name="test_a[2]"><skipped message="ctxfold.core.tail is not in this build"/></testcase>
     <testcase classname="bench.bench_tail" name="bench.bench_tail"><error message="collection failure">Traceback
 E   ImportError: cannot import name 'select_tail'</error></testcase>
     </testsuite></testsuites>"""
     page = report.render(write_run(tmp_path, [], junit), tmp_path / "docs" / "benchmarks.md").read_text()
-    assert "- `bench_scaling`: 2 tests: ctxfold.tail is not in this build" in page
+    assert "- `bench_scaling`: 2 tests: ctxfold.core.tail is not in this build" in page
     assert "ImportError: cannot import name 'select_tail'" in page
     assert "_No benchmark results in this run._" in page
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold import __version__, formats
+from ctxfold import __version__
+from ctxfold.chat import formats
 from ctxfold.cli import COMMANDS, EXIT_INPUT, EXIT_OK, EXIT_USAGE
 from ctxfold.cli._common import positive_int, table, tokens
-from ctxfold.session import Session
+from ctxfold.compaction.session import Session
 from helpers.cli_helpers import one_error_line, run_main
 from helpers.subprocess_env import ctxfold_env
 

@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from ctxfold import formats
+from ctxfold.chat import formats
+from ctxfold.chat.integrity import validate
+from ctxfold.chat.messages import Role
 from ctxfold.cli import EXIT_PROBLEM
-from ctxfold.integrity import validate
-from ctxfold.messages import Role
 from helpers.subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,8 +40,8 @@ def _needs(*modules: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"not in the tree yet: {', '.join(missing)}")
 
 
-needs_counting = _needs("ctxfold.counting", "ctxfold.templates", "ctxfold.accounting")
-needs_replay = _needs("ctxfold.counting", "ctxfold.templates", "ctxfold.accounting", "ctxfold.compactor",
+needs_counting = _needs("ctxfold.tokens.counting", "ctxfold.tokens.templates", "ctxfold.tokens.accounting")
+needs_replay = _needs("ctxfold.tokens.counting", "ctxfold.tokens.templates", "ctxfold.tokens.accounting", "ctxfold.compaction.compactor",
                       "ctxfold.replay", "ctxfold.demo")
 
 # Files of conversations in shared/traces (everything but the licence and source notes).
@@ -116,9 +116,9 @@ def test_replay_report_matches_the_library(all_traces_report: dict[str, Any], tr
     """replay_conversation on the same conversations, with the same settings, gives the same figures,
     to the token: a replay's figures depend on the recording and the settings alone (not on the clock,
     random names or which process ran it)."""
-    from ctxfold.config import CompactConfig
-    from ctxfold.counting import load_counter
+    from ctxfold.compaction.config import CompactConfig
     from ctxfold.replay import default_reply_reserve, replay_conversation
+    from ctxfold.tokens.counting import load_counter
 
     entries = {(e["file"], e["conversation"], e["source"]): e for e in all_traces_report["conversations"]}
     counter = load_counter("estimate:deepseek-v4")

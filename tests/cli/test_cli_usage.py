@@ -16,7 +16,7 @@ import pytest
 
 from ctxfold.cli import EXIT_INPUT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from ctxfold.cli.replay_report import trigger_lines
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.errors import CtxfoldError
 from helpers.cli_helpers import run_main
 from helpers.subprocess_env import ctxfold_env

@@ -23,10 +23,16 @@ from typing import Any
 
 import pytest
 
-from ctxfold.archive import ArchiveParams, ArchiveStore, archive_turn_start, is_archived_text, restore
-from ctxfold.archive.store import LocalBackend
+from ctxfold.chat.messages import Message, Role, ToolCall
+from ctxfold.compaction.archive import (
+    ArchiveParams,
+    ArchiveStore,
+    archive_turn_start,
+    is_archived_text,
+    restore,
+)
+from ctxfold.compaction.archive.store import LocalBackend
 from ctxfold.errors import ArchiveError
-from ctxfold.messages import Message, Role, ToolCall
 from helpers.subprocess_env import can_mount, ctxfold_env
 
 SYSCALLS = ("open", "write", "fsync", "close", "replace")
@@ -195,7 +201,7 @@ def test_full_or_read_only_disk_keeps_outputs_inline(
         raise OSError(err, os.strerror(err))
 
     monkeypatch.setattr(os, where, refuse)
-    with caplog.at_level(logging.WARNING, logger="ctxfold.archive"):
+    with caplog.at_level(logging.WARNING, logger="ctxfold.compaction.archive"):
         first, rep1 = archive_turn_start(original, store, PARAMS)
         second, rep2 = archive_turn_start(first + conversation(1, first=6), store, PARAMS)
     monkeypatch.undo()
@@ -203,7 +209,7 @@ def test_full_or_read_only_disk_keeps_outputs_inline(
     assert second[: len(original)] == original
     assert rep1.archived == () and name in (rep1.error or "") and rep1.left_inline[0] == "t0.0"
     assert rep2.archived == () and rep2.left_inline
-    warnings = [r for r in caplog.records if r.name == "ctxfold.archive"]
+    warnings = [r for r in caplog.records if r.name == "ctxfold.compaction.archive"]
     assert len(warnings) == 1 and name in warnings[0].getMessage()  # reported once, not per output
     assert store.write_failures == 2  # each pass stops at its first failure
     assert list(root.iterdir()) == []  # no temp file, no partial archive
@@ -230,14 +236,14 @@ def test_real_read_only_directory(tmp_path: Path) -> None:
 _CHILD = r"""
 import json, logging, sys
 from pathlib import Path
-from ctxfold.archive import ArchiveParams, ArchiveStore, archive_turn_start, restore
-from ctxfold.messages import Message, Role, ToolCall
+from ctxfold.compaction.archive import ArchiveParams, ArchiveStore, archive_turn_start, restore
+from ctxfold.chat.messages import Message, Role, ToolCall
 
 root = Path(sys.argv[1])
 records = []
 class Keep(logging.Handler):
     def emit(self, record): records.append(record.getMessage())
-logging.getLogger("ctxfold.archive").addHandler(Keep())
+logging.getLogger("ctxfold.compaction.archive").addHandler(Keep())
 msgs = []
 for t in range(6):
     msgs.append(Message(role=Role.USER, content=f"turn {t}", id=f"u{t}"))
@@ -297,7 +303,7 @@ def test_real_read_only_or_full_file_system(tmp_path: Path, mount: str, err: str
 def test_failure_between_parts_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A message with two big text parts whose second write fails keeps both parts inline, and the
     report does not claim the first."""
-    from ctxfold.messages import ContentPart
+    from ctxfold.chat.messages import ContentPart
 
     parts = (ContentPart("text", "A" * 5000, {"type": "text"}), ContentPart("text", "B" * 5000, {"type": "text"}))
     msgs = [
@@ -315,7 +321,7 @@ def test_failure_between_parts_changes_nothing(tmp_path: Path, monkeypatch: pyte
         return real_put(text)
 
     monkeypatch.setattr(store, "put", second_fails)
-    from ctxfold.archive import archive_mid_turn
+    from ctxfold.compaction.archive import archive_mid_turn
 
     new, rep = archive_mid_turn(msgs, store, ArchiveParams(keep_recent_tool_results=0))
     assert new == msgs and rep.archived == () and rep.left_inline == ("t",)

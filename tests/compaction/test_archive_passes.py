@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ctxfold.archive import (
+from ctxfold.chat.messages import ContentPart, Message, Role, ToolCall
+from ctxfold.compaction.archive import (
     DEFAULT_LIMIT_CHARS,
     ArchiveParams,
     ArchiveStore,
@@ -28,9 +29,8 @@ from ctxfold.archive import (
     restore,
     turn_start_cutoff,
 )
-from ctxfold.archive.marker import marker_chars
+from ctxfold.compaction.archive.marker import marker_chars
 from ctxfold.errors import ConfigError, IntegrityError
-from ctxfold.messages import ContentPart, Message, Role, ToolCall
 
 BIG = "line one\nline two\r\n" + "data " * 600  # 3,019 chars with line breaks
 
@@ -101,7 +101,7 @@ def test_lookalike_marker_is_not_taken_for_one(tmp_path: Path) -> None:
 
 
 def test_params_from_config() -> None:
-    from ctxfold.config import CompactConfig, MinorConfig
+    from ctxfold.compaction.config import CompactConfig, MinorConfig
 
     assert ArchiveParams.from_config(CompactConfig().minor) == ArchiveParams()
     got = ArchiveParams.from_config(MinorConfig(keep_recent_user_turns=2, archive_threshold=300))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ctxfold.archive import ArchiveStore, FsspecBackend, LocalBackend, check_id, content_id
+from ctxfold.compaction.archive import ArchiveStore, FsspecBackend, LocalBackend, check_id, content_id
 from ctxfold.errors import IntegrityError
 
 TRICKY = [
@@ -142,8 +142,8 @@ def test_any_text_round_trips(text: str) -> None:
 
 def test_object_store_client_errors_become_archive_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """A storage client's own exception type (not OSError) still leaves the output inline."""
-    from ctxfold.archive import ArchiveParams, archive_mid_turn
-    from ctxfold.messages import Message, Role, ToolCall
+    from ctxfold.chat.messages import Message, Role, ToolCall
+    from ctxfold.compaction.archive import ArchiveParams, archive_mid_turn
 
     class ClientError(Exception):
         pass
@@ -165,7 +165,7 @@ def test_object_store_client_errors_become_archive_errors(monkeypatch: pytest.Mo
 
 
 def test_memory_backend_round_trips_without_a_disk() -> None:
-    from ctxfold.archive import MemoryBackend
+    from ctxfold.compaction.archive import MemoryBackend
 
     store = ArchiveStore(MemoryBackend())
     aid = store.put("héllo\n" * 100)

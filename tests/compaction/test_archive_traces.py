@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from ctxfold import formats
-from ctxfold.archive import (
+from ctxfold.chat import formats
+from ctxfold.chat.integrity import count_orphans, validate
+from ctxfold.chat.messages import Message
+from ctxfold.compaction.archive import (
     ArchiveParams,
     ArchiveReport,
     ArchiveStore,
@@ -26,8 +28,6 @@ from ctxfold.archive import (
     content_id,
     restore,
 )
-from ctxfold.integrity import count_orphans, validate
-from ctxfold.messages import Message
 
 SETS = ("claude_code_small", "deepseek_sample", "openhands", "swe_agent", "tau_bench")
 # Sets whose conversations have more than one real user turn somewhere, so the turn-start pass fires.

@@ -12,15 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from ctxfold.chat.formats import load
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.compactor import AsyncCompactor, Compactor
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.effects import SummaryCall, no_calls, run_async, run_sync
-from ctxfold.compactor import AsyncCompactor, Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import load_counter
+from ctxfold.compaction.summarize import (
+    CallableSummarizer,
+    ExtractiveSummarizer,
+    SummaryRequest,
+    SummaryResult,
+)
 from ctxfold.demo import demo_conversation
-from ctxfold.formats import load
-from ctxfold.messages import Conversation, Message, Role
 from ctxfold.replay import default_reply_reserve, feed_recorded
-from ctxfold.summarize import CallableSummarizer, ExtractiveSummarizer, SummaryRequest, SummaryResult
+from ctxfold.tokens.counting import load_counter
 
 COUNTER = load_counter("estimate:deepseek-v4")
 

@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
-from ctxfold.archive import is_marker, restore
-from ctxfold.compactor import AsyncCompactor, CompactionEvent, Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import TokenCounter, load_counter
-from ctxfold.integrity import count_orphans, validate
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.session import Session
-from ctxfold.summarize import CallableSummarizer, OpenAICompatibleSummarizer, SummaryRequest
-from ctxfold.templates import get_template
+from ctxfold.chat.integrity import count_orphans, validate
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.compaction.archive import is_marker, restore
+from ctxfold.compaction.compactor import AsyncCompactor, CompactionEvent, Compactor
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
+from ctxfold.compaction.summarize import CallableSummarizer, OpenAICompatibleSummarizer, SummaryRequest
+from ctxfold.tokens.counting import TokenCounter, load_counter
+from ctxfold.tokens.templates import get_template
 from helpers.scripted_server import ScriptedServer
 
 SYSTEM = "You are a coding agent working in a repository. Use the tools; read before you edit."
@@ -347,7 +347,7 @@ class CancelsItself:
     name = "stops"
 
     def summarize(self, request: SummaryRequest, **kw: Any) -> Any:
-        from ctxfold.summarize.base import failed
+        from ctxfold.compaction.summarize.base import failed
 
         return failed(self.name, "cancelled", 0.0)
 
@@ -526,8 +526,8 @@ def test_repeated_compactions_carry_the_summary_without_nesting(counter: TokenCo
 def test_the_model_can_read_the_history_behind_a_summary(counter: TokenCounter, tmp_path: Path) -> None:
     """Each summary points at the history since the previous one, in the archive, readable with the
     recall tool; following the chain gives back every message, each dump written once."""
-    from ctxfold.archive import read_archive
-    from ctxfold.codec import decode_message
+    from ctxfold.chat.codec import decode_message
+    from ctxfold.compaction.archive import read_archive
 
     c = make(counter, tmp_path, context_tokens=100_000)
     for k in range(3):
@@ -547,7 +547,7 @@ def test_the_model_can_read_the_history_behind_a_summary(counter: TokenCounter, 
 def test_before_request_far_from_the_window_measures_only_what_is_new(counter: TokenCounter,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing fires: the trigger check is O(new messages), whatever the length of the conversation."""
-    import ctxfold.compactor as compactor_module
+    import ctxfold.compaction.compactor as compactor_module
 
     c = make(counter, context_tokens=1_000_000)
     c.append(*[user(f"question {k}") for k in range(300)])

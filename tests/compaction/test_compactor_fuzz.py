@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold.archive import ArchiveParams, turn_start_cutoff
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
 from ctxfold.compaction import archive_pass
-from ctxfold.compactor import Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import load_counter
-from ctxfold.messages import Conversation, Message, Role, ToolCall
+from ctxfold.compaction.archive import ArchiveParams, turn_start_cutoff
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.tokens.counting import load_counter
 
 WORDS = ["alpha", "beta", "gamma", "delta", "file.py", "error", "1234", "def", "class", "return", "import", "path", "/usr/lib", "value"]
 

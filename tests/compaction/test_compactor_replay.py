@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold.compactor import Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import load_counter
+from ctxfold.chat.formats import load
+from ctxfold.chat.integrity import count_orphans
+from ctxfold.chat.messages import Conversation
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
 from ctxfold.demo import demo_conversation
-from ctxfold.formats import load
-from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation
 from ctxfold.replay import default_reply_reserve, feed_recorded, replay_conversation
-from ctxfold.session import Session
+from ctxfold.tokens.counting import load_counter
 from helpers.subprocess_env import ctxfold_env
 
 
@@ -66,11 +66,11 @@ def test_replay_every_trace(traces_dir: Path, ctx: int) -> None:
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from ctxfold.compactor import Compactor, NullObserver
-    from ctxfold.config import CompactConfig
-    from ctxfold.counting import load_counter
+    from ctxfold.compaction.compactor import Compactor, NullObserver
+    from ctxfold.compaction.config import CompactConfig
+    from ctxfold.tokens.counting import load_counter
     from ctxfold.demo import demo_conversation
-    from ctxfold.messages import Conversation
+    from ctxfold.chat.messages import Conversation
     from ctxfold.replay import feed_recorded
 
     class Beacon(NullObserver):
@@ -135,7 +135,7 @@ def test_kill_9_during_compactions_then_resume(tmp_path: Path) -> None:
                                                      ("deepseek-v4", "deepseek-v3.2"), ("chars4", "chatml"),
                                                      ("estimate:mistral-v7", "mistral-v7")])
 def test_the_occupancy_bound_holds_on_every_trace(traces_dir: Path, tokenizer: str, template: str) -> None:
-    from ctxfold.templates import get_template
+    from ctxfold.tokens.templates import get_template
 
     counter = load_counter(tokenizer)
     checked = 0

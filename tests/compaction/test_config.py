@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ctxfold.config import (
+from ctxfold.compaction.config import (
     CompactConfig,
     CostConfig,
     HardConfig,

@@ -16,6 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_window_guard import Run, conversations, words
 
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.config import CompactConfig, CostConfig
 from ctxfold.compaction.cost import (
     DEFAULT_HORIZON_REQUESTS,
     MAX_AUTO_HORIZON_REQUESTS,
@@ -28,15 +31,12 @@ from ctxfold.compaction.cost import (
     summary_prompt,
 )
 from ctxfold.compaction.policy import Policy
-from ctxfold.compactor import Compactor
-from ctxfold.config import CompactConfig, CostConfig
-from ctxfold.counting import TokenCounter, load_counter
+from ctxfold.compaction.summarize import CallableSummarizer, SummaryRequest
 from ctxfold.engine import EngineSequence, SegmentKind
 from ctxfold.errors import ConfigError
-from ctxfold.messages import Conversation, Message, Role
 from ctxfold.replay import replay_conversation
-from ctxfold.summarize import CallableSummarizer, SummaryRequest
-from ctxfold.templates import ChatTemplate, get_template
+from ctxfold.tokens.counting import TokenCounter, load_counter
+from ctxfold.tokens.templates import ChatTemplate, get_template
 from helpers.cli_helpers import one_error_line, run_main
 
 PRICES = PriceTable(input_per_mtok=1.0, cached_input_per_mtok=0.1, cache_write_per_mtok=1.25, output_per_mtok=4.0)

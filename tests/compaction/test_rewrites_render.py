@@ -14,14 +14,19 @@ import pytest
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
-from ctxfold.compactor import Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import load_counter
-from ctxfold.exact_counters import _package_file
-from ctxfold.jinja_template import JinjaChatTemplate, TemplateRenderError, from_tokenizer_config, renderer_for
-from ctxfold.messages import Conversation, Message, Role, ToolCall
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.replay import feed_recorded
-from ctxfold.templates import JINJA_PRESETS, PRESETS, get_template
+from ctxfold.tokens.counting import load_counter
+from ctxfold.tokens.exact_counters import _package_file
+from ctxfold.tokens.templates import JINJA_PRESETS, PRESETS, get_template
+from ctxfold.tokens.templates.jinja import (
+    JinjaChatTemplate,
+    TemplateRenderError,
+    from_tokenizer_config,
+    renderer_for,
+)
 
 pytest.importorskip("jinja2")
 
@@ -109,7 +114,7 @@ def test_a_long_chat_compacts_and_every_rewrite_renders(template: JinjaChatTempl
 
 
 def test_every_rewrite_of_the_shared_traces_renders(traces_dir: Path) -> None:
-    from ctxfold.formats import load
+    from ctxfold.chat.formats import load
 
     checked = 0
     paths = sorted(p for p in traces_dir.rglob("*") if p.suffix in (".json", ".jsonl", ".traj") and p.is_file())
@@ -123,7 +128,7 @@ def test_every_rewrite_of_the_shared_traces_renders(traces_dir: Path) -> None:
 
 def test_the_presets_render_any_order() -> None:
     """ctxfold's own presets (not Jinja) take any sequence of roles: nothing for a rewrite to keep."""
-    from ctxfold.templates import ChatTemplate, Renderer
+    from ctxfold.tokens.templates import ChatTemplate, Renderer
 
     messages = [Message(Role.USER, "a"), Message(Role.USER, "b"), Message(Role.TOOL, "c", tool_call_id="x"),
                 Message(Role.ASSISTANT, "d")]

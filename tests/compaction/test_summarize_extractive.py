@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctxfold import formats
-from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall
-from ctxfold.summarize import ExtractiveSummarizer, build_summary_request, extractive_summary
-from ctxfold.summarize.extractive import _NOT_A_GOAL_RE
+from ctxfold.chat import formats
+from ctxfold.chat.messages import ContentPart, Conversation, Message, Role, ToolCall
+from ctxfold.compaction.summarize import ExtractiveSummarizer, build_summary_request, extractive_summary
+from ctxfold.compaction.summarize.extractive import _NOT_A_GOAL_RE
 
 _WS = re.compile(r"\s+")
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from ctxfold.config import CompactConfig
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.summarize import (
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.summarize import (
     SUMMARY_CONTRACT,
     OpenAICompatibleSummarizer,
     build_summary_request,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.summarize import (
+from ctxfold.chat.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.compaction.summarize import (
     SUMMARY_CONTRACT,
     CallableSummarizer,
     ChunkedSummarizer,
@@ -26,7 +26,7 @@ from ctxfold.summarize import (
     to_openai_messages,
     trim_to_tokens,
 )
-from ctxfold.summarize.request import INTERNAL_KEY, PENDING_RESULT
+from ctxfold.compaction.summarize.request import INTERNAL_KEY, PENDING_RESULT
 
 
 class DeepSeekCounter:
@@ -270,7 +270,7 @@ def test_split_into_chunks_respects_budget_and_boundaries(deepseek: DeepSeekCoun
             for i in range(300)]
     chunks = split_into_chunks(msgs, deepseek.count, 500)
     assert [m for c in chunks for m in c] == msgs  # nothing lost, order kept, cut only between messages
-    from ctxfold.summarize.request import render_plain
+    from ctxfold.compaction.summarize.request import render_plain
 
     for c in chunks:
         assert len(c) == 1 or sum(deepseek.count(render_plain([m])) + 1 for m in c) <= 500
@@ -353,9 +353,9 @@ def test_rendered_request_is_always_protocol_valid(msgs: list[Message], bottom: 
 # -- summaries that would poison later ones -------------------------------------------------------------------
 
 def test_an_answer_that_echoes_the_request_or_holds_a_frame_is_rejected() -> None:
-    from ctxfold.compactor import frame_summary
-    from ctxfold.summarize.postprocess import garbage_reason
-    from ctxfold.summarize.request import FRAME_OPEN, SUMMARY_CONTRACT
+    from ctxfold.compaction.compactor import frame_summary
+    from ctxfold.compaction.summarize.postprocess import garbage_reason
+    from ctxfold.compaction.summarize.request import FRAME_OPEN, SUMMARY_CONTRACT
 
     echo = "Sure.\n" + "\n".join(SUMMARY_CONTRACT.splitlines()[3:6]) + "\nThe user wants the parser fixed."
     assert (garbage_reason(echo) or "").startswith("summary echoes the summary request")

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from ctxfold.messages import Conversation, Message, Role, ToolCall
-from ctxfold.summarize import (
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
+from ctxfold.compaction.summarize import (
     CallableSummarizer,
     OpenAICompatibleSummarizer,
     SummaryRequest,

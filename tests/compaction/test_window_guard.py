@@ -22,17 +22,24 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ctxfold.accounting import RequestAccounting
-from ctxfold.codec import encode_message
-from ctxfold.compactor import GUARD_STEPS, Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import TokenCounter, load_counter
+from ctxfold.chat.codec import encode_message
+from ctxfold.chat.integrity import count_orphans
+from ctxfold.chat.messages import (
+    Conversation,
+    Message,
+    Role,
+    ToolCall,
+    is_agent_feedback,
+    is_imported_summary,
+)
+from ctxfold.compaction.compactor import GUARD_STEPS, Compactor
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
+from ctxfold.compaction.summarize import CallableSummarizer, SummaryRequest
 from ctxfold.errors import NoFitError
-from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation, Message, Role, ToolCall, is_agent_feedback, is_imported_summary
-from ctxfold.session import Session
-from ctxfold.summarize import CallableSummarizer, SummaryRequest
-from ctxfold.templates import ChatTemplate, get_template
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import TokenCounter, load_counter
+from ctxfold.tokens.templates import ChatTemplate, get_template
 
 WORDS = ("the", "engine", "keeps", "cache", "pages", "prefill", "token", "result", "file", "error", "line",
          "value", "index", "test", "patch", "function", "return", "import", "class", "module")
@@ -84,7 +91,7 @@ class Run:
         self.summarizer = summarizer
         tool_specs = ()
         if tools:
-            from ctxfold.messages import ToolSpec
+            from ctxfold.chat.messages import ToolSpec
             tool_specs = (ToolSpec("bash", "Run a shell command.", {"type": "object", "properties": {
                 "command": {"type": "string"}}, "required": ["command"]}),)
         self.header = Conversation([], id="guard", system=text_of(system_words, 1), tools=tool_specs)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ctxfold import _core
-from ctxfold.tail import _TAIL_RULES as TAIL_RULES
-from ctxfold.tail import TailRule, select_cut, select_tail, select_token_tail
+from ctxfold.core.tail import _TAIL_RULES as TAIL_RULES
+from ctxfold.core.tail import TailRule, select_cut, select_tail, select_token_tail
 from helpers import tail_reference as ref
 
 # A small conversation: system, user turn, a call with two results, then a user turn.

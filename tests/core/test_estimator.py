@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctxfold import _core
-from ctxfold.calibration import (
+from ctxfold.cli import main
+from ctxfold.tokens.calibration import (
     ADVERSARIAL_CLASSES,
     TextGroup,
     adversarial_groups,
@@ -22,8 +23,7 @@ from ctxfold.calibration import (
     read_corpus,
     split,
 )
-from ctxfold.cli import main
-from ctxfold.counting import (
+from ctxfold.tokens.counting import (
     Calibration,
     EstimateCounter,
     builtin_calibration,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxfold.kvplan import KvPlan, ShiftSpan, common_prefix, plan_kv_resync
+from ctxfold.core.kvplan import KvPlan, ShiftSpan, common_prefix, plan_kv_resync
 from helpers import tail_reference as ref
 
 ids_lists = st.lists(st.integers(0, 4), max_size=80)

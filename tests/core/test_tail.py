@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctxfold import _core
-from ctxfold.tail import (
+from ctxfold.core.tail import (
     DEFAULT_MIN_FILL,
     NO_TAIL,
     RAW_CUT,
@@ -222,7 +222,7 @@ def test_segment_bad_input_is_a_clear_error() -> None:
 def test_torch_tensors_cross_without_copies() -> None:
     import torch
 
-    from ctxfold._arrays import as_view
+    from ctxfold.core._arrays import as_view
 
     t = torch.tensor([5, 5, 5], dtype=torch.int64)
     f = np.array([ref.USER | ref.USER_TURN, ref.ASSISTANT, ref.USER | ref.USER_TURN], np.uint32)
@@ -417,7 +417,7 @@ def _langchain_messages(tr) -> list:  # type: ignore[no-untyped-def, type-arg]
     """The trace as langchain messages, one per ctxfold message (the system prompt first)."""
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-    from ctxfold.messages import Role
+    from ctxfold.chat.messages import Role
 
     out: list = []  # type: ignore[type-arg]
     if tr.message_of and tr.message_of[0] == -1:

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.core.tail import DEFAULT_MIN_FILL, NO_TAIL, RAW_CUT
 from ctxfold.engine import DEEPSEEK_V4, Decision, EngineSequence, SegmentKind, SequenceRegistry
-from ctxfold.tail import DEFAULT_MIN_FILL, NO_TAIL, RAW_CUT
 from helpers.subprocess_env import ctxfold_env
 
 REPO = Path(__file__).resolve().parents[2]

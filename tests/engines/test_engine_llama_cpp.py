@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ctxfold import formats
+from ctxfold.chat import formats
 from ctxfold.demo import demo_conversation
 from ctxfold.engine import Decision, SegmentKind
 from ctxfold.errors import EngineError

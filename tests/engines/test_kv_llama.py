@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ctxfold.kvplan import plan_kv_resync
+from ctxfold.core.kvplan import plan_kv_resync
 
 pytestmark = pytest.mark.slow  # imports transformers and runs a (tiny) model: ~10 s on 2 cores
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold import formats
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Role
 from ctxfold.errors import FormatError
-from ctxfold.messages import Role
 
 CALL = {"role": "assistant", "content": None,
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}

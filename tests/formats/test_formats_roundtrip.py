@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxfold import formats
-from ctxfold.integrity import validate
-from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
+from ctxfold.chat import formats
+from ctxfold.chat.integrity import validate
+from ctxfold.chat.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
 
 _text = st.text(min_size=0, max_size=30)
 _nonempty = st.text(min_size=1, max_size=30)
@@ -119,7 +119,7 @@ def test_openai_oddities_come_back_byte_for_byte() -> None:
     {"content": "x", "role": "user"},
 ])
 def test_a_plain_message_parses_as_it_does_with_any_other_field(d: dict[str, Any]) -> None:
-    from ctxfold.formats.openai import message_from_openai
+    from ctxfold.chat.formats.openai import message_from_openai
 
     # Role and text alone take a short path; a field the model ignores takes the general one.
     plain = message_from_openai(d, "m7")

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from ctxfold import formats
-from ctxfold.integrity import validate
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.chat import formats
+from ctxfold.chat.integrity import validate
+from ctxfold.chat.messages import Conversation, Message, Role
 
 _NOT_TRACES = {"README.md", "LICENSE", "LICENSE.md", "SOURCE.txt"}
 

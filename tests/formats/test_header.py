@@ -22,20 +22,20 @@ from typing import Any
 
 import pytest
 
-from ctxfold import formats
-from ctxfold.accounting import RequestAccounting
-from ctxfold.cli import EXIT_INPUT, EXIT_OK
-from ctxfold.counting import load_counter
-from ctxfold.errors import FormatError
-from ctxfold.formats.header import (
+from ctxfold.chat import formats
+from ctxfold.chat.formats.header import (
     FILLED_IN,
     MINI_SWE_AGENT_BASH,
     fill_known_defaults,
     read_system,
     tools_from_value,
 )
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.templates import DEEPSEEK_V32, DEEPSEEK_V32_API, Renderer, RenderOptions, get_template
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.cli import EXIT_INPUT, EXIT_OK
+from ctxfold.errors import FormatError
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import load_counter
+from ctxfold.tokens.templates import DEEPSEEK_V32, DEEPSEEK_V32_API, Renderer, RenderOptions, get_template
 from helpers.cli_helpers import run_main
 
 BASH_OPENAI = {"type": "function", "function": {"name": "bash", "description": "Execute a bash command",

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ctxfold.chat.integrity import ViolationKind, check, count_orphans, validate
+from ctxfold.chat.messages import Message, Role, ToolCall
 from ctxfold.errors import IntegrityError
-from ctxfold.integrity import ViolationKind, check, count_orphans, validate
-from ctxfold.messages import Message, Role, ToolCall
 
 K = ViolationKind
 

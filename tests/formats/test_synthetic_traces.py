@@ -19,14 +19,20 @@ from pathlib import Path
 import pytest
 from test_formats_traces import _held_conv
 
-from ctxfold import formats
-from ctxfold.archive import ArchiveParams, ArchiveStore, archive_mid_turn, archive_turn_start, restore
-from ctxfold.compactor import Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import load_counter
-from ctxfold.integrity import count_orphans, validate
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.chat import formats
+from ctxfold.chat.integrity import count_orphans, validate
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.archive import (
+    ArchiveParams,
+    ArchiveStore,
+    archive_mid_turn,
+    archive_turn_start,
+    restore,
+)
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.replay import default_reply_reserve, replay_conversation
+from ctxfold.tokens.counting import load_counter
 from helpers import synthetic_traces as synthetic
 from helpers.subprocess_env import ctxfold_env
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctxfold import formats
-from ctxfold.formats.header import MINI_SWE_AGENT_BASH
-from ctxfold.messages import Conversation
+from ctxfold.chat import formats
+from ctxfold.chat.formats.header import MINI_SWE_AGENT_BASH
+from ctxfold.chat.messages import Conversation
 
 __all__ = ["MINI_SWE_AGENT_BASH", "deepseek_runs"]
 

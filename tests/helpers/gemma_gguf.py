@@ -93,8 +93,8 @@ def render_message(message: dict[str, Any], tokenize: Any) -> list[tuple[Segment
 
 def summary_request_ids(tokenize: Any, reason: str) -> np.ndarray:
     """The summary request as Gemma sees it after the live conversation: the contract as a user turn, then
-    the opening of the model's turn (ctxfold.summarize's contract text)."""
-    from ctxfold.summarize.request import contract_text
+    the opening of the model's turn (ctxfold.compaction.summarize's contract text)."""
+    from ctxfold.compaction.summarize.request import contract_text
 
     return np.asarray(tokenize(f"<start_of_turn>user\n{contract_text(reason)}<end_of_turn>\n<start_of_turn>model\n"),
                       dtype=np.int32)
@@ -102,7 +102,7 @@ def summary_request_ids(tokenize: Any, reason: str) -> np.ndarray:
 
 def framed_summary_ids(tokenize: Any, summary: str) -> np.ndarray:
     """The summary in the rebuilt sequence: a user turn in ctxfold's frame."""
-    from ctxfold.summarize.request import FRAME_CLOSE, FRAME_OPEN
+    from ctxfold.compaction.summarize.request import FRAME_CLOSE, FRAME_OPEN
 
     return np.asarray(tokenize(f"<start_of_turn>user\n{FRAME_OPEN}\n{summary.strip()}\n{FRAME_CLOSE}<end_of_turn>\n"),
                       dtype=np.int32)

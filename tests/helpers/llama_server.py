@@ -100,7 +100,7 @@ def chat_only_turns(conversation: Any, *, max_chars: int) -> list[str]:
     """A trace as a chat-only client replays it: the user's side of each turn (the system prompt in front
     of the first, tool results and user messages between two assistant answers joined, each capped at
     ``max_chars``), contents stripped. The assistant side is the model's own answer."""
-    from ctxfold.messages import Role
+    from ctxfold.chat.messages import Role
 
     turns: list[str] = []
     pending: list[str] = []

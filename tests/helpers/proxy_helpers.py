@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.app import runner_options
 from ctxfold.serve.testing import BackgroundServer

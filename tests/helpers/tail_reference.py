@@ -1,7 +1,7 @@
 """Plain-Python references for the core's tail and KV-plan routines, written for clarity, not speed.
 
 The property tests compare the C++ core against these on empty, single, at-the-limit and random
-inputs. Segment flag values mirror cpp/include/ctxfold/ledger.hpp.
+inputs. Segment flag values mirror cpp/include/ctxfold/core/ledger.hpp.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Segment tables of every real trace (read by ctxfold.formats), counted with the DeepSeek V4 tokenizer."""
+"""Segment tables of every real trace (read by ctxfold.chat.formats), counted with the DeepSeek V4 tokenizer."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ctxfold import formats
-from ctxfold.messages import Conversation, Role
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Conversation, Role
 from helpers import tail_reference as ref
 
 # Template tokens around each message (role marker, separators); a fixed allowance is enough for

@@ -23,11 +23,11 @@ from langchain_core.messages import AIMessage, BaseMessage, FunctionMessage, Hum
 from langchain_core.tools import InjectedToolCallId, tool
 from langgraph.checkpoint.memory import InMemorySaver
 
-from ctxfold.accounting import RequestAccounting
-from ctxfold.archive import MARKER_PREFIX, answer_read_archive
+from ctxfold.chat.integrity import count_orphans
+from ctxfold.chat.messages import Conversation, ToolCall
+from ctxfold.compaction.archive import MARKER_PREFIX, answer_read_archive
 from ctxfold.integrations.langchain import CtxfoldMiddleware, to_ctxfold, tool_spec
-from ctxfold.integrity import count_orphans
-from ctxfold.messages import Conversation, ToolCall
+from ctxfold.tokens.accounting import RequestAccounting
 from helpers.langchain_helpers import ScriptedModel, SummaryModel, shown
 
 CTX = 8192
@@ -208,9 +208,9 @@ def test_bad_input_passes_through_named_and_counted(caplog: pytest.LogCaptureFix
 
 
 def test_the_summarizer_adapter_runs_sync_and_async() -> None:
+    from ctxfold.chat.messages import Message, Role
+    from ctxfold.compaction.summarize import build_summary_request
     from ctxfold.integrations.langchain import ChatModelSummarizer
-    from ctxfold.messages import Message, Role
-    from ctxfold.summarize import build_summary_request
 
     summarizer = ChatModelSummarizer(SummaryModel(words=20))
     request = build_summary_request([Message(role=Role.USER, content="fix it", id="u")], cap_tokens=200)

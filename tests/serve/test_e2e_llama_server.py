@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from ctxfold.formats import load
+from ctxfold.chat.formats import load
 from helpers.gemma_gguf import _missing, gemma_gguf_path, require_llama_cpp
 from helpers.llama_server import (
     GEMMA_FORMAT_TEMPLATE,

@@ -13,14 +13,14 @@ from typing import Any
 import httpx
 import pytest
 
-from ctxfold.archive import make_marker
-from ctxfold.archive.marker import MARKER_PREFIX
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.archive import make_marker
+from ctxfold.compaction.archive.marker import MARKER_PREFIX
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from ctxfold.session import Session
 from helpers.proxy_helpers import chat, metric, post, start_proxy
 from helpers.subprocess_env import ctxfold_env
 

@@ -23,10 +23,10 @@ from typing import Any
 import httpx
 import pytest
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, deepseek_counter
-from ctxfold.session import Session
 from helpers.proxy_helpers import serve_in_background
 from helpers.subprocess_env import ctxfold_env
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.serve import ProxyApp
 from ctxfold.serve.forward import strip_null_usage, with_stream_usage
 from ctxfold.serve.sse import AnswerAssembler, SseReader

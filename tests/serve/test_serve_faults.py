@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.tasks import _Resumed, uncancelled
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from ctxfold.session import Session
 from helpers.proxy_helpers import chat, post, serve_in_background, start_proxy
 
 
@@ -394,9 +394,9 @@ def test_a_client_that_leaves_during_a_summary_stops_it_and_frees_its_conversati
 def test_a_refusal_with_odd_figures_never_sets_a_window_under_the_floor(
         tmp_path: Path, prompt_tokens: int | None, limit_tokens: int) -> None:
     """Before: figures that put the window under one token were a ConfigError, and the client got 500."""
-    from ctxfold.compactor import Compactor
-    from ctxfold.config import CompactConfig
-    from ctxfold.messages import Conversation
+    from ctxfold.chat.messages import Conversation
+    from ctxfold.compaction.compactor import Compactor
+    from ctxfold.compaction.config import CompactConfig
     from ctxfold.serve.routing import ProxySession
     from ctxfold.serve.window import MIN_WINDOW_TOKENS, calibrate, lower_after_refusal
 

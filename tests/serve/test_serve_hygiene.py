@@ -28,14 +28,14 @@ import httpx
 import pytest
 
 import ctxfold.serve
-from ctxfold.archive.store import LocalBackend
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.archive.store import LocalBackend
+from ctxfold.compaction.session import Session
 from ctxfold.errors import ConfigError
-from ctxfold.messages import Conversation, Message, Role
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.app import serve
 from ctxfold.serve.keys import fingerprint_wire, session_key
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from ctxfold.session import Session
 from helpers.proxy_helpers import chat, post, start_proxy
 from helpers.subprocess_env import ctxfold_env
 

@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from ctxfold.archive import make_marker
-from ctxfold.config import CompactConfig
-from ctxfold.formats._common import Reader
-from ctxfold.formats.anthropic import load_document
-from ctxfold.integrity import count_orphans
+from ctxfold.chat.formats._common import Reader
+from ctxfold.chat.formats.anthropic import load_document
+from ctxfold.chat.integrity import count_orphans
+from ctxfold.compaction.archive import make_marker
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.serve import ProxyApp
 from ctxfold.serve.anthropic import count_breakpoints
 from ctxfold.serve.testing import ScriptedUpstream

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
@@ -176,9 +176,9 @@ def test_a_tenant_past_its_sessions_bound_is_relayed_uncompacted_and_another_is_
 def test_concurrent_new_sessions_never_pass_the_bound_across_two_clients(redis_server: RedisServer) -> None:
     """The bound is checked in the script that grants a session's first lease: two clients (as two
     replicas) starting 20 sessions of one tenant at once get exactly the bound between them."""
+    from ctxfold.compaction.store import QuotaExceeded
+    from ctxfold.compaction.store.redis_store import RedisStore
     from ctxfold.serve.quota import store_limits
-    from ctxfold.store import QuotaExceeded
-    from ctxfold.store.redis_store import RedisStore
 
     async def run() -> tuple[int, int]:
         limits = store_limits(max_sessions=5, max_bytes=None, ttl_s=None)
@@ -298,9 +298,9 @@ def test_idle_sessions_expire_from_redis_with_their_archive_and_free_the_quota(
 def test_the_bytes_count_follows_expiry_in_redis(redis_server: RedisServer) -> None:
     """The account's bytes are the records and blobs written, once each (a replayed batch is not counted
     twice), and leave the account with the sessions that expire."""
+    from ctxfold.compaction.store import Batch
+    from ctxfold.compaction.store.redis_store import RedisStore
     from ctxfold.serve.quota import store_limits
-    from ctxfold.store import Batch
-    from ctxfold.store.redis_store import RedisStore
 
     async def run() -> list[int]:
         import redis.asyncio as aioredis
@@ -418,8 +418,8 @@ def test_the_command_line_expires_a_shared_stores_sessions_after_seven_days_and_
 
 
 def test_the_data_directory_accounts_hold_with_a_relative_data_dir() -> None:
+    from ctxfold.compaction.store import QuotaExceeded
     from ctxfold.serve.quota import DiskQuota
-    from ctxfold.store import QuotaExceeded
 
     quota = DiskQuota(Path("data"), max_sessions=2, max_bytes=1000)
     quota.admit(Path("data/tenants/t1/sessions/k/0000"))
@@ -435,8 +435,8 @@ def test_the_data_directory_accounts_hold_with_a_relative_data_dir() -> None:
 
 
 def test_refusals_are_logged_once_a_minute_per_tenant(caplog: pytest.LogCaptureFixture) -> None:
+    from ctxfold.compaction.store import QuotaExceeded
     from ctxfold.serve.quota import RefusalLog
-    from ctxfold.store import QuotaExceeded
 
     now = [0.0]
     refusals = RefusalLog(interval_s=60, clock=lambda: now[0])

@@ -37,12 +37,12 @@ from helpers.subprocess_env import ctxfold_env
 pytest.importorskip("redis")
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="pauses processes with SIGSTOP (POSIX)")
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.store import restore_from_store
+from ctxfold.compaction.store.redis_store import RedisStore
 from ctxfold.errors import ConfigError, FormatError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from ctxfold.store import restore_from_store
-from ctxfold.store.redis_store import RedisStore
 
 WARNING_HEADER = "X-Ctxfold-Warning"
 TENANT_KEY = "replica-test-tenant-key-0123456789"

@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, is_summary_request
-from ctxfold.session import Session
 from helpers.proxy_helpers import chat, metric, post, start_proxy
 from helpers.subprocess_env import can_mount, ctxfold_env
 

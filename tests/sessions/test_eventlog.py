@@ -1,4 +1,4 @@
-"""The one event codec (ctxfold.eventlog) over every log it reads: a session directory's events.jsonl,
+"""The one event codec (ctxfold.compaction.eventlog) over every log it reads: a session directory's events.jsonl,
 the local store and Redis (a real redis-server on loopback), and `ctxfold restore` of each.
 
 Fuzzed with random bytes and crafted records (nesting 100,000 deep, numbers of thousands of digits,
@@ -16,14 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ctxfold.chat.formats import dumps
+from ctxfold.chat.messages import Conversation, Message, Role
 from ctxfold.cli import EXIT_INPUT, EXIT_OK, main
+from ctxfold.compaction.eventlog import MAX_RECORD_DEPTH, decode_event, load_events
+from ctxfold.compaction.session import Session, ViewEntry
+from ctxfold.compaction.store import StoredSession
+from ctxfold.compaction.store.redis_store import RedisStore
 from ctxfold.errors import FormatError
-from ctxfold.eventlog import MAX_RECORD_DEPTH, decode_event, load_events
-from ctxfold.formats import dumps
-from ctxfold.messages import Conversation, Message, Role
-from ctxfold.session import Session, ViewEntry
-from ctxfold.store import StoredSession
-from ctxfold.store.redis_store import RedisStore
 from helpers.redis_server import RedisServer
 
 SID = "0123456789abcdef0123456789abcdef/0000"
@@ -202,7 +202,7 @@ def test_restore_of_a_file_says_it_is_a_file(capsys: pytest.CaptureFixture[str],
 def _stored_with_bad_entries(redis_server: RedisServer) -> list[Message]:
     """A session in Redis whose stream holds, among its good records, one that is not JSON, one without
     its fields, and one nested 100,000 deep (written by hand: ctxfold never writes such)."""
-    from ctxfold.store import Batch
+    from ctxfold.compaction.store import Batch
 
     msgs = _messages(4)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold.codec import decode_message, encode_message
+from ctxfold.chat.codec import decode_message, encode_message
+from ctxfold.chat.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
+from ctxfold.compaction.session import Session, ViewEntry
 from ctxfold.errors import FormatError
-from ctxfold.messages import ContentPart, Conversation, Message, Role, ToolCall, ToolSpec, Usage
-from ctxfold.session import Session, ViewEntry
 from helpers.subprocess_env import can_mount, ctxfold_env
 
 
@@ -88,8 +88,8 @@ def test_which_events_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 _FULL_DISK_CHILD = """
 import json, sys
-from ctxfold.messages import Conversation, Message, Role
-from ctxfold.session import Session
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.session import Session
 
 s = Session(sys.argv[1], durable=False)
 s.create(Conversation(messages=[], system="s"))
@@ -207,8 +207,8 @@ def test_kill_at_any_point_leaves_old_or_new_view(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
         import sys
-        from ctxfold.messages import Conversation, Message, Role
-        from ctxfold.session import Session, ViewEntry
+        from ctxfold.chat.messages import Conversation, Message, Role
+        from ctxfold.compaction.session import Session, ViewEntry
         root = sys.argv[1]
         s = Session(root)
         conv = Conversation([], id="k")

@@ -14,12 +14,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from ctxfold.compactor import Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import TokenCounter, load_counter
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.session import Session
-from ctxfold.store import (
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.session import Session
+from ctxfold.compaction.store import (
     Batch,
     BufferedLog,
     LeaseLost,
@@ -35,8 +34,9 @@ from ctxfold.store import (
     open_store,
     restore_from_store,
 )
-from ctxfold.store.redis_store import RedisStore, durability_problem
-from ctxfold.templates import get_template
+from ctxfold.compaction.store.redis_store import RedisStore, durability_problem
+from ctxfold.tokens.counting import TokenCounter, load_counter
+from ctxfold.tokens.templates import get_template
 from helpers.redis_server import RedisServer
 
 T = TypeVar("T")
@@ -470,7 +470,7 @@ def test_a_spooled_batch_fenced_out_on_replay_is_kept_aside(redis_server: RedisS
         new = await other.acquire(SID, owner="b")
         assert new is not None
         await other.append(new, Batch(events=events_for(["fresh"])))
-        with caplog.at_level(logging.WARNING, logger="ctxfold.store"):
+        with caplog.at_level(logging.WARNING, logger="ctxfold.compaction.store"):
             assert await store.replay(force=True)
         assert "refused by the store" in caplog.text
         assert [n.endswith(".refused") for n in os.listdir(tmp_path / "spool")] == [True]
@@ -523,7 +523,7 @@ def test_weak_persistence_is_warned_about_once(redis_server: RedisServer, caplog
 
     async def body(url: str) -> str | None:
         store = RedisStore(url)
-        with caplog.at_level(logging.WARNING, logger="ctxfold.store"):
+        with caplog.at_level(logging.WARNING, logger="ctxfold.compaction.store"):
             await store.exists(SID)
             await store.exists(SID)
         await store.close()
@@ -557,8 +557,8 @@ def test_store_urls() -> None:
 STALLED_WRITER = """
 import asyncio, sys, time
 from pathlib import Path
-from ctxfold.store import Batch, LeaseLost
-from ctxfold.store.redis_store import RedisStore
+from ctxfold.compaction.store import Batch, LeaseLost
+from ctxfold.compaction.store.redis_store import RedisStore
 
 async def main() -> None:
     store = RedisStore(sys.argv[1])
@@ -676,7 +676,7 @@ def test_refused_batches_are_kept_up_to_their_own_bound(redis_server: RedisServe
             await asyncio.sleep(0.15)
             taken = await other.acquire(sid, owner="b")  # another replica takes the session over
             assert taken is not None
-            with caplog.at_level(logging.WARNING, logger="ctxfold.store"):
+            with caplog.at_level(logging.WARNING, logger="ctxfold.compaction.store"):
                 assert await store.replay(force=True)
         assert store.num_refused == 4 and store.num_pending == 0
         assert 0 < store.refused_nbytes <= 1500 and "refused batches are kept up to" in caplog.text
@@ -704,7 +704,7 @@ def test_a_corrupt_spool_file_is_set_aside_and_named_and_the_rest_replays(
         _, second = sorted(spool_dir.iterdir())
         second.write_bytes(second.read_bytes()[:40])  # cut short, as a full disk would leave it
         redis_server.start()
-        with caplog.at_level(logging.WARNING, logger="ctxfold.store"):
+        with caplog.at_level(logging.WARNING, logger="ctxfold.compaction.store"):
             store = SpoolingStore(RedisStore(redis_server.url), spool_dir)
         assert store.set_aside == [second.with_suffix(".corrupt")] and second.name in caplog.text
         assert store.num_pending == 1 and await store.replay(force=True)

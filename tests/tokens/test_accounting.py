@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxfold import formats
-from ctxfold.accounting import PLAIN, RequestAccounting
-from ctxfold.counting import Text, load_counter
-from ctxfold.ledger import SegmentFlag, message_flags
-from ctxfold.messages import Conversation, Message, Role, ToolCall
-from ctxfold.templates import CHATML_QWEN3, DEEPSEEK_V32, Renderer, RenderOptions
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
+from ctxfold.core.ledger import SegmentFlag, message_flags
+from ctxfold.tokens.accounting import PLAIN, RequestAccounting
+from ctxfold.tokens.counting import Text, load_counter
+from ctxfold.tokens.templates import CHATML_QWEN3, DEEPSEEK_V32, Renderer, RenderOptions
 from helpers.deepseek_traces import MINI_SWE_AGENT_BASH
 
 

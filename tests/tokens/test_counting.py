@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ctxfold.calibration import read_corpus
-from ctxfold.counting import (
+from ctxfold.errors import TokenizerError
+from ctxfold.tokens.calibration import read_corpus
+from ctxfold.tokens.counting import (
     CharsPerTokenCounter,
     EstimateCounter,
     HFTokenizerCounter,
@@ -24,8 +25,7 @@ from ctxfold.counting import (
     load_counter,
     split_for_counting,
 )
-from ctxfold.errors import TokenizerError
-from ctxfold.exact_counters import _package_dir
+from ctxfold.tokens.exact_counters import _package_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ctxfold.calibration import read_corpus
-from ctxfold.counting import GgufCounter, load_counter
 from ctxfold.errors import TokenizerError
+from ctxfold.tokens.calibration import read_corpus
+from ctxfold.tokens.counting import GgufCounter, load_counter
 from helpers.gemma_gguf import gemma_gguf_path, require_llama_cpp
 
 
@@ -125,7 +125,7 @@ def test_errors_are_one_plain_line(tmp_path: Path) -> None:
 
 def test_without_llama_cpp_python_the_error_says_what_to_install(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import ctxfold.llama_model as adapter
+    import ctxfold.tokens.llama_model as adapter
 
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGUF" + bytes(60))

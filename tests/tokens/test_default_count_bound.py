@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxfold.accounting import PLAIN, RequestAccounting, default_template
-from ctxfold.calibration import ADVERSARIAL_CLASSES, adversarial_text, allowance_tokens
-from ctxfold.compactor import Compactor
-from ctxfold.counting import load_counter
-from ctxfold.messages import Conversation, Message, Role, ToolCall
-from ctxfold.templates import DEEPSEEK_V32, RenderOptions
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.tokens.accounting import PLAIN, RequestAccounting, default_template
+from ctxfold.tokens.calibration import ADVERSARIAL_CLASSES, adversarial_text, allowance_tokens
+from ctxfold.tokens.counting import load_counter
+from ctxfold.tokens.templates import DEEPSEEK_V32, RenderOptions
 from helpers.deepseek_traces import deepseek_runs
 
 DEFAULT = "estimate:deepseek-v4"

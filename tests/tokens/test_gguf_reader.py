@@ -1,4 +1,4 @@
-"""The GGUF metadata reader (ctxfold.gguf) on hostile input.
+"""The GGUF metadata reader (ctxfold.tokens.gguf) on hostile input.
 
 A GGUF file comes from anyone, so every length and count in its header may lie. The reader must check each
 against the bytes left in the file before it reads or allocates anything for it, and refuse a bad file with
@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ctxfold.gguf import GGUFError, read_metadata
+from ctxfold.tokens.gguf import GGUFError, read_metadata
 from helpers.subprocess_env import ctxfold_env
 
 # GGUF value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
@@ -265,7 +265,7 @@ def test_a_mutated_file_reads_or_raises_only_gguf_error(tmp_path: Path, mutation
 
 _CHILD = textwrap.dedent("""
     import resource, sys
-    from ctxfold.gguf import GGUFError, read_metadata
+    from ctxfold.tokens.gguf import GGUFError, read_metadata
 
     limit = 512 << 20
     _, hard = resource.getrlimit(resource.RLIMIT_AS)

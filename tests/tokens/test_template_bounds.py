@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.errors import ConfigError
-from ctxfold.jinja_template import JinjaChatTemplate, JinjaRenderer, TemplateRenderError, from_file
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.templates import get_template
+from ctxfold.tokens.templates import get_template
+from ctxfold.tokens.templates.jinja import JinjaChatTemplate, JinjaRenderer, TemplateRenderError, from_file
 from helpers.subprocess_env import ctxfold_env
 
 pytest.importorskip("jinja2")
@@ -44,9 +44,9 @@ _PARENT = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]), int(sys.argv[3])))
 from ctxfold.errors import CtxfoldError
-from ctxfold.jinja_template import JinjaRenderer, TemplateRenderError
-from ctxfold.messages import Conversation, Message, Role
-from ctxfold.templates import get_template
+from ctxfold.tokens.templates.jinja import JinjaRenderer, TemplateRenderError
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.tokens.templates import get_template
 
 start = time.monotonic()
 answer = {}
@@ -192,8 +192,8 @@ GROWTH = {
 _DIRECT = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), int(sys.argv[1])))
-from ctxfold.jinja_template import JinjaChatTemplate, JinjaRenderer
-from ctxfold.messages import Conversation, Message, Role
+from ctxfold.tokens.templates.jinja import JinjaChatTemplate, JinjaRenderer
+from ctxfold.chat.messages import Conversation, Message, Role
 
 out = {}
 for name, source in json.loads(sys.stdin.read()).items():
@@ -252,7 +252,7 @@ def _status_bytes(field: str) -> int:
 def test_a_template_that_takes_too_long_to_load_is_refused_after_the_timeout(tmp_path: Path) -> None:
     """Each render stays within its bounds (3.6 million iterations), but the probe renders hundreds:
     the child is stopped at the timeout; this process only waited."""
-    from ctxfold.template_loader import load_checked
+    from ctxfold.tokens.templates.loader import load_checked
 
     slow = "{% for i in range(90000) %}{% for j in range(40) %}{% endfor %}{% endfor %}"
     spec = write_template(tmp_path, slow + CHATML, "file")
@@ -276,7 +276,7 @@ def hungry(strings: int, chars: int) -> str:
 def test_a_template_that_needs_too_much_memory_to_load_is_refused(tmp_path: Path) -> None:
     """400 MB of distinct strings in one render (under the render's own bound, 512 MiB): the child, limited
     to 128 MiB, runs out; this process does not grow."""
-    from ctxfold.template_loader import load_checked
+    from ctxfold.tokens.templates.loader import load_checked
 
     spec = write_template(tmp_path, hungry(40, 10_000_000) + CHATML, "file")
     reset = _peak_rss_reset()
@@ -292,7 +292,7 @@ def test_a_template_that_needs_too_much_memory_to_load_is_refused(tmp_path: Path
 def test_a_render_that_grows_the_process_too_much_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many values, each under the size bound, kept together: the render stops once the process has grown
     past its bound (lowered here to 64 MiB so the test stays small)."""
-    from ctxfold import template_guard
+    from ctxfold.tokens.templates import guard as template_guard
 
     monkeypatch.setattr(template_guard, "MAX_RENDER_GROWTH_BYTES", 64 * 2**20)
     source = "{% if messages|length > 20 %}" + hungry(1000, 4_000_000) + "{% endif %}"
@@ -317,7 +317,7 @@ def test_a_template_the_sandbox_refuses_still_loads_and_is_refused_when_rendered
 
 def test_a_checked_template_is_not_checked_again_until_its_file_changes(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from ctxfold import template_loader
+    from ctxfold.tokens.templates import loader as template_loader
 
     spec = write_template(tmp_path, CHATML, "file")
     first = get_template(spec)
@@ -336,7 +336,7 @@ def test_a_checked_template_is_not_checked_again_until_its_file_changes(tmp_path
 
 
 def test_presets_need_no_child_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ctxfold import template_loader
+    from ctxfold.tokens.templates import loader as template_loader
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a preset was loaded through a child process")
@@ -367,7 +367,7 @@ def test_qwen3_loads_through_the_check_as_it_loads_in_process_and_renders_as_its
     pytest.importorskip("transformers")
     from test_jinja_templates import qwen3_apply_chat_template, qwen3_config
 
-    from ctxfold.jinja_template import from_tokenizer_config
+    from ctxfold.tokens.templates.jinja import from_tokenizer_config
 
     loaded = get_template(f"hf:{qwen3_config()}")
     assert loaded == from_tokenizer_config(qwen3_config())

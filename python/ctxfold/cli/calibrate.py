@@ -9,8 +9,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ctxfold.calibration import ALLOWANCE_FRACTION, DEFAULT_TEMPLATES, calibrate
-from ctxfold.calibration_corpus import (
+from ctxfold.chat.messages import Conversation
+from ctxfold.cli._common import FORMATTER
+from ctxfold.errors import ConfigError, FormatError
+from ctxfold.tokens.calibration import ALLOWANCE_FRACTION, DEFAULT_TEMPLATES, calibrate
+from ctxfold.tokens.calibration_corpus import (
     CORPUS_SUFFIXES,
     MIN_GROUPS_TO_HOLD_OUT,
     TextGroup,
@@ -18,10 +21,7 @@ from ctxfold.calibration_corpus import (
     corpus_files,
     why_nothing_held_out,
 )
-from ctxfold.cli._common import FORMATTER
-from ctxfold.counting import load_counter
-from ctxfold.errors import ConfigError, FormatError
-from ctxfold.messages import Conversation
+from ctxfold.tokens.counting import load_counter
 
 EPILOG = f"""examples:
   ctxfold calibrate --tokenizer deepseek-v4 --corpus traces/ -o deepseek-v4.json
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ridge must be >= 0, got {args.ridge}")
     template = args.template if args.template is not None else DEFAULT_TEMPLATES.get(args.tokenizer.lower(), "")
     if template:
-        from ctxfold.templates import get_template
+        from ctxfold.tokens.templates import get_template
 
         get_template(template)  # an unknown name is a usage error before any work
     counter = load_counter(args.tokenizer)
@@ -216,7 +216,7 @@ def _is_json(f: Path, text: str) -> bool:
 
 def _read_trace(f: Path, text: str) -> list[Conversation]:
     """The conversations of a JSON file; raises unless ctxfold reads every record in it."""
-    from ctxfold import formats  # the importers; loaded only when the corpus holds JSON
+    from ctxfold.chat import formats  # the importers; loaded only when the corpus holds JSON
 
     source = str(f)
     try:

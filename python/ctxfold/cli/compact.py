@@ -46,7 +46,7 @@ stderr) or, with --strict-summarizer, its summary fell back to the extractive on
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from ctxfold.formats import EXPORT_FORMATS
+    from ctxfold.chat.formats import EXPORT_FORMATS
 
     p: argparse.ArgumentParser = sub.add_parser(
         "compact", help="compact each conversation of a trace once (a manual compaction) and write it out",
@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ctxfold.formats import dumps
+    from ctxfold.chat.formats import dumps
 
     check_summarizer_args(args)
     term = Terminal(quiet=args.quiet)
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     check_settings(args, config)
     loaded = load_traces([args.file], args.format, lenient=args.lenient, warn=warn,
                          system_file=args.system, tools_file=args.tools)
-    from ctxfold.compactor import Compactor
+    from ctxfold.compaction.compactor import Compactor
 
     counter = load_counter(args.tokenizer)
     template = load_template(args.template)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ctxfold.chat.formats.header import FILLED_IN, SUPPLIED
+from ctxfold.chat.messages import Conversation, Message, Role
 from ctxfold.cli import EXIT_OK
 from ctxfold.cli._common import (
     FORMATTER,
@@ -25,8 +27,6 @@ from ctxfold.cli._common import (
     wrap,
     write_output,
 )
-from ctxfold.formats.header import FILLED_IN, SUPPLIED
-from ctxfold.messages import Conversation, Message, Role
 
 EPILOG = """examples:
   ctxfold count session.jsonl                           estimator, by role
@@ -131,7 +131,7 @@ def count_conversation(conv: Conversation, counter: Any, template: Any, *, label
     """Counts through the request accounting the compactor uses (so a count and a replay agree). Each
     request's prompt is counted when it is sent; per-message tokens as the final request renders them
     (a message's framing can depend on what follows it)."""
-    from ctxfold.accounting import RequestAccounting
+    from ctxfold.tokens.accounting import RequestAccounting
 
     accounting = RequestAccounting(counter, template)
     accounting.reset(Conversation([], id=conv.id, system=conv.system, tools=conv.tools))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ctxfold.chat.messages import Conversation, Role
 from ctxfold.cli import EXIT_INPUT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, CommandError
 from ctxfold.cli._common import (
     DEFAULT_CONTEXT_TOKENS,
@@ -56,11 +57,10 @@ from ctxfold.cli.replay_report import (
     totals,
     trigger_lines,
 )
-from ctxfold.messages import Conversation, Role
 
 if TYPE_CHECKING:
-    from ctxfold.compactor import CompactionEvent
-    from ctxfold.config import CompactConfig
+    from ctxfold.compaction.compactor import CompactionEvent
+    from ctxfold.compaction.config import CompactConfig
     from ctxfold.replay import RequestPoint
 
 __all__ = [

@@ -12,8 +12,8 @@ from ctxfold.cli._common import BANNER, GREY, YELLOW, Terminal, Throttle, bar, t
 from ctxfold.compaction.policy import Policy
 
 if TYPE_CHECKING:
-    from ctxfold.compactor import CompactionEvent
-    from ctxfold.config import CompactConfig
+    from ctxfold.compaction.compactor import CompactionEvent
+    from ctxfold.compaction.config import CompactConfig
 
 
 # -- what the user sees while it runs ----------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any
 
 from ctxfold.cli import EXIT_ENVIRONMENT, EXIT_INPUT, EXIT_OK, CommandError
 from ctxfold.cli._common import FORMATTER, wrap, write_output
-from ctxfold.session import EVENTS_FILE, Session
+from ctxfold.compaction.session import EVENTS_FILE, Session
 
 EPILOG = """examples:
   ctxfold restore sessions/demo -o original.json
@@ -33,7 +33,7 @@ readable message, or a corrupt one with --strict, 4 the store cannot be reached,
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    from ctxfold.formats import EXPORT_FORMATS
+    from ctxfold.chat.formats import EXPORT_FORMATS
 
     p: argparse.ArgumentParser = sub.add_parser(
         "restore", help="rebuild the original conversation from a session directory",
@@ -51,11 +51,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ctxfold.formats import dumps
+    from ctxfold.chat.formats import dumps
 
     salvage = not args.strict
     if args.store is not None:
-        from ctxfold.store import StoreUnavailable, read_from_store
+        from ctxfold.compaction.store import StoreUnavailable, read_from_store
 
         where = f"{args.store} {args.session_dir}"
         try:

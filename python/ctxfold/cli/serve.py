@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ctxfold.config import CompactConfig, load_config
+from ctxfold.compaction.config import CompactConfig, load_config
 from ctxfold.errors import ConfigError
 
 EPILOG = """examples:
@@ -37,7 +37,7 @@ or the port cannot be used, 4 tokenizer or package (the serve extra) unavailable
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ctxfold.cli._common import FORMATTER, port_number, positive_int, wrap
     from ctxfold.cli._flags import add_setting_flags, flag_type
-    from ctxfold.config import CompactConfig, SummaryConfig
+    from ctxfold.compaction.config import CompactConfig, SummaryConfig
     from ctxfold.serve.config import (
         CLIENTS,
         COMPACTION,
@@ -152,7 +152,7 @@ def check_workers(workers: int, store: str | None) -> None:
     """Several workers serve any request of any conversation, so they must share the sessions: a local
     data directory is one process's (its locks and loaded sessions live in that process's memory)."""
     from ctxfold.cli import EXIT_USAGE, CommandError
-    from ctxfold.store import is_shared_url
+    from ctxfold.compaction.store import is_shared_url
 
     if workers > 1 and (store is None or not is_shared_url(store)):
         raise CommandError(f"--workers {workers}: several worker processes need a shared session store "
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     if not config.data_dir.exists():
-        from ctxfold.archive.store import make_private_dir
+        from ctxfold.compaction.archive.store import make_private_dir
 
         make_private_dir(config.data_dir)  # 0700: it holds users' conversations
 

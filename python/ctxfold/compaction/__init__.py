@@ -8,5 +8,5 @@
   synchronous and asyncio, that do it.
 - :mod:`~ctxfold.compaction.events`: the records of what a compaction did.
 
-:class:`ctxfold.compactor.Compactor` holds a conversation's state and is the public face of all of it.
+:class:`ctxfold.compaction.compactor.Compactor` holds a conversation's state and is the public face of all of it.
 """

@@ -11,12 +11,12 @@ from dataclasses import replace
 from itertools import chain
 from typing import TYPE_CHECKING
 
-from ctxfold.archive import ArchivePass, archive_mid_turn, archive_turn_start
+from ctxfold.chat.messages import Message, Role
+from ctxfold.compaction.archive import ArchivePass, archive_mid_turn, archive_turn_start
 from ctxfold.compaction.events import ArchivedOutput, CompactionEvent
-from ctxfold.messages import Message, Role
 
 if TYPE_CHECKING:
-    from ctxfold.compactor import Compactor
+    from ctxfold.compaction.compactor import Compactor
 
 
 def archive_pass(c: Compactor, *, stage: str, trigger: str, reason: str,
@@ -80,7 +80,7 @@ def archive_due(c: Compactor, extra: Sequence[Message] = ()) -> bool:
 
 
 def turn_start_cutoff(c: Compactor, extra: Sequence[Message] = ()) -> int:
-    """:func:`ctxfold.archive.turn_start_cutoff` of the view followed by ``extra``, from the index of the view's
+    """:func:`ctxfold.compaction.archive.turn_start_cutoff` of the view followed by ``extra``, from the index of the view's
     user turns: O(len(extra)), where a scan would walk back through the whole view of an agent's
     conversation (one user turn, hundreds of tool calls) on every request."""
     k = c._archive_params.keep_recent_user_turns

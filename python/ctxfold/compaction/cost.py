@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ctxfold.config import CostConfig
+from ctxfold.chat.messages import Message, Role
+from ctxfold.compaction.config import CostConfig
+from ctxfold.compaction.summarize import ExtractiveSummarizer
 from ctxfold.errors import ConfigError
-from ctxfold.messages import Message, Role
-from ctxfold.summarize import ExtractiveSummarizer
 
 if TYPE_CHECKING:
-    from ctxfold.compactor import Compactor
+    from ctxfold.compaction.compactor import Compactor
 
 PER_MILLION = 1_000_000
 MAX_AUTO_HORIZON_REQUESTS = 100  # an automatic horizon never counts on more requests than this
@@ -51,7 +51,7 @@ PRICE_KEYS: dict[str, str] = {
 @dataclass(frozen=True, slots=True)
 class PriceTable:
     """Prices per million tokens. ``currency`` "relative" means weights, not money (the defaults of
-    :class:`~ctxfold.config.CostConfig`: an uncached input token is 1)."""
+    :class:`~ctxfold.compaction.config.CostConfig`: an uncached input token is 1)."""
 
     input_per_mtok: float  # prompt tokens neither read from nor written to a cache (the summary's instruction)
     cached_input_per_mtok: float  # prompt tokens read from a prefix cache

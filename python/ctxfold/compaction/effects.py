@@ -21,8 +21,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ctxfold.summarize.base import Summarizer, SummaryResult, TokenCallback
-from ctxfold.summarize.request import SummaryRequest
+from ctxfold.compaction.summarize.base import Summarizer, SummaryResult, TokenCallback
+from ctxfold.compaction.summarize.request import SummaryRequest
 
 T = TypeVar("T")
 

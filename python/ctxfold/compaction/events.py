@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ctxfold.chat.messages import Message
 from ctxfold.compaction.cost import CompactionCost
-from ctxfold.messages import Message
 
 
 class Observer(Protocol):

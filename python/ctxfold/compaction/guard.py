@@ -10,21 +10,21 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ctxfold.archive import archive_whole
-from ctxfold.archive.marker import make_marker
+from ctxfold.chat.messages import Message, Role
 from ctxfold.compaction import events
+from ctxfold.compaction.archive import archive_whole
+from ctxfold.compaction.archive.marker import make_marker
 from ctxfold.compaction.archive_pass import archive_pass
 from ctxfold.compaction.effects import no_calls
 from ctxfold.compaction.events import ArchivedOutput, CompactionEvent
 from ctxfold.compaction.rebuild import resume_message
 from ctxfold.compaction.summary_pass import summary_pass
 from ctxfold.errors import NoFitError
-from ctxfold.messages import Message, Role
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ctxfold.compactor import Compactor
+    from ctxfold.compaction.compactor import Compactor
 
 # The last step folded again at most this often, each time with its summary's room lowered by what it came
 # out over by and this margin (the estimates that sized it are off by a few tokens, not by hundreds).

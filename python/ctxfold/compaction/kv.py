@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from ctxfold.chat.messages import Message
 from ctxfold.compaction.events import KvPlanFigures
-from ctxfold.kvplan import plan_kv_resync
-from ctxfold.messages import Message
+from ctxfold.core.kvplan import plan_kv_resync
 
 if TYPE_CHECKING:
-    from ctxfold.compactor import Compactor
+    from ctxfold.compaction.compactor import Compactor
 
 MIN_SHIFT_TOKENS = 16  # the shortest verbatim run worth moving instead of recomputing (llama.cpp --cache-reuse)
 

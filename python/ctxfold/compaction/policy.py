@@ -13,8 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.cost import CompactionCost, PriceTable
-from ctxfold.config import CompactConfig
 
 
 @dataclass(frozen=True, slots=True)

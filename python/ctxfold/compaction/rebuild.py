@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ctxfold.messages import Message, Role
-from ctxfold.summarize import FRAME_CLOSE, FRAME_OPEN, SUMMARY_TEXT_KEY
+from ctxfold.chat.messages import Message, Role
+from ctxfold.compaction.summarize import FRAME_CLOSE, FRAME_OPEN, SUMMARY_TEXT_KEY
 
 
 @dataclass(frozen=True, slots=True)

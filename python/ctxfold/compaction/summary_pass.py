@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ctxfold.archive import archive_whole
-from ctxfold.archive.marker import is_marker, make_marker
+from ctxfold.chat.messages import Message, Role
 from ctxfold.compaction import cost as costs
+from ctxfold.compaction.archive import archive_whole
+from ctxfold.compaction.archive.marker import is_marker, make_marker
 from ctxfold.compaction.effects import Step, SummaryCall
 from ctxfold.compaction.events import CompactionEvent
 from ctxfold.compaction.kv import kv_figures
@@ -29,11 +30,8 @@ from ctxfold.compaction.rebuild import (
     open_call_group,
     resume_message,
 )
-from ctxfold.errors import ArchiveError
-from ctxfold.ledger import SegmentFlag
-from ctxfold.messages import Message, Role
-from ctxfold.session import history_dump_text
-from ctxfold.summarize import (
+from ctxfold.compaction.session import history_dump_text
+from ctxfold.compaction.summarize import (
     SUMMARY_TEXT_KEY,
     ChunkedSummarizer,
     ExtractiveSummarizer,
@@ -43,10 +41,12 @@ from ctxfold.summarize import (
     build_summary_request,
     contract_text,
 )
-from ctxfold.tail import SegmentTail, select_tail_from_ledger, widen_tail, widened_preview_chars
+from ctxfold.core.ledger import SegmentFlag
+from ctxfold.core.tail import SegmentTail, select_tail_from_ledger, widen_tail, widened_preview_chars
+from ctxfold.errors import ArchiveError
 
 if TYPE_CHECKING:
-    from ctxfold.compactor import Compactor
+    from ctxfold.compaction.compactor import Compactor
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +347,7 @@ def tail_budget(c: Compactor, summary_text: str, besides_tokens: int) -> tuple[i
 
 def widen_tail_with_markers(c: Compactor, tail: SegmentTail, budget_tokens: int) -> tuple[int, int, dict[int, Message]]:
     """The tail widened by whole groups that fit the budget with their tool results archived
-    (:func:`ctxfold.tail.widen_tail`): (start, tokens, view index -> the marker that stands in for
+    (:func:`ctxfold.core.tail.widen_tail`): (start, tokens, view index -> the marker that stands in for
     it). The plain tail, unchanged, when no group before it needs archiving to fit or the archive
     cannot be written."""
     start = tail.start

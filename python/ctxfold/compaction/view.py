@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ctxfold.messages import Message, Role
+from ctxfold.chat.messages import Message, Role
 
 # Template tokens around one message, at most (role markers, thinking markers, a tool result's frame).
 FRAME_TOKENS = 32

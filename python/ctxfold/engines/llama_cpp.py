@@ -43,14 +43,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ctxfold._arrays import ids_view
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.core._arrays import ids_view
+from ctxfold.core.tail import Boundary, TokenTail
 from ctxfold.engine import EngineSequence, Rebuild, SegmentKind, TokenTemplate
 from ctxfold.errors import EngineError
-from ctxfold.llama_model import (  # re-exported: the engine's model is this one
+from ctxfold.tokens.llama_model import (  # re-exported: the engine's model is this one
     LlamaCppModel,
 )
-from ctxfold.tail import Boundary, TokenTail
 
 #: Gemma 3's turn markers, in order of preference for a tail start: a turn's first token, else right
 #: after a turn's last one.

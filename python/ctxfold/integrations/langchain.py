@@ -7,10 +7,10 @@
         CtxfoldMiddleware(context_tokens=128_000, summarizer=model, session_dir="sessions")])
 
 Before each model call the middleware hands the agent's messages that are new since the last call to the
-conversation's :class:`~ctxfold.compactor.Compactor` (tool results through ``append_tool_result``, so the
+conversation's :class:`~ctxfold.compaction.compactor.Compactor` (tool results through ``append_tool_result``, so the
 hard trigger applies), runs ``before_request`` and sends the model the compacted view: the summary as a
 ``HumanMessage``, archived outputs as ``ToolMessage`` s holding the marker, every tool call with its results.
-The asynchronous hook drives the same steps through :class:`~ctxfold.compactor.AsyncCompactor` (the
+The asynchronous hook drives the same steps through :class:`~ctxfold.compaction.compactor.AsyncCompactor` (the
 summarizer awaited on the loop). The model reads archived outputs back with the ``read_archive`` tool
 (:attr:`CtxfoldMiddleware.tools`, so ``create_agent`` registers it), offered once there is something to read.
 
@@ -74,17 +74,22 @@ from langchain_core.tools import BaseTool, ToolException
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import Field
 
-from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive, read_archive_tool_openai
-from ctxfold.archive.marker import MARKER_PREFIX
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec, Usage, as_parts
+from ctxfold.compaction.archive import (
+    READ_ARCHIVE,
+    ArchiveStore,
+    answer_read_archive,
+    read_archive_tool_openai,
+)
+from ctxfold.compaction.archive.marker import MARKER_PREFIX
+from ctxfold.compaction.compactor import AsyncCompactor, CompactionEvent, Compactor
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.effects import Step
-from ctxfold.compactor import AsyncCompactor, CompactionEvent, Compactor
-from ctxfold.config import CompactConfig
-from ctxfold.counting import TokenCounter, load_counter
-from ctxfold.jinja_template import JinjaChatTemplate
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec, Usage, as_parts
-from ctxfold.summarize import CallableSummarizer, Summarizer, SummaryResult, TokenCallback
-from ctxfold.summarize.request import SummaryRequest, to_openai_messages
-from ctxfold.templates import ChatTemplate
+from ctxfold.compaction.summarize import CallableSummarizer, Summarizer, SummaryResult, TokenCallback
+from ctxfold.compaction.summarize.request import SummaryRequest, to_openai_messages
+from ctxfold.tokens.counting import TokenCounter, load_counter
+from ctxfold.tokens.templates import ChatTemplate
+from ctxfold.tokens.templates.jinja import JinjaChatTemplate
 
 log = logging.getLogger("ctxfold.langchain")
 
@@ -127,7 +132,7 @@ def _calls(m: AIMessage, where: str) -> tuple[ToolCall, ...]:
 
 
 def to_ctxfold(m: BaseMessage, index: int = 0) -> Message:
-    """One LangChain message as a ctxfold :class:`~ctxfold.messages.Message` (the LangChain id kept, else
+    """One LangChain message as a ctxfold :class:`~ctxfold.chat.messages.Message` (the LangChain id kept, else
     ``lc-<index>``). Raises :class:`BadInput` naming a message type it does not know."""
     mid = m.id or f"lc-{index}"
     where = f"message {index} ({type(m).__name__}, id {m.id!r})"
@@ -183,7 +188,7 @@ def tool_spec(tool: BaseTool | dict[str, Any]) -> ToolSpec:
 # -- summaries from a LangChain chat model ---------------------------------------------------------------
 
 class ChatModelSummarizer:
-    """A ctxfold :class:`~ctxfold.summarize.Summarizer` over a LangChain chat model: the summary request
+    """A ctxfold :class:`~ctxfold.compaction.summarize.Summarizer` over a LangChain chat model: the summary request
     (the transcript and ctxfold's contract) streamed through ``model.stream`` / ``model.astream``, cut and
     checked as every ctxfold summary is. The model is not given tools: it must not call any."""
 

@@ -30,12 +30,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ctxfold.archive import READ_ARCHIVE
-from ctxfold.archive.recall import read_archive_tool_anthropic
+from ctxfold.chat.formats.anthropic import dump, messages_from_anthropic, tool_spec
+from ctxfold.chat.formats.openai import message_to_openai
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.compaction.archive import READ_ARCHIVE
+from ctxfold.compaction.archive.recall import read_archive_tool_anthropic
 from ctxfold.errors import FormatError
-from ctxfold.formats.anthropic import dump, messages_from_anthropic, tool_spec
-from ctxfold.formats.openai import message_to_openai
-from ctxfold.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.serve.dialect import Dialect, StreamFilter
 from ctxfold.serve.request import BadRequest, ParsedRequest, decode_object
 from ctxfold.wire.sse import SseReader

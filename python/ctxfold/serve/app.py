@@ -44,10 +44,10 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ctxfold.compactor import Compactor
+from ctxfold.chat.messages import Conversation
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.store import QuotaExceeded, Store, StoreError, open_store
 from ctxfold.errors import ConfigError, NoFitError
-from ctxfold.jinja_template import TemplateRenderError
-from ctxfold.messages import Conversation
 from ctxfold.serve.anthropic import ANTHROPIC, count_tokens_body
 from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
 from ctxfold.serve.compactors import Compactors
@@ -94,7 +94,7 @@ from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, is_storage_erro
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.tasks import uncancelled
 from ctxfold.serve.upstream import UpstreamClient
-from ctxfold.store import QuotaExceeded, Store, StoreError, open_store
+from ctxfold.tokens.templates.jinja import TemplateRenderError
 
 # Re-exported: the names the proxy's users and tests have imported from here.
 __all__ = ["BadRequest", "BoundedListener", "ProxyApp", "ProxyConfig", "failure_kind", "make_runner", "parse_request",
@@ -128,8 +128,8 @@ class ProxyApp:
                  worker: int | None = None) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
-        from ctxfold.counting import load_counter
-        from ctxfold.templates import get_template
+        from ctxfold.tokens.counting import load_counter
+        from ctxfold.tokens.templates import get_template
 
         # One counter and template for every conversation: both are stateless and thread-safe.
         self.counter = load_counter(config.tokenizer)

@@ -20,10 +20,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ctxfold.archive.marker import MARKER_PREFIX
+from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.archive.marker import MARKER_PREFIX
+from ctxfold.compaction.compactor import CompactionEvent, Compactor
 from ctxfold.compaction.effects import Step, run_async
-from ctxfold.compactor import CompactionEvent, Compactor
-from ctxfold.messages import Conversation, Message, Role
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.dialect import OPENAI
 from ctxfold.serve.metrics import ProxyMetrics

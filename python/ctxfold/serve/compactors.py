@@ -9,13 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ctxfold.archive import ArchiveStore
-from ctxfold.compactor import Compactor
-from ctxfold.counting import TokenCounter
-from ctxfold.messages import Conversation, Message
+from ctxfold.chat.messages import Conversation, Message
+from ctxfold.compaction.archive import ArchiveStore
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.store import BufferedLog
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.upstream import UpstreamClient
-from ctxfold.store import BufferedLog
+from ctxfold.tokens.counting import TokenCounter
 
 if TYPE_CHECKING:
     from ctxfold.serve.sessions import SessionStore
@@ -62,14 +62,14 @@ class Compactors:
 
     def count_view(self, header: Conversation, messages: list[Message]) -> int:
         """Tokens of the request ``header`` and ``messages`` make, with the proxy's counter and template."""
-        from ctxfold.accounting import RequestAccounting
+        from ctxfold.tokens.accounting import RequestAccounting
 
         return RequestAccounting(self.counter, self.template).count_view(header, messages)
 
     def summarizer(self, path: Path) -> Any:
         """The summarizer the configuration asks for; None: the compactor's extractive one."""
         if self.config.summarizer == "config":
-            from ctxfold.summarize import make_summarizer
+            from ctxfold.compaction.summarize import make_summarizer
 
             return make_summarizer(self.config.compact)
         if self.config.summarizer == "upstream":

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES, is_shared_url
 from ctxfold.errors import ConfigError
 from ctxfold.serve import (
     DEFAULT_CLIENT_TIMEOUT_S,
@@ -27,7 +28,6 @@ from ctxfold.serve import (
     FSYNC_MODES,
 )
 from ctxfold.settings import REQUIRED, Check, setting, validate_fields
-from ctxfold.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES, is_shared_url
 
 SUMMARIZERS = ("upstream", "config", "extractive")  # ProxyConfig.summarizer
 MIN_OPERATOR_TOKEN_CHARS = 16  # the token guards every tenant's figures: not a guessable word
@@ -214,12 +214,12 @@ class ProxyConfig:
         "are written, and the client resends them anyway), always (every message too: a disk flush on "
         "each request's path), never (a machine crash may lose the last compactions; a killed proxy "
         "loses nothing in any mode)")
-    tokenizer: str = setting(  # token counter spec (ctxfold.counting.load_counter)
+    tokenizer: str = setting(  # token counter spec (ctxfold.tokens.counting.load_counter)
         "estimate:deepseek-v4", Check(str), "--tokenizer", metavar="SPEC", group=COMPACTION,
         help="token counter for the upstream's model: deepseek-v4, qwen3, mistral, o200k_base, "
         "cl100k_base, a tokenizer.json or .model file, estimate:NAME, or chars4 (default: "
         "{default}; the upstream's usage figures calibrate it per conversation)")
-    # Chat template the upstream renders requests with (ctxfold.templates preset), None: message text only.
+    # Chat template the upstream renders requests with (ctxfold.tokens.templates preset), None: message text only.
     # The template's control tokens also bound the accounting's work per append.
     template: str | None = setting(
         "deepseek-v4", _TEXT, "--template", metavar="SPEC", null_text="none", group=COMPACTION,
@@ -227,7 +227,7 @@ class ProxyConfig:
         "mistral-v7, gemma-3, llama-3.1, llama-3.2, the model's own Jinja template (hf:PATH, "
         "gguf:PATH, file:PATH), or none for message text alone (default: {default})")
     # The shared session store (redis://, rediss://, unix://, valkey://): every replica reads and writes
-    # its sessions there (ctxfold.store); None: the data directory, one process's. Never shown with its
+    # its sessions there (ctxfold.compaction.store); None: the data directory, one process's. Never shown with its
     # password (redact_url).
     store_url: str | None = setting(
         None, Check(str, optional=True, rule=_store_url), "--store", metavar="URL", group=STORAGE, repr=False,

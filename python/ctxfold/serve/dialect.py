@@ -18,10 +18,10 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ctxfold import fastjson
-from ctxfold.archive import READ_ARCHIVE, read_archive_tool_openai
+from ctxfold.chat.formats.openai import message_from_openai
+from ctxfold.chat.messages import Message, ToolCall, ToolSpec
+from ctxfold.compaction.archive import READ_ARCHIVE, read_archive_tool_openai
 from ctxfold.errors import FormatError
-from ctxfold.formats.openai import message_from_openai
-from ctxfold.messages import Message, ToolCall, ToolSpec
 from ctxfold.serve.recall import hold_event, is_recall_round, openai_calls, to_wire
 from ctxfold.serve.request import ParsedRequest, error_response, parse_messages, parse_request, parse_tools
 from ctxfold.serve.sse import AnswerAssembler

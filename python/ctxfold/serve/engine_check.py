@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ctxfold.accounting import count_request
-from ctxfold.counting import TokenCounter
-from ctxfold.messages import Conversation
+from ctxfold.chat.messages import Conversation
 from ctxfold.serve import DEFAULT_ENGINE_CHECK_EVERY, ENGINE_CHECK_MODES
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.request import parse_messages
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError
+from ctxfold.tokens.accounting import count_request
+from ctxfold.tokens.counting import TokenCounter
 
 log = logging.getLogger("ctxfold.serve")
 

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ctxfold import fastjson
-from ctxfold.archive import ArchiveStore
+from ctxfold.compaction.archive import ArchiveStore
 from ctxfold.errors import CtxfoldError
 from ctxfold.serve.config import ProxyConfig, redact_url
 from ctxfold.serve.dialect import OPENAI, Dialect

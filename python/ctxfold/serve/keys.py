@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NewType
 
-from ctxfold.archive.store import make_private_dir, refuse_symlink
-from ctxfold.formats.openai import message_to_openai
-from ctxfold.messages import Message
+from ctxfold.chat.formats.openai import message_to_openai
+from ctxfold.chat.messages import Message
+from ctxfold.compaction.archive.store import make_private_dir, refuse_symlink
 
 TenantId = NewType("TenantId", str)  # 32 hex characters of an HMAC, or "" for the anonymous tenant
 # A tenant's conversation key as the store names it: "sessions/<key>" or "tenants/<tenant>/sessions/<key>".

@@ -6,7 +6,7 @@ line's ``status``, ``tenant``, ``prompt_tokens``, ...), for a collector to read 
 formatter is a dozen lines: written here rather than a dependency added for it.
 
 Loggers: ``ctxfold.access`` (one line per chat completion, INFO), ``ctxfold.serve`` (compactions,
-fallbacks, pass-throughs, quarantines, changes of health), ``ctxfold.store`` (the spool).
+fallbacks, pass-throughs, quarantines, changes of health), ``ctxfold.compaction.store`` (the spool).
 
 The event loop never waits on a log write: a line goes into a bounded queue, and a thread of its own
 writes the queue to stderr. A stderr nobody reads (a pipe whose reader took the first line and stopped)

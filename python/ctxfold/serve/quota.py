@@ -3,11 +3,11 @@
 Two bounds per tenant: the sessions it keeps (a conversation and each of its forks) and the bytes they
 hold; and an idle time after which a session is deleted with its archive. A tenant at a bound gets its
 requests passed through uncompacted, with a warning header, a counted reason and a log line
-(:class:`~ctxfold.store.QuotaExceeded`), until some of its sessions expire; other tenants are not
+(:class:`~ctxfold.compaction.store.QuotaExceeded`), until some of its sessions expire; other tenants are not
 affected.
 
 - With a shared store (Redis), the store keeps the accounts in the scripts that write
-  (:mod:`ctxfold.store.quota`), atomic across replicas: :func:`store_limits` tells it whose each
+  (:mod:`ctxfold.compaction.store.quota`), atomic across replicas: :func:`store_limits` tells it whose each
   session is and which archive lives with it.
 - In the data directory (one process), :class:`DiskQuota` keeps them in memory: read from the disk at
   startup, kept as sessions are made and written, measured again and swept of idle sessions on a timer
@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ctxfold.session import EVENTS_FILE
-from ctxfold.store import QuotaExceeded, StoreLimits
-from ctxfold.store.quota import bytes_refused, sessions_refused
+from ctxfold.compaction.session import EVENTS_FILE
+from ctxfold.compaction.store import QuotaExceeded, StoreLimits
+from ctxfold.compaction.store.quota import bytes_refused, sessions_refused
 
 log = logging.getLogger("ctxfold.serve")
 

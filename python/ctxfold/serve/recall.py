@@ -10,10 +10,10 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from ctxfold.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive
-from ctxfold.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
-from ctxfold.formats.openai import message_to_openai
-from ctxfold.messages import Message, Role, ToolCall
+from ctxfold.chat.formats.openai import message_to_openai
+from ctxfold.chat.messages import Message, Role, ToolCall
+from ctxfold.compaction.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive
+from ctxfold.compaction.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
 from ctxfold.serve.metrics import ProxyMetrics
 
 

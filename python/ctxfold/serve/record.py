@@ -14,15 +14,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ctxfold.compactor import Compactor
-from ctxfold.messages import Message
+from ctxfold.chat.messages import Message
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.store import Spooled, StoreError
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.dialect import OPENAI, Dialect
 from ctxfold.serve.engine_check import EngineCheck
 from ctxfold.serve.forward import Answer
 from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.window import calibrate
-from ctxfold.store import Spooled, StoreError
 
 log = logging.getLogger("ctxfold.serve")
 

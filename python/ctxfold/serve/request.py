@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ctxfold import fastjson
+from ctxfold.chat.formats._common import Reader
+from ctxfold.chat.formats.openai import conversation_from_messages, message_from_openai
+from ctxfold.chat.messages import Message, ToolSpec
 from ctxfold.errors import CtxfoldError, FormatError
-from ctxfold.formats._common import Reader
-from ctxfold.formats.openai import conversation_from_messages, message_from_openai
-from ctxfold.messages import Message, ToolSpec
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.keys import SESSION_HEADER
 

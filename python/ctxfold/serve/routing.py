@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ctxfold.compactor import Compactor
-from ctxfold.formats.openai import message_to_openai
-from ctxfold.messages import Message
+from ctxfold.chat.formats.openai import message_to_openai
+from ctxfold.chat.messages import Message
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.store import BufferedLog, Lease
 from ctxfold.serve.keys import ConversationKey, fingerprint_wire
-from ctxfold.store import BufferedLog, Lease
 
 
 @dataclass(slots=True)

@@ -50,10 +50,17 @@ from pathlib import Path
 from typing import Any
 
 from ctxfold import fastjson
-from ctxfold.archive import ArchiveStore
-from ctxfold.archive.store import LocalBackend, make_private_dir, refuse_symlink
-from ctxfold.compactor import Compactor
-from ctxfold.messages import Conversation
+from ctxfold.chat.messages import Conversation
+from ctxfold.compaction.archive import ArchiveStore
+from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, refuse_symlink
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.session import EVENTS_FILE
+from ctxfold.compaction.store import (
+    DEFAULT_LEASE_MS,
+    SpoolingStore,
+    Store,
+)
+from ctxfold.compaction.store.redis_store import default_owner
 from ctxfold.serve import DEFAULT_MAX_LOADED_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS
 from ctxfold.serve.keys import (
     ANONYMOUS_TENANT,
@@ -75,13 +82,6 @@ from ctxfold.serve.shared_sessions import (
     copy_referenced_archive,
     one_line,
 )
-from ctxfold.session import EVENTS_FILE
-from ctxfold.store import (
-    DEFAULT_LEASE_MS,
-    SpoolingStore,
-    Store,
-)
-from ctxfold.store.redis_store import default_owner
 
 log = logging.getLogger("ctxfold.serve")
 

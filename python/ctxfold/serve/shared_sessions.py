@@ -5,7 +5,7 @@ archive is the blobs of ``<key>/archive`` (a tenant's) or ``<key>/<nnnn>/archive
 conversation's), and any replica serves any request. Per request, under the key's lock: every session of
 the key is leased (waiting while another replica holds it); one whose grant is not the token this process
 held last plus one was written elsewhere and is read again; the compactor writes to a
-:class:`~ctxfold.store.BufferedLog` whose batch is committed under the lease (:meth:`SharedSessions.commit`)
+:class:`~ctxfold.compaction.store.BufferedLog` whose batch is committed under the lease (:meth:`SharedSessions.commit`)
 after the compaction step and after the answer; the leases are released when the request ends
 (:meth:`SharedSessions.finish`), so the next request may go to any replica. Leases are renewed while a
 request works (a long summary): a replica that stalls past its lease loses the session, and its writes
@@ -23,13 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ctxfold.compactor import Compactor
-from ctxfold.eventlog import encode_event
-from ctxfold.messages import Conversation
-from ctxfold.serve.keys import ConversationKey, is_anonymous_key
-from ctxfold.serve.loaded import LoadedKey, LoadedSessions
-from ctxfold.serve.routing import ProxySession
-from ctxfold.store import (
+from ctxfold.chat.messages import Conversation
+from ctxfold.compaction.compactor import Compactor
+from ctxfold.compaction.eventlog import encode_event
+from ctxfold.compaction.store import (
     Batch,
     BufferedLog,
     Lease,
@@ -41,6 +38,9 @@ from ctxfold.store import (
     StoreError,
     StoreUnavailable,
 )
+from ctxfold.serve.keys import ConversationKey, is_anonymous_key
+from ctxfold.serve.loaded import LoadedKey, LoadedSessions
+from ctxfold.serve.routing import ProxySession
 
 log = logging.getLogger("ctxfold.serve")
 

@@ -21,11 +21,11 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
+from ctxfold.compaction.summarize import OpenAICompatibleSummarizer
+from ctxfold.compaction.summarize.base import SummaryResult, TokenCallback, failed
+from ctxfold.compaction.summarize.openai import SummaryAnswer, SummaryTransportError
+from ctxfold.compaction.summarize.request import SummaryRequest
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError, UpstreamResponse
-from ctxfold.summarize import OpenAICompatibleSummarizer
-from ctxfold.summarize.base import SummaryResult, TokenCallback, failed
-from ctxfold.summarize.openai import SummaryAnswer, SummaryTransportError
-from ctxfold.summarize.request import SummaryRequest
 
 # The Authorization header of the request being handled (None: it sent none). Set by the handler in the
 # request's task; the summaries that request triggers are awaited in that task.

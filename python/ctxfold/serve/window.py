@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ctxfold.config import CompactConfig
+from ctxfold.compaction.config import CompactConfig
 from ctxfold.serve.routing import ProxySession
 
 log = logging.getLogger("ctxfold.serve")

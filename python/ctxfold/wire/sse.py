@@ -1,6 +1,6 @@
 """Server-sent events as OpenAI-compatible servers stream them, read incrementally. Neutral ground: the
 proxy (:mod:`ctxfold.serve`) reads the upstream's streams with it, and the summarizer
-(:mod:`ctxfold.summarize.openai`) reads its own; it needs nothing of either.
+(:mod:`ctxfold.compaction.summarize.openai`) reads its own; it needs nothing of either.
 """
 
 from __future__ import annotations

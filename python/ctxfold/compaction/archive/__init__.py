@@ -1,0 +1,96 @@
+"""Minor compaction: bulky tool outputs move to a content-addressed archive the model can still read.
+
+- :mod:`ctxfold.compaction.archive.store`: the per-conversation store (local directory or fsspec URL).
+- :mod:`ctxfold.compaction.archive.marker`: the one-line marker that replaces an archived output.
+- :mod:`ctxfold.compaction.archive.passes`: the turn-start pass, the mid-turn stage, the hard trigger's last
+  resort, and the byte-exact restore.
+- :mod:`ctxfold.compaction.archive.recall`: the ``read_archive`` tool.
+"""
+
+from __future__ import annotations
+
+from ctxfold.compaction.archive.marker import (
+    MARKER_PREFIX,
+    Marker,
+    fold_preview,
+    is_marker,
+    make_marker,
+    parse_marker,
+)
+from ctxfold.compaction.archive.passes import (
+    ArchivedOutput,
+    ArchiveParams,
+    ArchivePass,
+    ArchiveReport,
+    OversizedResult,
+    archive_mid_turn,
+    archive_oversized,
+    archive_turn_start,
+    archive_whole,
+    is_archived_text,
+    restore,
+    turn_start_cutoff,
+)
+from ctxfold.compaction.archive.recall import (
+    DEFAULT_LIMIT_CHARS,
+    MAX_LIMIT_CHARS,
+    READ_ARCHIVE,
+    ArchiveSlice,
+    answer_read_archive,
+    read_archive,
+    read_archive_tool_anthropic,
+    read_archive_tool_openai,
+    read_archive_tool_spec,
+    read_slice,
+)
+from ctxfold.compaction.archive.store import (
+    ArchiveId,
+    ArchiveStore,
+    Backend,
+    FsspecBackend,
+    LocalBackend,
+    MemoryBackend,
+    check_id,
+    content_id,
+    is_valid_id,
+)
+
+__all__ = [
+    "DEFAULT_LIMIT_CHARS",
+    "MARKER_PREFIX",
+    "MAX_LIMIT_CHARS",
+    "READ_ARCHIVE",
+    "ArchiveId",
+    "ArchiveParams",
+    "ArchivePass",
+    "ArchiveReport",
+    "ArchiveSlice",
+    "ArchiveStore",
+    "ArchivedOutput",
+    "Backend",
+    "FsspecBackend",
+    "LocalBackend",
+    "Marker",
+    "MemoryBackend",
+    "OversizedResult",
+    "answer_read_archive",
+    "archive_mid_turn",
+    "archive_oversized",
+    "archive_turn_start",
+    "archive_whole",
+    "check_id",
+    "content_id",
+    "fold_preview",
+    "is_archived_text",
+    "is_marker",
+    "is_valid_id",
+    "make_marker",
+    "parse_marker",
+    "read_archive",
+    "read_archive_tool_anthropic",
+    "read_archive_tool_openai",
+    "read_archive_tool_spec",
+    "read_slice",
+    "restore",
+    "turn_start_cutoff",
+]

@@ -1,0 +1,250 @@
+"""Sessions: one directory per conversation, so compaction is durable and lossless.
+
+Layout::
+
+    <session_dir>/
+      events.jsonl          append-only event log (header, appended messages, views, state)
+      history/NNNNNN-<sha256>.jsonl   full-history dumps, written before every rewrite
+      archive/              the archive store of archived tool outputs (ctxfold.compaction.archive)
+
+The event log is the source of truth. Every original message is logged once, in order, as it is
+appended; a compaction logs the new view as references to those originals plus the messages it
+wrote (summary, markers, resume instruction). So:
+
+- restore = the originals in log order: the full history, byte for byte, through any number of
+  compactions;
+- resume = the last view plus every original appended after it, and the last saved state.
+
+Each event is one line, written by a single ``write`` on an ``O_APPEND`` descriptor (a batch of
+appended messages: one ``write`` for all) and fsynced (unless ``durable=False``; with
+``fsync_appends=False`` the header and appended messages wait for the next fsynced event). A
+process killed mid-write leaves at most one torn last line, which
+resume ignores and the next append cuts off, so a session is always the old view or the new one,
+never a mix. History dumps are written whole to a temporary name and renamed into place before the
+view event that points at them is logged (write-ahead).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+from ctxfold import fastjson
+from ctxfold.chat.codec import encode_conversation_header, encode_message
+from ctxfold.chat.messages import Conversation, Message
+from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, refuse_symlink
+from ctxfold.compaction.eventlog import (
+    LOG_VERSION,
+    Event,
+    EventBuilder,
+    Record,
+    ResumedState,
+    ViewEntry,
+    decode_event,
+    encode_event,
+    load_events,
+)
+
+__all__ = ["ARCHIVE_DIR", "EVENTS_FILE", "HISTORY_DIR", "LOG_VERSION", "ResumedState", "Session", "ViewEntry",
+           "history_dump_text"]
+
+EVENTS_FILE = "events.jsonl"
+HISTORY_DIR = "history"
+ARCHIVE_DIR = "archive"
+
+
+def _open_log(path: Path, flags: int) -> int:
+    """``os.open`` of an event log: mode 0600 (it holds a user's conversation), and never through a
+    symbolic link (O_NOFOLLOW), which a write would follow to a file of the link's choosing."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_symlink(path)
+        raise
+
+
+def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
+                      previous: str | None = None) -> str:
+    """A history dump: a header line (the conversation, where this part starts, the part before
+    it), then one message a line. Deterministic: no clock in it. Encodable as UTF-8 (see
+    :func:`fastjson.dumps_text`)."""
+    header = {"type": "header", "first_index": first_index, "previous": previous,
+              "conversation": encode_conversation_header(conversation)}
+    return "".join(fastjson.dumps_text(line, separators=None) + "\n" for line in [header, *map(encode_message, messages)])
+
+
+class Session:
+    """The directory of one conversation. Not thread-safe: the compactor that owns it serialises access."""
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = True, fsync_appends: bool = True) -> None:
+        self.root = Path(root)
+        self.events_path = self.root / EVENTS_FILE
+        self.durable = durable  # fsync events (dumps are always durable); off for replays and benchmarks
+        # With durable, fsync the header and appended messages too. Off where they have another durable
+        # home (the proxy: the client sends its whole history with every request): they are then
+        # written (a killed process loses nothing) and made durable by the next fsynced event (a
+        # compaction).
+        self.fsync_appends = fsync_appends
+        self._fd: int | None = None
+        self._log = EventBuilder()  # numbers the records written: seq, the originals' indexes
+        # The log's size in bytes while this object holds it open for writing (measured once at the
+        # opening, then counted write by write); None otherwise. The proxy's memory bound reads it
+        # after every request: counting spares a stat system call per request.
+        self.log_nbytes: int | None = None
+
+    # -- paths ------------------------------------------------------------------------------------
+    @property
+    def history_dir(self) -> Path:
+        return self.root / HISTORY_DIR
+
+    @property
+    def archive_dir(self) -> Path:
+        return self.root / ARCHIVE_DIR
+
+    def exists(self) -> bool:
+        return self.events_path.is_file()
+
+    # -- writing ----------------------------------------------------------------------------------
+    def create(self, conversation: Conversation) -> None:
+        """Start a new session for ``conversation`` (its header; messages are appended one by one)."""
+        make_private_dir(self.root)
+        try:  # O_EXCL: a new log, so no torn tail to cut (see _open), and no race with another creator
+            self._fd = _open_log(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL)
+            self.log_nbytes = 0
+        except FileExistsError:
+            raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with "
+                                  "Session.load()") from None
+        # The header (system prompt, tools) is what the owner sends again too: synced like the appends.
+        self._write_events(self._log.header(conversation), sync=self.fsync_appends)
+
+    def append_messages(self, messages: Iterable[Message]) -> None:
+        """Log original messages, in order: one event per message, all in one write (all or none)."""
+        events = self._log.appends(messages)
+        if events:
+            self._write_events(events, sync=self.fsync_appends)
+
+    def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
+                           first_index: int = 0, previous: str | None = None) -> Path:
+        """Write history as JSONL under history/ (atomically) and return its path.
+
+        A dump holds the originals ``first_index`` onwards; its header line names the dump before
+        it (``previous``), so each compaction writes only what came since the last one and the
+        dumps together hold the whole history. The name is a sequence number and the content's
+        sha256: deterministic (a replay is reproducible to the token, since the summary quotes it),
+        and two different dumps never share one.
+        """
+        text = history_dump_text(messages, conversation, first_index=first_index, previous=previous)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        existing = sum(1 for _ in self.history_dir.glob("*.jsonl")) if self.history_dir.is_dir() else 0
+        path = self.history_dir / f"{existing:06d}-{digest}.jsonl"
+        LocalBackend(self.history_dir).write_atomic(path.name, text.encode())
+        return path
+
+    def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
+                 state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
+        """Log a rewrite of the view. The view entries must refer to originals already logged."""
+        self._write_events(self._log.view(view, kind=kind, reason=reason, state=state, figures=figures,
+                                          dump=dump.relative_to(self.root).as_posix() if dump is not None else None))
+
+    def log_state(self, state: dict[str, Any]) -> None:
+        """Log compactor state (breaker, occupancy) that changed without a rewrite."""
+        self._write_events(self._log.state(state))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.log_nbytes = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> int:
+        if self._fd is None:
+            make_private_dir(self.root)
+            self._cut_torn_tail()
+            self._fd = _open_log(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            self.log_nbytes = os.fstat(self._fd).st_size
+        return self._fd
+
+    def _cut_torn_tail(self) -> None:
+        """Drop a last line cut off by a crash so the next event starts on a line of its own."""
+        try:
+            with os.fdopen(_open_log(self.events_path, os.O_RDWR), "rb+") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                if size == 0:
+                    return
+                f.seek(size - 1)
+                if f.read(1) == b"\n":
+                    return
+                # Walk back to the previous newline; the events are small, read the tail in blocks.
+                pos = size
+                while pos > 0:
+                    step = min(65536, pos)
+                    f.seek(pos - step)
+                    block = f.read(step)
+                    nl = block.rfind(b"\n")
+                    if nl >= 0:
+                        f.truncate(pos - step + nl + 1)
+                        return
+                    pos -= step
+                f.truncate(0)
+        except FileNotFoundError:
+            return
+
+    def _write_events(self, events: list[Event], *, sync: bool = True) -> None:
+        data = b"".join(encode_event(e) + b"\n" for e in events)
+        fd = self._open()
+        written = os.write(fd, data)
+        if written != len(data):
+            # A short write on a full disk: take the part back, so the log holds the whole batch or
+            # none of it (memory, updated after the log, holds none of it either).
+            os.ftruncate(fd, os.fstat(fd).st_size - written)
+            self.close()
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes); disk full?",
+                          str(self.events_path))
+        if self.log_nbytes is not None:
+            self.log_nbytes += written
+        if self.durable and sync:
+            os.fsync(fd)
+        self._log.taken(events)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def read_records(self) -> tuple[list[Record], int]:
+        """Each line's record (or why it holds none), and how many torn last lines were left out (0 or
+        1: a write cut off by a crash, which the next append cuts away)."""
+        with open(self.events_path, "rb") as f:
+            lines = f.read().split(b"\n")
+        torn = 1 if lines[-1] else 0  # after the final "\n" comes an empty string; anything else is torn
+        return [decode_event(raw, location=f"line {i + 1}") for i, raw in enumerate(lines[:-1])], torn
+
+    def load(self, *, salvage: bool = False) -> ResumedState:
+        """Read the log: the current view, every original, and the last saved state.
+
+        A line that cannot be read raises FormatError. With ``salvage``, it is left out instead and
+        noted in :attr:`ResumedState.skipped` (where, why), so every readable record comes back (see
+        :mod:`ctxfold.compaction.eventlog`)."""
+        if not self.exists():
+            raise FileNotFoundError(f"{self.events_path}: no session here (expected {EVENTS_FILE})")
+        records, torn = self.read_records()
+        resumed = load_events(records, source=str(self.events_path), salvage=salvage)
+        resumed.torn_lines = torn
+        self._log = EventBuilder(next_seq=resumed.next_seq, num_originals=len(resumed.originals))
+        return resumed
+
+    def restore(self, *, salvage: bool = False) -> Conversation:
+        """The full original conversation, as it was appended, through any number of compactions.
+        ``salvage``: every readable message, leaving out what cannot be read (see :meth:`load`)."""
+        resumed = self.load(salvage=salvage)
+        conv = resumed.conversation
+        conv.messages = resumed.originals
+        return conv

