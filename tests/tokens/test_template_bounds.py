@@ -192,8 +192,12 @@ GROWTH = {
 _DIRECT = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), int(sys.argv[1])))
+from ctxfold.tokens.templates import guard
 from ctxfold.tokens.templates.jinja import JinjaChatTemplate, JinjaRenderer
 from ctxfold.chat.messages import Conversation, Message, Role
+
+# These renders test the size bounds: on a loaded machine the time bound must not stop them first.
+guard.RENDER_TIMEOUT_S = 120.0
 
 out = {}
 for name, source in json.loads(sys.stdin.read()).items():
@@ -229,7 +233,7 @@ def test_a_value_too_big_to_build_is_refused_before_it_is_built(growth_outcomes:
     outcome = growth_outcomes[name]
     assert outcome.get("error_type") == "TemplateBoundsError", outcome
     assert GROWTH[name][1] in outcome["error"] and "\n" not in outcome["error"]
-    assert outcome["elapsed_s"] < 10
+    assert outcome["elapsed_s"] < 60  # a safety net: the bound stops it within a second when the machine is idle
     assert growth_outcomes["peak_rss_bytes"] < MAX_PEAK_RSS_BYTES
 
 
