@@ -20,12 +20,12 @@ from ctxfold.cli import EXIT_INPUT, EXIT_USAGE, CommandError
 from ctxfold.cli._flags import flag_type
 from ctxfold.errors import FormatError
 from ctxfold.settings import Check
+from ctxfold.tokens.counting import DEFAULT_TOKENIZER
 
 if TYPE_CHECKING:
     from ctxfold.compaction.config import CompactConfig
     from ctxfold.tokens.counting import TokenCounter
 
-DEFAULT_TOKENIZER = "estimate:deepseek-v4"
 DEFAULT_CONTEXT_TOKENS = 16384
 
 # Raw, so the examples in each epilog keep their layout; descriptions are wrapped with wrap().
@@ -83,7 +83,8 @@ def add_counting_options(p: argparse.ArgumentParser) -> None:
                    help="token counter: a tokenizer by name (deepseek-v4, qwen3, mistral, o200k_base, "
                    "cl100k_base), a tokenizer.json or SentencePiece .model file, gguf:PATH (a GGUF model's own "
                    "tokenizer, through llama.cpp: pip install 'ctxfold[llama]'), estimate:NAME (the "
-                   f"calibrated estimator), or chars4 (default: {DEFAULT_TOKENIZER})")
+                   "calibrated estimator, an upper bound), auto:NAME (exact when the tokenizer and the fast "
+                   f"exact counter are installed, else the estimate, with a warning), or chars4 (default: {DEFAULT_TOKENIZER})")
     p.add_argument("--template", metavar="SPEC",
                    help="chat template the requests are rendered with, for exact counts: deepseek-v3.2 "
                    "(DeepSeek V3.2's own), deepseek-v3.2-api (the hosted DeepSeek API, which counts one token "

@@ -28,6 +28,7 @@ from ctxfold.serve import (
     FSYNC_MODES,
 )
 from ctxfold.settings import REQUIRED, Check, setting, validate_fields
+from ctxfold.tokens.counting import DEFAULT_TOKENIZER
 
 SUMMARIZERS = ("upstream", "config", "extractive")  # ProxyConfig.summarizer
 MIN_OPERATOR_TOKEN_CHARS = 16  # the token guards every tenant's figures: not a guessable word
@@ -215,10 +216,11 @@ class ProxyConfig:
         "each request's path), never (a machine crash may lose the last compactions; a killed proxy "
         "loses nothing in any mode)")
     tokenizer: str = setting(  # token counter spec (ctxfold.tokens.counting.load_counter)
-        "estimate:deepseek-v4", Check(str), "--tokenizer", metavar="SPEC", group=COMPACTION,
+        DEFAULT_TOKENIZER, Check(str), "--tokenizer", metavar="SPEC", group=COMPACTION,
         help="token counter for the upstream's model: deepseek-v4, qwen3, mistral, o200k_base, "
-        "cl100k_base, a tokenizer.json or .model file, estimate:NAME, or chars4 (default: "
-        "{default}; the upstream's usage figures calibrate it per conversation)")
+        "cl100k_base, a tokenizer.json or .model file, estimate:NAME (an upper bound), auto:NAME (exact "
+        "when installed, else the estimate, with a warning), or chars4 (default: {default}; the "
+        "upstream's usage figures calibrate it per conversation)")
     # Chat template the upstream renders requests with (ctxfold.tokens.templates preset), None: message text only.
     # The template's control tokens also bound the accounting's work per append.
     template: str | None = setting(

@@ -13,6 +13,7 @@ downloaded) and :mod:`ctxfold.tokens.estimators` (the calibrated estimate, chars
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from ctxfold.tokens.exact_counters import (
 )
 
 __all__ = [
+    "DEFAULT_TOKENIZER",
     "LONG_TEXT_CHARS",
     "NAMED_TOKENIZERS",
     "TIKTOKEN_ENCODINGS",
@@ -63,6 +65,13 @@ __all__ = [
     "load_counter",
     "split_for_counting",
 ]
+
+
+log = logging.getLogger(__name__)
+
+# The counter of the command line, the proxy and replay when none is named: DeepSeek V4's own tokenizer
+# when it is installed with the fast exact counter, else its calibrated estimate (an upper bound).
+DEFAULT_TOKENIZER = "auto:deepseek-v4"
 
 
 @runtime_checkable
@@ -96,7 +105,8 @@ _cache_lock = threading.Lock()
 def load_counter(spec: str | os.PathLike[str]) -> TokenCounter:
     """A counter from a name or a path.
 
-    Names: ``deepseek-v4``, ``qwen3``, ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7``
+    Names: ``auto:<name>`` (the exact counter of ``<name>`` when its tokenizer and the fast exact
+    counter are installed, else ``estimate:<name>``, with a warning that says why), ``deepseek-v4``, ``qwen3``, ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7``
     (the versions mistral-common ships), ``o200k_base``, ``cl100k_base``, ``estimate:<name>`` (a
     built-in calibration), ``chars4``. Paths: a ``tokenizer.json``, a SentencePiece ``.model`` file,
     a calibration ``.json`` written by ``ctxfold calibrate``, or a GGUF model (``gguf:PATH``, or a path
@@ -137,6 +147,8 @@ def _load(spec: str) -> TokenCounter:
     if low.startswith("estimate:"):
         name = s.split(":", 1)[1]
         return EstimateCounter(builtin_calibration(name), f"estimate:{name}")
+    if low.startswith("auto:"):
+        return _exact_or_estimate(s.split(":", 1)[1])
     if low.startswith("gguf:"):
         return GgufCounter(s.split(":", 1)[1])
     p = Path(s).expanduser()
@@ -164,3 +176,24 @@ def _load(spec: str) -> TokenCounter:
             return EstimateCounter(Calibration.from_json(head, str(p)), f"estimate:{p.stem}")
         return HFTokenizerCounter(p)
     return SentencePieceCounter(p)
+
+
+def _exact_or_estimate(name: str) -> TokenCounter:
+    """The exact counter of ``name`` when it counts at the estimate's speed (the fast byte-level BPE
+    path), else the calibrated estimate, saying why; exact counts are the default wherever they are
+    installed, and the estimate (an upper bound) never stands in silently."""
+    estimate = EstimateCounter(builtin_calibration(name), f"estimate:{name}")  # names a bad NAME first
+    try:
+        exact = _load(name)  # an instance of its own: it carries the template below
+    except TokenizerError as exc:
+        why = str(exc)
+    else:
+        if isinstance(exact, (HFTokenizerCounter, TiktokenCounter)) and exact.backend == "fastokens":
+            # The chat template the estimate stands for frames every request (role markers, tool-call
+            # markup): without it an exact count of the message texts alone would be under the truth.
+            exact.template = estimate.template
+            return exact
+        why = "the fast exact counter (fastokens) is not installed or did not agree with the tokenizer"
+    log.warning("counting %s tokens with its estimate (an upper bound), not exactly: %s; "
+                "pip install 'ctxfold[tokenizers]' for exact counts", name, why)
+    return estimate

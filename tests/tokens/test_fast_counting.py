@@ -1,0 +1,135 @@
+"""The fast exact counter (fastokens) gives the reference tokenizer's counts, or stands aside saying why.
+
+The reference is the tokenizer's own library (Hugging Face ``tokenizers``, tiktoken), loaded here with
+the fast path off. Every message of every shared trace is checked in test_counting.py (the slow tier);
+here: generated texts of the shapes where pre-tokenizers differ, every shared request as rendered, the
+guard that keeps a disagreeing fast counter out, and the default counter.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ctxfold.chat import formats
+from ctxfold.errors import FormatError
+from ctxfold.tokens import fast_bpe
+from ctxfold.tokens.accounting import RequestAccounting
+from ctxfold.tokens.counting import (
+    DEFAULT_TOKENIZER,
+    EstimateCounter,
+    HFTokenizerCounter,
+    TiktokenCounter,
+    TokenCounter,
+    load_counter,
+)
+from ctxfold.tokens.templates import get_template
+
+pytest.importorskip("fastokens", reason="the fast exact counter is in the tokenizers extra")
+
+BPE_TOKENIZERS = ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base"]
+
+
+@functools.cache
+def _pair(name: str) -> tuple[TokenCounter, TokenCounter]:
+    fast = load_counter(name)
+    if isinstance(fast, HFTokenizerCounter):
+        return fast, HFTokenizerCounter(fast.path, fast=False)
+    assert isinstance(fast, TiktokenCounter)
+    return fast, TiktokenCounter(name, fast=False)
+
+
+@pytest.mark.parametrize("name", BPE_TOKENIZERS)
+def test_the_byte_level_bpe_tokenizers_count_through_the_fast_path(name: str) -> None:
+    fast, ref = _pair(name)
+    assert getattr(fast, "backend", None) == "fastokens"
+    assert getattr(ref, "backend", None) in ("tokenizers", "tiktoken")
+
+
+# Pieces whose joins stress pre-tokenizers: whitespace runs before words and newlines, contractions,
+# digit groups, CJK next to Latin, emoji with modifiers, code, and control tokens typed in text.
+_PIECES = st.sampled_from([
+    " ", "  ", "\t", "\n", "\r\n", "\n\n\n", "   \n", "\u00a0", "\u3000", "\u2028",
+    "'s", "'T", "'re", "'ll", "n't", "I'M",
+    "0", "12", "123", "1234", "3.14", "1e-9", "٣٤٥",
+    "中文", "日本語の", "한국어", "العربية", "Ελληνικά", "Ωmega",
+    "😀", "👍🏽", "🏳️‍🌈", "∑∫", "→",
+    "def", "f(x)", "{'k': [1, 2]}", "->", "::", "/*", "*/", "#!", "==", "!==", "...",
+    "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<｜User｜>", "<｜Assistant｜>", "<s>", "</s>", "[INST]",
+    "Hello", "WORLD", "camelCase", "snake_case", "ALLCAPS", "x",
+])
+_TEXTS = st.one_of(
+    st.lists(_PIECES, max_size=40).map("".join),
+    st.text(max_size=200),
+    st.text(alphabet=st.characters(codec="utf-8", categories=["Zs", "Cc", "Nd", "Lu", "Ll", "Lo", "Mn", "So", "Po"]), max_size=120),
+)
+
+
+@pytest.mark.parametrize("name", BPE_TOKENIZERS)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(_TEXTS, min_size=1, max_size=8))
+def test_fast_counts_equal_the_reference_on_generated_text(name: str, texts: list[str]) -> None:
+    fast, ref = _pair(name)
+    want = [ref.count(t) for t in texts]
+    assert [fast.count(t) for t in texts] == want
+    assert fast.count_batch(texts).tolist() == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "template"), [("deepseek-v4", "deepseek-v4"), ("qwen3", "chatml")])
+def test_every_shared_request_counts_the_same_as_the_reference(traces_dir: Path, name: str, template: str) -> None:
+    """Each conversation of the shared traces rendered whole, as the engine receives it (control tokens
+    included), counted by the fast path and by the reference tokenizer."""
+    fast, ref = _pair(name)
+    requests = 0
+    for path in sorted(p for p in traces_dir.rglob("*") if p.suffix in (".json", ".jsonl")):
+        try:
+            conversations = formats.load(path)
+        except FormatError:  # licence files and indexes are not traces
+            continue
+        for conv in conversations:
+            acct = RequestAccounting(fast, get_template(template))
+            acct.reset(conv)
+            text = acct.request_text()
+            assert fast.count(text) == ref.count(text), (path.name, conv.id)
+            requests += 1
+    assert requests > 200  # every set: 221 conversations
+
+
+def test_a_fast_counter_that_disagrees_is_kept_out_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    fast, _ = _pair("deepseek-v4")
+    assert isinstance(fast, HFTokenizerCounter)
+    with caplog.at_level(logging.WARNING, logger="ctxfold.tokens.fast_bpe"):
+        off = fast_bpe.fast_tokenizer_json(fast.path, lambda s: fast.count(s) + (s == "hello world"))
+    assert off is None
+    assert "counted 2 tokens where the reference counts 3" in caplog.text
+
+
+def test_a_text_the_fast_path_refuses_is_answered_by_the_reference() -> None:
+    fast, _ = _pair("deepseek-v4")
+    with pytest.raises(ValueError, match="surrogate"):
+        fast.count("ok \ud800 not ok")  # the reference names what cannot be encoded
+    assert fast.count_batch(["a", "b c"]).tolist() == [1, 2]
+
+
+def test_the_default_counter_is_exact_when_installed() -> None:
+    counter = load_counter(DEFAULT_TOKENIZER)
+    assert counter.exact and counter.name == "deepseek-v4"
+
+
+def test_without_the_fast_counter_the_default_is_the_estimate_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ctxfold.tokens import counting
+
+    monkeypatch.setattr(fast_bpe, "_installed", lambda: None)
+    monkeypatch.setattr(counting, "_cache", {})
+    with caplog.at_level(logging.WARNING, logger="ctxfold.tokens.counting"):
+        counter = load_counter("auto:qwen3")
+    assert isinstance(counter, EstimateCounter) and not counter.exact
+    assert "counting qwen3 tokens with its estimate" in caplog.text and "fastokens" in caplog.text
