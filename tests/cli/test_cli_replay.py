@@ -410,15 +410,18 @@ def test_count_adds_up(traces_dir: Path, tmp_path: Path) -> None:
 def test_count_with_the_model_tokenizer_and_template_is_exact(traces_dir: Path) -> None:
     """DeepSeek's hosted API rendered these requests with the V3.2 template and counted them with the
     V4 tokenizer; the trajectory lacks only the bash tool definition mini-swe-agent sent, which the
-    importer fills in, so every request is predicted exactly (with the estimator and no template the
+    importer fills in, so every request is predicted exactly, by default too (with the estimator the
     gap wanders)."""
     trace = traces_dir / "deepseek_sample" / "deepseek_chat" / "pydicom__pydicom-1256.traj.json"
     exact = json.loads(ctxfold("count", str(trace), "--tokenizer", "deepseek-v4", "--template", "deepseek-v3.2",
                                "--json", "-").stdout)["conversations"][0]
     gaps = {r["recorded_prompt_tokens"] - r["predicted_prompt_tokens"] for r in exact["requests"]}
     assert gaps == {0}
-    rough = json.loads(ctxfold("count", str(trace), "--json", "-").stdout)["conversations"][0]
-    assert len({r["recorded_prompt_tokens"] - r["predicted_prompt_tokens"] for r in rough["requests"]}) > 10
+    # The default counter is the same exact count where the tokenizer is installed (the test extra has it).
+    default = json.loads(ctxfold("count", str(trace), "--json", "-").stdout)["conversations"][0]
+    assert {r["recorded_prompt_tokens"] - r["predicted_prompt_tokens"] for r in default["requests"]} == {0}
+    rough = json.loads(ctxfold("count", str(trace), "--tokenizer", "estimate:deepseek-v4", "--json", "-").stdout)
+    assert len({r["recorded_prompt_tokens"] - r["predicted_prompt_tokens"] for r in rough["conversations"][0]["requests"]}) > 10
 
 
 @needs_replay

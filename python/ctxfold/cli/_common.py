@@ -91,7 +91,8 @@ def add_counting_options(p: argparse.ArgumentParser) -> None:
                    "fewer after a user message that follows tool results), deepseek-v4, chatml (qwen3), "
                    "mistral-v7, gemma-3, llama-3.1, llama-3.2; or the model's own Jinja template: "
                    "hf:PATH (a tokenizer_config.json or its folder), gguf:PATH, file:PATH (needs "
-                   "ctxfold[templates]); default: message text alone, without template tokens")
+                   "ctxfold[templates]); default: the template the counter stands for (deepseek-v3.2 for the default "
+                   "counter and its estimate), else message text alone")
 
 
 def add_policy_options(p: argparse.ArgumentParser) -> None:

@@ -44,6 +44,7 @@ from ctxfold.tokens.exact_counters import (
     _package_file,
     split_for_counting,
 )
+from ctxfold.tokens.fast_bpe import installed as fast_bpe_installed
 
 __all__ = [
     "DEFAULT_TOKENIZER",
@@ -193,7 +194,7 @@ def _exact_or_estimate(name: str) -> TokenCounter:
             # markup): without it an exact count of the message texts alone would be under the truth.
             exact.template = estimate.template
             return exact
-        why = "the fast exact counter (fastokens) is not installed or did not agree with the tokenizer"
-    log.warning("counting %s tokens with its estimate (an upper bound), not exactly: %s; "
-                "pip install 'ctxfold[tokenizers]' for exact counts", name, why)
+        why = ("the fast exact counter did not agree with the tokenizer (see above)" if fast_bpe_installed()
+               else "the fast exact counter is not installed; pip install 'ctxfold[tokenizers]'")
+    log.warning("counting %s tokens with its estimate (an upper bound), not exactly: %s", name, why)
     return estimate

@@ -55,6 +55,11 @@ def _installed() -> Any | None:
     return fastokens
 
 
+def installed() -> bool:
+    """Whether the fast exact counter's library is installed."""
+    return _installed() is not None
+
+
 class FastBPE:
     """Counts of one tokenizer through fastokens; build with :func:`fast_tokenizer_json` or
     :func:`fast_tiktoken`, which return None where the fast path is not available or not exact."""
