@@ -52,6 +52,9 @@ class Check:
     # the message's tail ("'x' is not an http(s) URL; ..."), None when the value passes. It names the value
     # itself, so that it can leave a secret out.
     rule: Callable[[Any], str | None] | None = None
+    # A flag's text to a value of a kind that is neither text nor a number (a price table); it raises
+    # ConfigError with the problem.
+    parse: Callable[[str], Any] | None = None
 
     def allowed(self) -> str:
         if self.choices:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
+from ctxfold.errors import ConfigError
 from ctxfold.settings import REQUIRED, SAME, Check, Flag, SettingError, check_value, fmt_number
 
 # k = 1024, as context sizes (and byte sizes) are quoted: 16k, 128K, 1M.
@@ -26,6 +27,11 @@ def flag_type(check: Check, *, null_text: str | None = None) -> Callable[[str], 
     def convert(text: str) -> Any:
         if null_text is not None and text == null_text:
             return None
+        if check.parse is not None:
+            try:
+                return check.parse(text)
+            except ConfigError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
         if check.kind is int:
             return _whole_number(text, check)
         if check.kind is float:

@@ -282,7 +282,7 @@ def _cost_config(args: argparse.Namespace, config: CompactConfig) -> CompactConf
     """The config's cost section with --prices or --price and --min-gain over it."""
     from dataclasses import replace
 
-    from ctxfold.compaction.cost import PriceTable
+    from ctxfold.compaction.cost import PriceTable, priced
     from ctxfold.errors import ConfigError
 
     if args.prices is not None and args.price is not None:
@@ -302,9 +302,7 @@ def _cost_config(args: argparse.Namespace, config: CompactConfig) -> CompactConf
         except ConfigError as exc:
             raise CommandError(f"--price {args.price}: {exc}", EXIT_USAGE) from None
     if table is not None:
-        cost = replace(cost, input_per_mtok=table.input_per_mtok, cached_input_per_mtok=table.cached_input_per_mtok,
-                       cache_write_per_mtok=table.cache_write_per_mtok, output_per_mtok=table.output_per_mtok,
-                       currency=table.currency)
+        cost = priced(cost, table)
     return replace(config, cost=cost)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,10 +142,31 @@ class PriceTable:
         except ConfigError as exc:
             raise ConfigError(f"{p}: {exc}") from None
 
+    @classmethod
+    def read(cls, text: str) -> PriceTable:
+        """From a flag's text: the name of a price file (:meth:`load`) or ``KEY=PRICE`` pairs (:meth:`parse`).
+        Text with ``=`` in it that names no file is pairs; anything else is a file."""
+        if "=" in text and not Path(text).is_file():
+            return cls.parse(text)
+        return cls.load(text)
+
+    @property
+    def money(self) -> bool:
+        """Whether these are prices in a currency, not the relative weights of the defaults."""
+        return self.currency != "relative"
+
     def to_json(self) -> dict[str, Any]:
         return {"input_per_mtok": self.input_per_mtok, "cached_input_per_mtok": self.cached_input_per_mtok,
                 "cache_write_per_mtok": self.cache_write_per_mtok, "output_per_mtok": self.output_per_mtok,
                 "currency": self.currency}
+
+
+def priced(cost: CostConfig, table: PriceTable) -> CostConfig:
+    """The cost section with ``table``'s prices: what the minimum-gain rule weighs with, and the cost
+    figures are priced with (``--prices``/``--price`` of replay and of the proxy)."""
+    return replace(cost, input_per_mtok=table.input_per_mtok, cached_input_per_mtok=table.cached_input_per_mtok,
+                   cache_write_per_mtok=table.cache_write_per_mtok, output_per_mtok=table.output_per_mtok,
+                   currency=table.currency)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from typing import Any
 from ctxfold.chat.messages import Conversation, Message, Role
 from ctxfold.compaction.archive.marker import MARKER_PREFIX
 from ctxfold.compaction.compactor import CompactionEvent, Compactor
+from ctxfold.compaction.cost import CompactionCost, PriceTable
 from ctxfold.compaction.effects import Step, run_async
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.dialect import OPENAI
@@ -59,6 +60,18 @@ def failure_kind(reason: str | None) -> str:
     return "unknown"
 
 
+def cost_words(cost: CompactionCost, prices: PriceTable | None) -> str:
+    """The cost of a compaction in a few words, for the text log line (the JSON line has every figure)."""
+    words = (f"; cache read {cost.before.cached_tokens} -> {cost.after.cached_tokens}, written "
+             f"{cost.before.written_tokens} -> {cost.after.written_tokens}, summary request "
+             f"{cost.summary_prompt_tokens} ({cost.summary_cached_tokens} cached) + {cost.summary_output_tokens} out, "
+             f"saving {cost.saving_tokens} over {cost.horizon_requests} requests")
+    if prices is not None:
+        money = cost.money(prices)
+        words += f", net {money['net']:+.6f} {prices.currency}"
+    return words
+
+
 def _has_archive_marker(messages: list[Message]) -> bool:
     return any(m.role is Role.TOOL and m.text.startswith(MARKER_PREFIX) for m in messages)
 
@@ -67,6 +80,7 @@ class CompactionStep:
     def __init__(self, config: ProxyConfig, metrics: ProxyMetrics) -> None:
         self.config = config
         self.metrics = metrics
+        self.prices = config.money_prices  # the cost's money figures, None without --prices
 
     async def prepare(self, parsed: ParsedRequest, session: ProxySession | None,
                       create: Callable[[Conversation], Awaitable[ProxySession]],
@@ -102,9 +116,12 @@ class CompactionStep:
             c.update_tools(specs)
             session.tools_wire = tools
         quiet = self.inline(c, new)
+        waits = c.min_gain_waits
         events = await run_async(self._ingest(session, new, parsed.messages, quiet=quiet), c._lock,
                                  in_thread=not quiet, cancel=left)
         self.count_events(events)
+        if c.min_gain_waits > waits:
+            self.metrics.min_gain_waits.inc(amount=c.min_gain_waits - waits)
         if not has_own_recall and not session.inject_recall:
             # Offer the tool once the conversation has archived outputs: from a pass of this request, in
             # the messages it brought, or (first request after a restart) anywhere in the view.
@@ -199,8 +216,13 @@ class CompactionStep:
             if e.applied:
                 m.compactions.inc(e.kind, e.trigger)
                 m.tokens_saved.inc(amount=max(0, e.tokens_before - e.tokens_after))
-                log.info("compaction: %s (%s): %d -> %d tokens", e.kind, e.reason, e.tokens_before, e.tokens_after,
-                         extra=fields)
+                said = ""
+                if e.cost is not None:
+                    m.note_cost(e.cost, self.prices)
+                    fields["cost"] = e.cost.to_json(self.prices)
+                    said = cost_words(e.cost, self.prices)
+                log.info("compaction: %s (%s): %d -> %d tokens%s", e.kind, e.reason, e.tokens_before, e.tokens_after,
+                         said, extra=fields)
             else:
                 m.compaction_failures.inc(e.kind, e.trigger)
                 log.info("compaction not applied: %s (%s): %s", e.kind, e.reason, e.failure or "no change",

@@ -6,11 +6,12 @@ command makes its flags from them and reads them back (ctxfold.cli._flags)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.cost import PriceTable, priced
 from ctxfold.compaction.store import DEFAULT_LEASE_MS, DEFAULT_SPOOL_MAX_BYTES, is_shared_url
 from ctxfold.errors import ConfigError
 from ctxfold.serve import (
@@ -215,6 +216,17 @@ class ProxyConfig:
         "are written, and the client resends them anyway), always (every message too: a disk flush on "
         "each request's path), never (a machine crash may lose the last compactions; a killed proxy "
         "loses nothing in any mode)")
+    # Prices per million tokens (ctxfold.compaction.cost.PriceTable) the compactions' cost is reported in
+    # (metrics, log lines) and the minimum-gain rule weighs with; given, they replace the cost section's
+    # prices in ``compact``. None: the cost section's, relative weights unless it names a currency (and
+    # then no money is reported: weights are not money).
+    prices: PriceTable | None = setting(
+        None, Check(PriceTable, optional=True, parse=PriceTable.read), "--prices", "--price",
+        metavar="PRICES", group=COMPACTION,
+        help="price each compaction's cost in money (metrics and log lines) and weigh the minimum-gain rule "
+        "with: a JSON or TOML file (input, cached, write, output per million tokens, and currency) or the "
+        "same inline, e.g. input=3,cached=0.3,write=3.75,output=15 (cached and write default to input, "
+        "currency to USD). Default: the cost section of --config, in relative weights (tokens only)")
     tokenizer: str = setting(  # token counter spec (ctxfold.tokens.counting.load_counter)
         DEFAULT_TOKENIZER, Check(str), "--tokenizer", metavar="SPEC", group=COMPACTION,
         help="token counter for the upstream's model: deepseek-v4, qwen3, mistral, o200k_base, "
@@ -298,11 +310,19 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         # Every setting the proxy is run with, checked here once: the CLI, tests and embedders all build one.
         validate_fields(self, "")
+        if self.prices is not None:  # one cost section for the rule and the reports
+            object.__setattr__(self, "compact", replace(self.compact, cost=priced(self.compact.cost, self.prices)))
         # A session's keys must outlive any lease on it by far: a grant renews their time, a renewal does not.
         ttl = self.session_ttl_s
         if ttl is not None and self.store_url is not None and ttl * 1000 < 2 * self.lease_ms:
             raise ConfigError(f"session_ttl_s: {ttl:g} s is shorter than twice the store lease ({self.lease_ms} ms); "
                               "idle sessions must outlive any request working on them")
+
+    @property
+    def money_prices(self) -> PriceTable | None:
+        """The prices the compactions' cost is reported in, in money; None when they are relative weights."""
+        table = PriceTable.from_config(self.compact.cost)
+        return table if table.money else None
 
     @property
     def quotas_on(self) -> bool:

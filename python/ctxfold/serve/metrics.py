@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from ctxfold.serve.logs import dropped_lines
+
+if TYPE_CHECKING:
+    from ctxfold.compaction.cost import CompactionCost, PriceTable
 
 # Summary generation takes from tens of milliseconds (extractive) to minutes (a model on a slow GPU).
 SUMMARY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -150,6 +153,32 @@ class ProxyMetrics:
             r, "ctxfold_summary_fallbacks_total", "Summaries written by the extractive fallback after a failure, by "
             "why the summarizer failed (its reason without the details).", ("reason",))
         self.tokens_saved = Counter(r, "ctxfold_tokens_saved_total", "Tokens removed from requests by compaction.")
+        # What the compactions cost (ctxfold.compaction.cost, docs/cost.md), summed over every applied summary.
+        self.cache_read_tokens = Counter(
+            r, "ctxfold_compaction_cache_read_tokens_total", "Prompt tokens the request after each summary reads "
+            "from a prefix cache: without the rewrite (request=before) and with it (after), as the cost model "
+            "expects.", ("request",))
+        self.cache_write_tokens = Counter(
+            r, "ctxfold_compaction_cache_write_tokens_total", "Prompt tokens the request after each summary "
+            "prefills (writes to the cache): without the rewrite (request=before) and with it (after).", ("request",))
+        self.summary_request_tokens = Counter(
+            r, "ctxfold_summary_request_tokens_total", "The summary requests' tokens: part=prompt, cached (of the "
+            "prompt, the prefix shared with the conversation's last request), output.", ("part",))
+        self.cache_tokens_written = Counter(
+            r, "ctxfold_compaction_cache_tokens_written_total", "Prompt tokens the compactions made someone prefill "
+            "that would not have been otherwise: the rewrite's prefill beyond the next request's own, and the "
+            "summary requests' uncached prompts.")
+        self.saving_tokens = Counter(
+            r, "ctxfold_compaction_saving_tokens_total", "Cached prompt tokens the compactions are expected to "
+            "save over their horizons (the later requests read the smaller view).")
+        self.compaction_cost = Counter(
+            r, "ctxfold_compaction_cost_total", "The compactions' cost in money, with --prices: part=before_request "
+            "and after_request (the next request without and with the rewrite), summary_request, saving (expected "
+            "over the horizon). Invalidated = after_request + summary_request - before_request; net = saving - "
+            "invalidated.", ("currency", "part"))
+        self.min_gain_waits = Counter(
+            r, "ctxfold_min_gain_waits_total", "Automatic summaries the minimum-gain rule put off: their expected "
+            "saving was below what they would invalidate, and the next request still fit.")
         self.sessions_quarantined = Gauge(r, "ctxfold_sessions_quarantined",
                                           "Sessions set aside since start because their event log could not be read.")
         self.sessions_forked = Gauge(r, "ctxfold_sessions_forked",
@@ -186,6 +215,25 @@ class ProxyMetrics:
             r, "ctxfold_proxy_overhead_seconds",
             "Time from a request's arrival to its forwarding upstream (parsing, matching, compaction).",
             OVERHEAD_BUCKETS_S)
+
+    def note_cost(self, cost: CompactionCost, prices: PriceTable | None) -> None:
+        """One applied summary's cost figures; in money too with ``prices``."""
+        self.cache_read_tokens.inc("before", amount=cost.before.cached_tokens)
+        self.cache_read_tokens.inc("after", amount=cost.after.cached_tokens)
+        self.cache_write_tokens.inc("before", amount=cost.before.written_tokens)
+        self.cache_write_tokens.inc("after", amount=cost.after.written_tokens)
+        self.summary_request_tokens.inc("prompt", amount=cost.summary_prompt_tokens)
+        self.summary_request_tokens.inc("cached", amount=cost.summary_cached_tokens)
+        self.summary_request_tokens.inc("output", amount=cost.summary_output_tokens)
+        self.cache_tokens_written.inc(amount=cost.cache_tokens_written)
+        self.saving_tokens.inc(amount=cost.saving_tokens)
+        if prices is not None:
+            # Each part is a price of tokens, never negative, so each is a counter; what a compaction
+            # invalidates (which may be negative) is their difference.
+            for part, value in (("before_request", cost.before.price(prices)),
+                                ("after_request", cost.after.price(prices)),
+                                ("summary_request", cost.summary_price(prices)), ("saving", cost.saving(prices))):
+                self.compaction_cost.inc(prices.currency, part, amount=value)
 
     def note_state(self, sessions: Any) -> None:
         """The gauges that follow the sessions' state (``sessions``: the proxy's SessionStore), set before

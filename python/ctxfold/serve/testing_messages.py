@@ -1,7 +1,8 @@
 """The scripted upstream's ``POST /v1/messages`` (Anthropic's messages API), JSON and event stream, for
 the proxy's tests: it records each request's body and headers, answers the next of ``messages_script``, else
-``x_replay_answer`` (a list of content blocks) verbatim, or echoes the last user text, and refuses a prompt over its window as
-Anthropic does (``prompt is too long: N tokens > M maximum``)."""
+``x_replay_answer`` (a list of content blocks) verbatim, or echoes the last user text, and refuses a prompt over
+its window as Anthropic does (``prompt is too long: N tokens > M maximum``), the prompt counted by the upstream's
+``count_tokens`` (characters / 4 unless told otherwise)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,6 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):
         return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
     return ""
-
-
-def messages_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens as characters / 4 plus 4 per message (as ``chars_estimate``)."""
-    n = 0
-    for m in body.get("messages") or []:
-        n += 4 + len(json.dumps(m, ensure_ascii=False)) // 4
-    n += len(json.dumps(body.get("system") or "", ensure_ascii=False)) // 4
-    return n + len(json.dumps(body.get("tools") or [], ensure_ascii=False)) // 4
 
 
 def _blocks_for(up: ScriptedUpstream, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,7 +70,7 @@ async def answer_messages(up: ScriptedUpstream, request: web.Request) -> web.Str
         up.fail_count -= 1
         return web.json_response({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
                                  status=up.fail_status)
-    prompt = messages_tokens(body)
+    prompt = up.count_tokens(body)
     up.prompt_tokens_seen.append(prompt)
     if up.context_tokens is not None and prompt > up.context_tokens:
         up.rejected_over_context += 1
