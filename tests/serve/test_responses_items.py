@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ctxfold.chat.formats.openai import message_to_openai
@@ -63,7 +63,7 @@ def _parse(items: list[dict[str, Any]]) -> tuple[Any, Sources]:
     return parsed, parsed.sources
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inputs())
 def test_the_items_round_trip_whole(items: list[dict[str, Any]]) -> None:
     parsed, sources = _parse(items)
@@ -76,7 +76,7 @@ def test_the_items_round_trip_whole(items: list[dict[str, Any]]) -> None:
     assert body["input"] == items
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(inputs(), st.data())
 def test_rewritten_units_never_edit_what_ctxfold_does_not_write(items: list[dict[str, Any]], data: st.DataObject
                                                                 ) -> None:
@@ -110,7 +110,7 @@ def test_rewritten_units_never_edit_what_ctxfold_does_not_write(items: list[dict
     assert calls == outputs
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.one_of(reasoning, _message("assistant"), unknown,
                           st.builds(lambda k: {"type": "function_call", "call_id": f"c{k}", "name": "f",
                                                "arguments": "{}"}, st.integers(0, 99))), min_size=1, max_size=5))

@@ -64,6 +64,16 @@ def tool_turn(turn: int, output_chars: int = 1200) -> list[dict[str, Any]]:
             {"type": "function_call_output", "call_id": f"call_{turn}", "output": f"output {turn} " + "x" * output_chars}]
 
 
+def settled(app: ProxyApp, answers: int) -> None:
+    """Wait until the loaded sessions hold ``answers`` assistant messages in all: an answer is recorded
+    after the client has it."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if sum(m.role.value == "assistant" for s in app.sessions.loaded() for m in s.compactor.originals) >= answers:
+            return
+        time.sleep(0.01)
+
+
 def as_input(output: list[Any]) -> list[dict[str, Any]]:
     """An answer's output items as the client sends them back."""
     return [item.model_dump(exclude_none=True) for item in output]
@@ -82,6 +92,7 @@ def test_json_and_stream_answers_come_back(pair: tuple[ScriptedUpstream, ProxyAp
     with c.responses.stream(model="m", input="hello again") as s:
         final = s.get_final_response()
     assert final.output_text == "echo: hello again"
+    settled(app, 3)
     assert len(app.sessions.loaded()) == 3  # three conversations, each recorded with its answer
     for session in app.sessions.loaded():
         assert [m.role.value for m in session.compactor.originals] == ["user", "assistant"]
@@ -115,6 +126,7 @@ def test_a_tool_round_trip_continues_one_session(pair: tuple[ScriptedUpstream, P
     assert r.output[1].type == "function_call" and r.output[1].arguments == '{"cmd": "ls"}'
     history += as_input(r.output) + [{"type": "function_call_output", "call_id": "call_0", "output": "a.txt"}]
     c.responses.create(model="m", tools=TOOLS, input=history)
+    settled(app, 2)
     assert len(app.sessions.loaded()) == 1
     originals = app.sessions.loaded()[0].compactor.originals
     assert [m.role.value for m in originals] == ["user", "assistant", "tool", "assistant"]
@@ -195,6 +207,7 @@ def test_usage_calibrates_the_estimate(upstream: tuple[ScriptedUpstream, str], t
             history += tool_turn(turn, output_chars=600)
             raw = c.responses.with_raw_response.create(model="m", tools=TOOLS, input=history)
             history += as_input(raw.parse().output)
+        settled(app, 4)
         session = app.sessions.loaded()[0]
         answer = session.compactor.originals[-1]
         assert answer.usage is not None and answer.usage.prompt_tokens == up.prompt_tokens_seen[-1]
