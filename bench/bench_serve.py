@@ -15,8 +15,11 @@ a saturated pass the throughput limit.
 Prints one JSON object: per phase and side, requests, errors, mismatches, median and p99 latency in
 ms, the added median and p99 (minus direct), and each proxy's CPU time per request.
 
+``--api responses`` runs the synthetic phases in OpenAI's Responses API (``/v1/responses``: the
+history as ``input`` items, the system prompt as ``instructions``) on all three sides.
+
 Run: ``PYTHONPATH=python python bench/bench_serve.py [--duration-s 3] [--conversations 64] [--stream]
-[--fsync MODE] [--json PATH]``
+[--fsync MODE] [--api chat|responses] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from synth import TRACES_DIR
 REPO = Path(__file__).resolve().parent.parent
 MAX_REQUESTS_PER_CONVERSATION = 40
 PHASES = ("sequential", "paced", "traces", "saturated")
+API_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 # Replayed requests stop at this body size: about 75k tokens, well under the proxy's 128k window.
 TRACE_BODY_LIMIT_BYTES = 300_000
 
@@ -71,11 +75,11 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-def new_state(conv: int, scripts: list[Script] | None = None, script: int = 0) -> dict[str, Any]:
+def new_state(conv: int, scripts: list[Script] | None = None, script: int = 0, api: str = "chat") -> dict[str, Any]:
     """A conversation: synthetic (short user questions, echoed answers) or, given ``scripts``, the
-    replay of the real trace ``scripts[script % len(scripts)]``."""
+    replay of the real trace ``scripts[script % len(scripts)]``; ``api``: chat or responses (synthetic only)."""
     st: dict[str, Any] = {"conv": conv, "req": 0, "started": False, "wait_s": 0.0, "scripts": scripts,
-                          "script": script}
+                          "script": script, "api": api}
     if scripts is None:
         st["messages"] = [{"role": "system", "content": f"You are conversation {conv}. " + "Policy. " * 50}]
     return st
@@ -124,9 +128,13 @@ def next_request(st: dict[str, Any], stream: bool) -> tuple[str, dict[str, Any],
     scripts: list[Script] | None = st["scripts"]
     if scripts is None:
         if st["req"] == MAX_REQUESTS_PER_CONVERSATION:  # start over: agent conversations are tens of turns
-            st.update(new_state(st["conv"] + 1_000_000), started=True)
+            st.update(new_state(st["conv"] + 1_000_000, api=st["api"]), started=True)
         tag = f"conv={st['conv']} req={st['req']}"
         st["messages"].append({"role": "user", "content": f"{tag} please answer briefly about item {st['req']}"})
+        if st["api"] == "responses":
+            body = {"model": "bench", "instructions": st["messages"][0]["content"], "input": st["messages"][1:],
+                    "stream": stream}
+            return tag, body, f"echo: {tag} "
         return tag, {"model": "bench", "messages": st["messages"], "stream": stream}, f"echo: {tag} "
     script = scripts[st["script"] % len(scripts)]
     if st["req"] == len(script.answers):  # the recording is over: the next one, as a new conversation
@@ -154,8 +162,15 @@ def _text(content: Any) -> str:
     return content or ""
 
 
-def answer_of(raw: bytes, stream: bool) -> tuple[str, tuple[str, ...]]:
-    """The text and tool-call ids of a chat completion, JSON or event stream."""
+def answer_of(raw: bytes, stream: bool, api: str = "chat") -> tuple[str, tuple[str, ...]]:
+    """The text and tool-call ids of a chat completion (or a response), JSON or event stream."""
+    if api == "responses":
+        if not stream:
+            items = json.loads(raw)["output"]
+            return ("".join(p.get("text", "") for i in items if i["type"] == "message" for p in i["content"]),
+                    tuple(i["call_id"] for i in items if i["type"] == "function_call"))
+        events = [json.loads(line.split("data: ", 1)[1]) for line in raw.decode().split("\n\n") if "data: {" in line]
+        return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta"), ()
     if not stream:
         message = json.loads(raw)["choices"][0]["message"]
         return _text(message.get("content")), tuple(c["id"] for c in message.get("tool_calls") or [])
@@ -203,7 +218,7 @@ async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, A
         if status != 200:
             out["errors"].append(f"{tag}: HTTP {status} {raw[:200]!r}")
             return
-        text, ids = answer_of(raw, stream)
+        text, ids = answer_of(raw, stream, st["api"])
         if isinstance(expect, str) and not text.startswith(expect):
             out["mismatches"].append(f"sent {tag!r}, got {text[:60]!r}")
         elif isinstance(expect, tuple) and (text, ids) != expect:
@@ -211,7 +226,7 @@ async def conversation(session: aiohttp.ClientSession, url: str, st: dict[str, A
         out["latencies"].append(dt)
         out["body_bytes"].append(len(data))
         if st["scripts"] is None:
-            st["messages"].append({"role": "assistant", "content": text})
+            st["messages"].append({"role": "assistant", "content": text})  # a message item too, in responses
         st["req"] += 1
         if think_s and not await pause(rng.uniform(0.5, 1.5) * think_s):  # the agent works between model calls
             return
@@ -236,17 +251,18 @@ def summary(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def interleaved(urls: dict[str, str], conversations: int, duration_s: float, stream: bool, slice_s: float,
-                think_s: float = 0.0, first_conv: int = 0, scripts: list[Script] | None = None) -> dict[str, Any]:
+                think_s: float = 0.0, first_conv: int = 0, scripts: list[Script] | None = None,
+                api: str = "chat") -> dict[str, Any]:
     """The same load against each of ``urls`` (name -> URL; the first is the baseline) in alternating
     slices, so all see the same machine (other processes come and go); each side's conversations carry
     on from slice to slice. Adds to each later side its median and p99 minus the baseline's."""
     sides = []
     for k, (name, url) in enumerate(urls.items()):
         out: dict[str, Any] = {"latencies": [], "errors": [], "mismatches": [], "body_bytes": []}
-        sides.append((name, url, out, [new_state(first_conv + k * 100_000 + c, scripts, c)
+        sides.append((name, url, out, [new_state(first_conv + k * 100_000 + c, scripts, c, api)
                                        for c in range(conversations)]))
         if k:  # a first request through each proxy: connections to the upstream are open before timing
-            warm = [new_state(9_000_000 + first_conv + k * 100_000 + c) for c in range(min(conversations, 4))]
+            warm = [new_state(9_000_000 + first_conv + k * 100_000 + c, api=api) for c in range(min(conversations, 4))]
             asyncio.run(phase(url, warm, 0.2, stream, {"latencies": [], "errors": [], "mismatches": [],
                                                        "body_bytes": []}))
     elapsed = 0.0
@@ -315,29 +331,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bare, bare_url = start([sys.executable, str(Path(__file__).with_name("passthrough.py")), "--upstream",
                                 up_url], marker="listening on ")
         procs.append(bare)
-        urls = {"direct": f"{up_url}/v1/chat/completions", "passthrough": f"{bare_url}/v1/chat/completions",
-                "ctxfold": f"{proxy_url}/v1/chat/completions"}
+        path = API_PATHS[args.api]
+        urls = {"direct": f"{up_url}{path}", "passthrough": f"{bare_url}{path}", "ctxfold": f"{proxy_url}{path}"}
         result: dict[str, Any] = {"conversations": args.conversations, "duration_s": args.duration_s,
                                   "think_ms": args.think_ms, "stream": args.stream, "fsync": args.fsync,
-                                  "event_loop": _event_loop_name()}
+                                  "api": args.api, "event_loop": _event_loop_name()}
         # sequential: one request at a time. paced: the conversations each wait --think-ms between requests,
         # as agents do, so the servers are busy but not saturated. saturated: no wait at all, which on a
         # small machine measures queueing (throughput), not what the proxy adds to a request.
         # traces: paced, each conversation the replay of a real recorded one (tool calls, tool outputs,
         # bodies of tens to hundreds of KB), cut well under the window.
-        scripts = trace_scripts(TRACE_BODY_LIMIT_BYTES) if TRACES_DIR.is_dir() else None
+        # The traces are chat completions: replayed in that API only.
+        scripts = trace_scripts(TRACE_BODY_LIMIT_BYTES) if TRACES_DIR.is_dir() and args.api == "chat" else None
         phases: list[tuple[str, int, float, list[Script] | None]] = [
             ("sequential", 1, 0.0, None), ("paced", args.conversations, args.think_ms / 1e3, None),
             ("traces", args.conversations, args.think_ms / 1e3, scripts), ("saturated", args.conversations, 0.0, None)]
         if scripts is None:
-            result["traces"] = {"status": f"no traces at {TRACES_DIR}"}
+            result["traces"] = {"status": f"no traces at {TRACES_DIR}" if args.api == "chat"
+                                else "the traces are replayed in chat completions only"}
             del phases[2]
         phases = [p for p in phases if p[0] in args.phases]
         for k, (name, n, think_s, workload) in enumerate(phases):
             cpu0 = {p.pid: cpu_seconds(p.pid) for p in (proxy, bare)}
             fired0 = compactions(proxy_url)
             result[name] = interleaved(urls, n, args.duration_s, args.stream, args.slice_s, think_s,
-                                       first_conv=k * 10_000, scripts=workload)
+                                       first_conv=k * 10_000, scripts=workload, api=args.api)
             result[name]["compactions"] = compactions(proxy_url) - fired0  # "when nothing fires": 0
             # CPU each proxy spent per request it forwarded: its real cost, apart from waiting for a core.
             for side, p in (("ctxfold", proxy), ("passthrough", bare)):
@@ -370,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the proxy's --fsync (default: compactions, its own default)")
     ap.add_argument("--phases", type=lambda v: v.split(","), default=list(PHASES), metavar="NAMES",
                     help=f"comma-separated, of {','.join(PHASES)} (default: all)")
+    ap.add_argument("--api", choices=tuple(API_PATHS), default="chat",
+                    help="the API the synthetic phases speak (default chat: /v1/chat/completions)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="also write the result there")
     args = ap.parse_args(argv)
     if unknown := sorted(set(args.phases) - set(PHASES)):

@@ -25,7 +25,8 @@ async def serve(upstream: str, host: str, port: int) -> None:
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        async with client.post(body, {"Content-Type": "application/json"}) as up:
+        # The same path on the upstream (its base URL ends in /v1, as the proxy's does).
+        async with client.post(body, {"Content-Type": "application/json"}, target=request.path) as up:
             ctype = up.headers.get("content-type", "application/json")
             if ctype.startswith("text/event-stream"):
                 resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype})
@@ -38,6 +39,7 @@ async def serve(upstream: str, host: str, port: int) -> None:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/responses", completions)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -4,6 +4,7 @@ in front of the scripted upstream on loopback."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ def test_a_tool_round_trip_continues_one_session(pair: tuple[ScriptedUpstream, P
     msg = c.messages.create(model="m", max_tokens=64, tools=tools, messages=history)
     assert len(app.sessions.loaded()) == 1
     session = app.sessions.loaded()[0]
+    deadline = time.monotonic() + 5  # the answer is recorded after the client has it
+    while len(session.compactor.originals) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     roles = [m.role.value for m in session.compactor.originals]
     assert roles == ["user", "assistant", "tool", "assistant"]
 

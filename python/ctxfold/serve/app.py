@@ -89,6 +89,7 @@ from ctxfold.serve.request import (
     read_body,
     relayed_headers,
 )
+from ctxfold.serve.responses import RESPONSES
 from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, is_storage_error
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
@@ -194,6 +195,7 @@ class ProxyApp:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         operations = Operations(self.config, self.sessions, self.metrics, self.engine_check, self._client)
         app.router.add_get("/health", operations.health)
@@ -300,9 +302,12 @@ class ProxyApp:
         except BadRequest as e:
             return ANTHROPIC.error(e.status, e.message, code=e.code, param=e.param)
 
-    # -- a chat completion (or an Anthropic message) -------------------------------------------------------
+    # -- a chat completion (or an Anthropic message, or a response) -----------------------------------------
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self.completions(request, ANTHROPIC)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.completions(request, RESPONSES)
 
     async def completions(self, request: web.Request, dialect: Dialect = OPENAI) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -330,6 +335,10 @@ class ProxyApp:
             check_one_credential(request.headers, self.config)
             raw = await read_body(request, self.config)
             parsed = dialect.parse(raw)
+            if parsed.relay_reason is not None:  # its history is not in the request: nothing to compact
+                self._count_request(request, parsed.stream, None)
+                return self._counted(request, await self._pass_through(request, parsed, parsed.relay_reason,
+                                                                       "upstream_state", expected=True))
             header_key = request.headers.get(SESSION_HEADER)
             if header_key is not None and not (0 < len(header_key) <= MAX_SESSION_KEY_CHARS):
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
@@ -396,11 +405,12 @@ class ProxyApp:
                                  code="internal_error")
 
     async def _pass_through(self, request: web.Request, parsed: ParsedRequest, reason: str,
-                            label: str) -> web.StreamResponse:
+                            label: str, *, expected: bool = False) -> web.StreamResponse:
         """The request as the client sent it, uncompacted, when its session cannot be written: the
         client gets an answer and a warning, and loses nothing (its next request carries the whole
-        history, which is stored once the data directory, or the store, takes writes again)."""
-        self._note_pass_through(request, reason, label)
+        history, which is stored once the data directory, or the store, takes writes again).
+        ``expected``: a request the proxy never compacts (logged at info, not as an error)."""
+        self._note_pass_through(request, reason, label, level=logging.INFO if expected else logging.ERROR)
         headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
         return await self._relay_body(request, self._target(parsed), parsed.raw, headers, parsed.dialect or OPENAI)
 
@@ -421,10 +431,10 @@ class ProxyApp:
         headers = [*relayed_headers(request.headers.items(), OWN_REQUEST_HEADERS), ("Content-Type", "application/json")]
         return await self._relay_body(request, self._target(parsed), parsed.raw, headers, parsed.dialect or OPENAI)
 
-    def _note_pass_through(self, request: web.Request, reason: str, label: str) -> None:
+    def _note_pass_through(self, request: web.Request, reason: str, label: str, *, level: int = logging.ERROR) -> None:
         """A request that goes (or went) upstream as the client sent it, its messages not stored: logged,
         counted, and said to the client in a warning header."""
-        log.error("request passed through uncompacted: %s", reason)
+        log.log(level, "request passed through uncompacted: %s", reason)
         self.metrics.bad_requests.inc(label)
         request_warnings(request).append(f"not compacted: {reason}")
 

@@ -76,6 +76,9 @@ class ParsedRequest:
     # send the client's own blocks back out.
     units: list[Message] | None = None
     sources: Any = None
+    # Why the proxy relays the request as sent instead of compacting it (the Responses API's
+    # previous_response_id: the history is upstream); None: it is compacted.
+    relay_reason: str | None = None
 
     @property
     def offset(self) -> int:

@@ -1,7 +1,7 @@
 """A small scripted OpenAI-compatible upstream, for tests and benchmarks of the proxy.
 
-It serves ``POST /v1/chat/completions`` (streaming and not; ``/v1/messages`` too: see
-:mod:`ctxfold.serve.testing_messages`) over real HTTP, records what it received,
+It serves ``POST /v1/chat/completions`` (streaming and not; ``/v1/messages`` and ``/v1/responses``
+too: see :mod:`ctxfold.serve.testing_messages` and :mod:`ctxfold.serve.testing_responses`) over real HTTP, records what it received,
 and can be told to misbehave: answer 500, be slow, cut a stream, or enforce a context window by
 rejecting requests whose prompt is longer than it (``context_length_exceeded``, as OpenAI does).
 
@@ -40,6 +40,7 @@ from typing import Any, Self
 from aiohttp import web
 
 from ctxfold.serve.testing_messages import answer_messages
+from ctxfold.serve.testing_responses import answer_responses
 
 COMPACTION_MARKER = "Internal context compaction request"
 CHUNK_CHARS = 8  # content characters per streamed chunk: many small chunks, as models stream
@@ -171,6 +172,8 @@ class ScriptedUpstream:
         self.received: deque[dict[str, Any]] = deque(maxlen=keep_requests)  # request bodies, in order
         self.received_headers: deque[dict[str, str]] = deque(maxlen=keep_requests)  # of /v1/messages requests
         self.messages_script: list[list[dict[str, Any]]] = []  # /v1/messages answers (content blocks), in turn
+        self.responses_script: list[list[dict[str, Any]]] = []  # /v1/responses answers (output items), in turn
+        self.cached_tokens = 0  # /v1/responses: input_tokens_details.cached_tokens of each answer
         self.prompt_tokens_seen: deque[int] = deque(maxlen=keep_requests)
         self.sent: deque[bytes] = deque(maxlen=keep_requests)  # the bytes of each completion answered, in order
         self.delay_s = 0.0  # wait before answering (before the first byte when streaming)
@@ -230,6 +233,7 @@ class ScriptedUpstream:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_post("/v1/messages", partial(answer_messages, self))
+        app.router.add_post("/v1/responses", partial(answer_responses, self))
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_route("*", "/{path:.*}", self._other)
@@ -267,9 +271,9 @@ class ScriptedUpstream:
         if self.api_keys and request.headers.get("Authorization", "").removeprefix("Bearer ") not in self.api_keys:
             return web.json_response({"error": {"message": "Incorrect API key provided.", "type": "invalid_request_error",
                                                 "code": "invalid_api_key"}}, status=401)
-        if self.summary_delay_s and is_summary_request(body) and not await self._wait(request, self.summary_delay_s):
+        if self.summary_delay_s and is_summary_request(body) and not await self.wait(request, self.summary_delay_s):
             return web.Response(status=499)
-        if self.delay_s and not await self._wait(request, self.delay_s):
+        if self.delay_s and not await self.wait(request, self.delay_s):
             return web.Response(status=499)
         if self.fail_status is not None and self.fail_count > 0:
             self.fail_count -= 1
@@ -278,7 +282,7 @@ class ScriptedUpstream:
         faults = self.faults
         cut_after: int | None = None
         if not is_summary_request(body) and faults != _NO_FAULTS:
-            if faults.delay_max_s and not await self._wait(request, self._rng.uniform(0, faults.delay_max_s)):
+            if faults.delay_max_s and not await self.wait(request, self._rng.uniform(0, faults.delay_max_s)):
                 return web.Response(status=499)
             draw = self._rng.random()
             if draw < faults.fail_rate:
@@ -331,7 +335,7 @@ class ScriptedUpstream:
                                      f"your messages resulted in {prompt_tokens} tokens.",
                           "type": "invalid_request_error", "code": "context_length_exceeded"}}
 
-    async def _wait(self, request: web.Request, seconds: float) -> bool:
+    async def wait(self, request: web.Request, seconds: float) -> bool:
         """Sleep ``seconds``; False (and counted in :attr:`abandoned`) as soon as the client has closed
         the connection."""
         deadline = time.monotonic() + seconds
@@ -391,7 +395,7 @@ class ScriptedUpstream:
                     return resp
                 if self.stall_after_chunks is not None and n == self.stall_after_chunks:
                     self.stall_after_chunks = None
-                    if not await self._wait(request, self.stall_s):
+                    if not await self.wait(request, self.stall_s):
                         return resp
                 await resp.write(data)
             await resp.write_eof()
