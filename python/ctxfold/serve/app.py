@@ -341,7 +341,9 @@ class ProxyApp:
                     try:
                         return await self._handle(request, parsed, key, t0)
                     finally:  # the conversation's leases: the next request may go to any replica
-                        await uncancelled(self.sessions.finish(key))
+                        # Eager with a local store: its release never waits, so a client that left
+                        # after its answer cancels nothing (no turn of the loop to deliver it in).
+                        await uncancelled(self.sessions.finish(key), eager=not self.sessions.store.shared)
             except OSError as e:
                 if not is_storage_error(e):
                     raise
