@@ -186,6 +186,8 @@ def test_anonymous_conversations_with_one_guessable_key_share_no_archive(
         answer(post(srv.url, chat(("user", "A starts")), headers=key))
         store_a = app.sessions.loaded()[0].compactor.store
         aid = store_a.put("anonymous A's secret text\n" * 40)
+        # A's next request commits what its compactor wrote (the archived output with it).
+        answer(post(srv.url, chat(("user", "A starts"), ("assistant", "echo: A starts"), ("user", "more")), headers=key))
         answer(post(srv.url, chat(("user", "B starts")), headers=key))  # the same key, another conversation
         settle(app)
         assert len(app.sessions.loaded()) == 2
@@ -199,7 +201,7 @@ def test_anonymous_conversations_with_one_guessable_key_share_no_archive(
 
 
 def test_an_anonymous_fork_copies_the_archived_outputs_its_history_refers_to(tmp_path: Path) -> None:
-    from ctxfold.serve.shared_sessions import copy_referenced_archive
+    from ctxfold.serve.stored_sessions import copy_referenced_archive
 
     held = {"a" * 64: b"kept", "b" * 64: b"not referred to"}
     copied: dict[str, bytes] = {}

@@ -38,14 +38,11 @@ import socket
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ctxfold.chat.messages import Conversation
-from ctxfold.compaction.compactor import Compactor
 from ctxfold.compaction.store import QuotaExceeded, Store, StoreError, open_store
 from ctxfold.errors import ConfigError, NoFitError
 from ctxfold.serve.anthropic import ANTHROPIC, count_tokens_body
@@ -91,7 +88,7 @@ from ctxfold.serve.request import (
 )
 from ctxfold.serve.responses import RESPONSES
 from ctxfold.serve.routing import ProxySession
-from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, is_storage_error
+from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, StoreCompactorFactory, is_storage_error
 from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.tasks import uncancelled
 from ctxfold.serve.upstream import UpstreamClient
@@ -125,7 +122,7 @@ async def add_warning_headers(request: web.Request, response: web.StreamResponse
 class ProxyApp:
     """The proxy's state: configuration, sessions, the upstream client and the metrics."""
 
-    def __init__(self, config: ProxyConfig, *, make_compactor: Callable[[Conversation, Path], Compactor] | None = None,
+    def __init__(self, config: ProxyConfig, *, make_compactor: StoreCompactorFactory | None = None,
                  worker: int | None = None) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
@@ -148,13 +145,13 @@ class ProxyApp:
                             "(--tenant-key-file or %s), else their tenants differ and share no conversation",
                             config.data_dir, TENANT_KEY_FILE, TENANT_KEY_ENV)
         self.compactors = Compactors(config, self.counter, self.template, self._client)
-        self.sessions = SessionStore(config.data_dir, make_compactor or self.compactors.for_data_dir,
+        # One path: the Store interface, a LocalStore in the data directory unless a shared one is named.
+        self.sessions = SessionStore(config.data_dir, make_compactor or self.compactors.for_store,
                                      max_loaded_sessions=config.max_loaded_conversations,
                                      max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
-                                     tenant_key=self._tenant_key(),
-                                     create_in_thread=config.fsync == "always" or config.archive_url is not None,
-                                     store=store, make_store_compactor=self.compactors.for_store,
-                                     lease_ms=config.lease_ms, quota=self._disk_quota())
+                                     tenant_key=self._tenant_key(), create_in_thread=config.archive_url is not None,
+                                     fsync=config.fsync, store=store, lease_ms=config.lease_ms,
+                                     quota=self._disk_quota())
         self.compactors.sessions = self.sessions
         self._replayer: asyncio.Task[None] | None = None  # writes the spool back once the store is back
         self._sweeper: asyncio.Task[None] | None = None  # deletes idle sessions, measures the accounts again
@@ -216,8 +213,7 @@ class ProxyApp:
         self._loop = asyncio.get_running_loop()
         self._upstream = UpstreamClient(self.config.completions_url, connect_timeout_s=self.config.connect_timeout_s,
                                         read_timeout_s=self.config.read_timeout_s)
-        if self.sessions.shared is not None:
-            self.sessions.shared.loop = self._loop
+        self.sessions.stored.loop = self._loop
         if self.sessions.spool is not None:
             self._replayer = self._loop.create_task(self._replay_spool())
         if self.config.quotas_on:
@@ -354,8 +350,9 @@ class ProxyApp:
                     try:
                         return await self._handle(request, parsed, key, t0)
                     finally:  # the conversation's leases: the next request may go to any replica
-                        if self.sessions.store is not None:
-                            await uncancelled(self.sessions.finish(key))
+                        # Eager with a local store: its release never waits, so a client that left
+                        # after its answer cancels nothing (no turn of the loop to deliver it in).
+                        await uncancelled(self.sessions.finish(key), eager=not self.sessions.store.shared)
             except OSError as e:
                 if not is_storage_error(e):
                     raise
@@ -443,7 +440,7 @@ class ProxyApp:
         left = asyncio.Event()  # set when the client leaves: the summaries of this request stop
         # Eager without a shared store: the work then waits on worker threads alone (see uncancelled), and
         # a summary, whose client has timers of its own, only ever after one (CompactionStep.inline).
-        eager = self.sessions.store is None
+        eager = not self.sessions.store.shared
         out = await uncancelled(self._route_and_compact(parsed, key, request_warnings(request), left), left.set,
                                 eager=eager)
         self.metrics.overhead_seconds.observe(time.perf_counter() - t0)
@@ -498,13 +495,13 @@ class ProxyApp:
         thread; run to its end even when the client leaves (see :func:`uncancelled`)."""
         session = await self.sessions.find(key, parsed.system, parsed.messages, warnings)
         out = await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv), left)
-        # With a shared store: what the step compacted is stored (or spooled) before anything goes upstream
-        # (a summary is costly to write again); messages alone go with the answer's commit.
+        # What the step compacted is stored (or spooled) before anything goes upstream (a summary is
+        # costly to write again); messages alone go with the answer's commit.
         await self.sessions.commit(out.session, unless_only_appends=True)
         return out
 
     async def _commit_answer(self, session: ProxySession) -> None:
-        """The request's last write to a shared store: its messages and the answer, and the lease."""
+        """The request's last write to the store: its messages and the answer, and the lease."""
         await self.sessions.commit(session, release=True)
 
     async def _lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,

@@ -184,16 +184,16 @@ class CompactionStep:
 
     def inline(self, c: Compactor, new: list[Message]) -> bool:
         """Whether appending ``new`` is cheap enough to run on the event loop: nothing fires and nothing
-        is flushed. A thread hop costs two context switches, which on a busy machine is most of the
-        latency the proxy adds; a summary (a model call) or a disk flush (per message with ``--fsync
-        always``; per archived output, always) must not block the loop.
+        is archived. A thread hop costs two context switches, which on a busy machine is most of the
+        latency the proxy adds; a summary (a model call) must not block the loop. (The compactor never
+        writes: its log is buffered, and the commit fsyncs off the loop.)
 
         Nothing fires when even an upper bound of the tokens after the append (every byte a token)
         stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`) and no
         tool output worth archiving slid behind the kept turns (:meth:`Compactor.archive_due`, at
         most once per user turn): nothing is counted to find that out.
         """
-        return self.config.fsync != "always" and c.quiet(new) and not c.archive_due(new)
+        return c.quiet(new) and not c.archive_due(new)
 
     @staticmethod
     def _ingest(session: ProxySession, new: list[Message], sent: list[dict[str, Any]], *,

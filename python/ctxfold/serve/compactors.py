@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Compactors:
-    """The proxy's compactor factories (``SessionStore``'s ``make_compactor`` and ``make_store_compactor``)."""
+    """The proxy's compactor factory (``SessionStore``'s ``make_compactor``: :meth:`for_store`)."""
 
     def __init__(self, config: ProxyConfig, counter: TokenCounter, template: Any,
                  client: Callable[[], UpstreamClient]) -> None:
@@ -44,19 +44,10 @@ class Compactors:
             return None
         return ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self._sessions().archive_prefix(path)}")
 
-    def for_data_dir(self, header: Conversation, path: Path) -> Compactor:
-        """A compactor whose session lives in the data directory at ``path``. A tenant's archive is its
-        key's, an anonymous conversation's its own (SessionStore.archive_dir)."""
-        store = self._shared_archive(path)
-        if store is None:
-            store = ArchiveStore(self._sessions().archive_dir(path))
-        return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
-                         summarizer=self.summarizer(path), session_dir=path, store=store,
-                         durable=self.config.fsync != "never", fsync_appends=self.config.fsync == "always")
-
     def for_store(self, header: Conversation, path: Path, session_log: BufferedLog) -> Compactor:
-        """A compactor whose log goes to the shared store, through ``session_log`` (the proxy commits
-        it); its archive is the store's (the key's), or ``archive_url``'s when one is given."""
+        """A compactor whose log goes to the session store (the data directory's, or a shared one),
+        through ``session_log`` (the proxy commits it); its archive is the store's (the key's, or an
+        anonymous conversation's own), or ``archive_url``'s when one is given."""
         return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
                          summarizer=self.summarizer(path), session_log=session_log, store=self._shared_archive(path))
 

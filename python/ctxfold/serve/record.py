@@ -1,15 +1,14 @@
 """Recording an answer the client has: it joins the conversation's session, and the upstream's
 ``usage.prompt_tokens`` calibrates the token estimate of that conversation (:mod:`ctxfold.serve.window`).
 
-After the response, still under the conversation's lock: the bookkeeping (and with ``--fsync always``
-a thread hop and a disk flush) stays off the latency the client sees, and the next request finds the
+After the response, still under the conversation's lock: the bookkeeping (and the commit of the
+request's messages and answer to the session store) stays off the latency the client sees, and the next request finds the
 answer recorded. Nothing is lost if the proxy dies in between or the recording fails: the client's
 next request carries the answer, and a message the session does not hold yet is appended then.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -83,10 +82,7 @@ async def _record(config: ProxyConfig, session: ProxySession, answer: Answer, ch
         check.compare(estimate, reported)
     if not config.compact.context_tokens:
         estimate = None
-    if config.fsync == "always":
-        await asyncio.to_thread(c.append, m)  # fsync off the event loop
-    else:
-        c.append(m)  # a plain append (a write without fsync): cheaper than a thread hop
+    c.append(m)  # into the session's buffered log: the commit writes it (and fsyncs, off the loop)
     session.note_wire([answer.dialect.answer_wire(answer.message, m)], index)
     if estimate is not None and isinstance(reported, int):
         calibrate(session, config.compact, reported, estimate)

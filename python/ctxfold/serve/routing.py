@@ -18,7 +18,7 @@ from typing import Any
 from ctxfold.chat.formats.openai import message_to_openai
 from ctxfold.chat.messages import Message
 from ctxfold.compaction.compactor import Compactor
-from ctxfold.compaction.store import BufferedLog, Lease
+from ctxfold.compaction.store import BufferedLog, Lease, SessionId
 from ctxfold.serve.keys import ConversationKey, fingerprint_wire
 
 
@@ -27,7 +27,7 @@ class ProxySession:
     """One stored conversation and its compactor. Used only under its key's lock."""
 
     key: ConversationKey  # the store's key: tenant and key digest (scope_of)
-    path: Path  # the session directory
+    path: Path  # the session's directory under the data directory (a local store's; names the key)
     compactor: Compactor
     # The wire form of each of compactor.originals, in order: the dict the message last came in (from a
     # request, or the upstream's answer), or rebuilt from the message when the session was loaded.
@@ -41,11 +41,12 @@ class ProxySession:
     # recorded (the session holds one). Set by SessionStore.find for each request.
     resend_drop: int = 0
     log_nbytes: int = 0  # size of the event log when last looked at: what loading it costs, roughly
-    # With a shared store (see SessionStore): the session's id there, its buffered log (what the
-    # compactor wrote since the last commit), the lease held while a request works on it, and the
-    # fencing token of the last lease this process held: the next grant is that plus one exactly when
-    # no other replica held it meanwhile, so what this process has loaded is still the stored session.
-    store_id: str | None = None
+    # The session's id in the store (None only for a session built by hand, outside a SessionStore), its
+    # buffered log (what the compactor wrote since the last commit), the lease held while a request
+    # works on it, and the fencing token of the last lease this process held: the next grant is that
+    # plus one exactly when no other replica held it meanwhile, so what this process has loaded is
+    # still the stored session.
+    store_id: SessionId | None = None
     log: BufferedLog | None = None
     lease: Lease | None = None
     token: int = 0

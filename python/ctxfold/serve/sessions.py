@@ -30,12 +30,15 @@ clients are told to drop it when they send history back. The common case, a clie
 history back as it sent it before, costs one comparison of dicts (in C): each session keeps the dict
 each of its messages last came in, and falls back to :func:`fingerprint_wire` only where a dict differs.
 
-Everything is durable in the session directory, so a restarted proxy finds every conversation again
-and resumes it on its next request. With a shared store (``ctxfold serve --store redis://...``) the
+Sessions are kept through the :class:`~ctxfold.compaction.store.Store` interface, one path for both
+stores (:mod:`ctxfold.serve.stored_sessions`): by default a
+:class:`~ctxfold.compaction.store.LocalStore` rooted at the data directory (the layout above, which every
+earlier version wrote and ``ctxfold restore`` reads), so a restarted proxy finds every conversation again
+and resumes it on its next request; with a shared store (``ctxfold serve --store redis://...``) the
 same sessions, under the same relative names, live in Redis instead, and any number of proxy
-processes serve any request of any conversation (see "a shared store" in :class:`SessionStore`, and
-docs/store.md). A session whose log cannot be read is set aside (quarantined, see
-:meth:`SessionStore.find`): it affects no other session, and its conversation continues in a new one.
+processes serve any request of any conversation (docs/store.md). A session whose log cannot be read is
+set aside (quarantined, see :meth:`SessionStore.find`): it affects no other session, and its
+conversation continues in a new one.
 """
 
 from __future__ import annotations
@@ -45,21 +48,19 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ctxfold import fastjson
 from ctxfold.chat.messages import Conversation
-from ctxfold.compaction.archive import ArchiveStore
-from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, refuse_symlink
-from ctxfold.compaction.compactor import Compactor
-from ctxfold.compaction.session import EVENTS_FILE
+from ctxfold.compaction.archive.store import make_private_dir
 from ctxfold.compaction.store import (
     DEFAULT_LEASE_MS,
+    LocalStore,
     SpoolingStore,
     Store,
 )
+from ctxfold.compaction.store.local import QUARANTINE_FILE
 from ctxfold.compaction.store.redis_store import default_owner
 from ctxfold.serve import DEFAULT_MAX_LOADED_BYTES, DEFAULT_MAX_LOADED_CONVERSATIONS
 from ctxfold.serve.keys import (
@@ -76,16 +77,17 @@ from ctxfold.serve.keys import (
 from ctxfold.serve.loaded import LoadedSessions
 from ctxfold.serve.quota import DiskQuota
 from ctxfold.serve.routing import ProxySession, route
-from ctxfold.serve.shared_sessions import (
-    SharedSessions,
+from ctxfold.serve.stored_sessions import (
     StoreCompactorFactory,
+    StoredSessions,
     copy_referenced_archive,
     one_line,
 )
 
-log = logging.getLogger("ctxfold.serve")
+__all__ = ["QUARANTINE_FILE", "WARNING_HEADER", "SessionStore", "StoreCompactorFactory", "copy_referenced_archive",
+           "is_storage_error"]
 
-CompactorFactory = Callable[[Conversation, Path], Compactor]
+log = logging.getLogger("ctxfold.serve")
 
 WARNING_HEADER = "X-Ctxfold-Warning"  # what the proxy could not do for a request, one header each
 # OSError numbers that mean the data directory cannot take a write: the request then passes through
@@ -102,46 +104,37 @@ def is_storage_error(error: BaseException) -> bool:
             and error.errno in STORAGE_ERRNOS)
 
 
-QUARANTINE_FILE = "QUARANTINED"  # in a session directory set aside: why
-
 
 class SessionStore:
-    """The sessions of one data directory, loaded lazily, one asyncio lock per (tenant, key). At most
-    ``max_loaded_sessions`` sessions, and event logs of ``max_loaded_bytes`` in all, stay loaded:
-    whole keys go, least recently used first (see :meth:`trim`), closing their files. A session's
-    log is open only once it was written to since it was loaded, so open files stay within the
-    bound too."""
+    """The proxy's sessions, in one :class:`~ctxfold.compaction.store.Store`: a
+    :class:`~ctxfold.compaction.store.LocalStore` rooted at the data directory unless ``store`` is given
+    (a shared one: Redis), loaded lazily, one asyncio lock per (tenant, key). What the store does per
+    request (leases, reads, creating, forking, commits) is :class:`StoredSessions`'. At most
+    ``max_loaded_sessions`` sessions, and event logs of ``max_loaded_bytes`` in all, stay loaded: whole
+    keys go, least recently used first (see :meth:`trim`)."""
 
-    def __init__(self, data_dir: Path, make_compactor: CompactorFactory, *,
-                 max_loaded_sessions: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = True,
+    def __init__(self, data_dir: Path, make_compactor: StoreCompactorFactory, *,
+                 max_loaded_sessions: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = False,
                  max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES, tenant_header: str = "Authorization",
-                 tenant_key: bytes | None = None, durable: bool = True, store: Store | None = None,
-                 make_store_compactor: StoreCompactorFactory | None = None, lease_ms: int = DEFAULT_LEASE_MS,
-                 owner: str | None = None, quota: DiskQuota | None = None) -> None:
+                 tenant_key: bytes | None = None, fsync: str = "always", store: Store | None = None,
+                 lease_ms: int = DEFAULT_LEASE_MS, owner: str | None = None, quota: DiskQuota | None = None) -> None:
         self.cache = LoadedSessions(max_loaded_sessions, max_loaded_bytes)
         self.data_dir = Path(data_dir)
-        self.root = self.data_dir / "sessions"  # the anonymous tenant's
-        self.make_compactor = make_compactor
         self.tenant_header = tenant_header
         self._tenant_key = tenant_key
-        self.durable = durable
-        # Building a compactor blocks (an fsync, object storage) or not (mkdir and a write): only then is
-        # a worker thread worth its two context switches (Python work in it holds the loop anyway).
-        self.create_in_thread = create_in_thread
         self.num_quarantined = 0  # sessions set aside since start (metric)
         self.num_forks = 0  # sessions forked from another since start (metric)
         # The last failure to write the data directory: (monotonic time, reason), for /health.
         self.storage_error: tuple[float, str] | None = None
-        # A shared store (Redis): sessions live there, not in the data directory (serve/shared_sessions.py).
-        self.shared: SharedSessions | None = None
-        if store is not None:
-            if make_store_compactor is None:
-                raise ValueError("a shared store needs make_store_compactor")
-            self.shared = SharedSessions(store, self.cache, make_store_compactor, data_dir=self.data_dir,
-                                         lease_ms=lease_ms, owner=owner or default_owner(),
-                                         create_in_thread=create_in_thread, note_quarantine=self._quarantine_note)
+        if store is None:
+            store = LocalStore(self.data_dir, fsync=fsync)
         # The data directory's per-tenant accounts (serve.quota); a shared store keeps its own.
-        self.quota = quota if store is None else None
+        self.quota = quota if not store.shared else None
+        # Building a compactor blocks (object storage for the archive, a long log read back) or not: only
+        # then is a worker thread worth its two context switches (StoredSessions._build).
+        self.stored = StoredSessions(store, self.cache, make_compactor, data_dir=self.data_dir, lease_ms=lease_ms,
+                                     owner=owner or default_owner(), create_in_thread=create_in_thread,
+                                     note_quarantine=self._quarantine_note, quota=self.quota)
 
     # -- keys -------------------------------------------------------------------------------------
     def tenant_key(self) -> bytes:
@@ -172,11 +165,12 @@ class SessionStore:
         return f"{parts[1]}/{session_dir.name}" if parts[0] == "sessions" else f"tenants/{parts[1]}/{parts[3]}"
 
     def archive_dir(self, session_dir: Path) -> Path:
-        """Where a session's archive is kept in the data directory. A tenant's sessions of one key share
-        one (they fork from each other, and a marker copied from one resolves in the other). Without a
-        credential there is no tenant to keep clients apart, and a key (a guessable X-Ctxfold-Session, a
-        common opening) is no secret: each anonymous conversation has its own, and a fork copies the
-        archived outputs its copied history refers to (:func:`copy_referenced_archive`)."""
+        """Where a session's archive is kept in the data directory (the store's ``<key>/archive`` or
+        ``<key>/<n>/archive``). A tenant's sessions of one key share one (they fork from each other,
+        and a marker copied from one resolves in the other). Without a credential there is no tenant
+        to keep clients apart, and a key (a guessable X-Ctxfold-Session, a common opening) is no
+        secret: each anonymous conversation has its own, and a fork copies the archived outputs its
+        copied history refers to (:func:`copy_referenced_archive`)."""
         return session_dir / "archive" if is_anonymous_key(self.key_of(session_dir)) else session_dir.parent / "archive"
 
     def lock(self, key: str) -> asyncio.Lock:
@@ -191,10 +185,9 @@ class SessionStore:
         return self.cache.trim(self._measure)
 
     def _measure(self, s: ProxySession) -> None:
-        if s.store_id is None:  # a store session counts what it commits (commit)
-            s.log_nbytes = _current_log_size(s)
-            if self.quota is not None:
-                self.quota.note(s.path, s.log_nbytes)
+        # The session counts what it commits (StoredSessions.commit): the data directory's accounts follow.
+        if self.quota is not None:
+            self.quota.note(s.path, s.log_nbytes)
 
     def unload(self, key: str) -> None:
         """Close and forget ``key``'s sessions if loaded (before its sessions are deleted, under its lock)."""
@@ -225,24 +218,12 @@ class SessionStore:
         prefix of ``messages``; one that the request re-sends an answered request of (its
         :attr:`ProxySession.resend_drop` set); a fork of the one it shares the longest prefix with.
 
-        A session whose log cannot be read is set aside (a ``QUARANTINED`` file says why), counted,
-        logged, and said in ``warnings``: the request goes on as if it were not there."""
-        if self.shared is not None:
-            entry = await self.shared.sync_key(key, warnings)
-        elif (found := self.cache.get(key)) is not None:
-            entry = found
-        else:
-            # A key never seen has no directory: no thread hop to find that out.
-            loaded: list[ProxySession] = []
-            if (self.data_dir / key).is_dir():
-                loaded = await asyncio.to_thread(self._load_key, key, warnings)
-            entry = self.cache.put(key, loaded)
+        A session whose log cannot be read is set aside (in a data directory a ``QUARANTINED`` file
+        says why), counted, logged, and said in ``warnings``: the request goes on as if it were not there."""
+        entry = await self.stored.sync_key(key, warnings)
         chosen = route(entry.sessions, system, messages)
         if chosen.session is None and chosen.parent is not None:
-            if self.shared is not None:
-                fork = await self.shared.fork(key, chosen.parent, chosen.num_common)
-            else:
-                fork = await self._fork_in_data_dir(key, chosen.parent, chosen.num_common)
+            fork = await self.stored.fork(key, chosen.parent, chosen.num_common)
             self.cache.add(entry, fork)
             self.num_forks += 1
             return fork
@@ -257,158 +238,9 @@ class SessionStore:
         """A new session holding ``conversation`` (system prompt, tools, messages). Under ``lock(key)``,
         after :meth:`find`."""
         entry = self.cache.peek(key) or self.cache.put(key, [])  # find() loaded it, unless trimmed since
-        if self.shared is not None:
-            s = await self.shared.create(key, conversation)
-            self.cache.add(entry, s)
-            return s
-        path = self._new_path(key)
-        if self.quota is not None:
-            self.quota.admit(path)  # QuotaExceeded: nothing is written
-        # The whole history goes in at construction: a conversation first seen long (a proxy put in front
-        # of a running agent) is compacted once by the next pass, not by a hard trigger per tool
-        # result while it is read in.
-        conv = Conversation(messages=list(conversation.messages), id=f"{key}/{path.name}",
-                            system=conversation.system, tools=conversation.tools, source_format="openai",
-                            source="ctxfold serve")
-        try:
-            if self.create_in_thread:
-                compactor = await asyncio.to_thread(self.make_compactor, conv, path)
-            else:
-                compactor = self.make_compactor(conv, path)
-        except BaseException:
-            if self.quota is not None:
-                self.quota.forget(path)
-            raise
-        s = ProxySession(key, path, compactor)
+        s = await self.stored.create(key, conversation)
         self.cache.add(entry, s)
         return s
-
-    def _new_path(self, key: ConversationKey) -> Path:
-        self._refuse_links(key)
-        folder = self.data_dir / key
-        # After the highest number in use: set aside, left on disk by the bounds, or without a log
-        # after a crash. One listing, not a probe per number.
-        taken = [int(e) for e in os.listdir(folder) if e.isdigit()] if folder.is_dir() else []
-        return folder / f"{max(taken, default=-1) + 1:04d}"
-
-    async def _fork_in_data_dir(self, key: ConversationKey, parent: ProxySession, num_common: int) -> ProxySession:
-        path = self._new_path(key)
-        if self.quota is not None:
-            self.quota.admit(path)  # QuotaExceeded: nothing is written
-        try:
-            return await asyncio.to_thread(self._fork, key, parent, num_common, path)
-        except BaseException:
-            if self.quota is not None:
-                self.quota.forget(path)
-            raise
-
-    def _fork(self, key: ConversationKey, parent: ProxySession, num_common: int, path: Path) -> ProxySession:
-        """A new session continuing ``parent``'s first ``num_common`` messages: its log is the parent's
-        up to the event that appended the first message after them (every compaction of that prefix
-        and its state kept), with the history dumps those compactions wrote. The archive is the
-        key's, shared. Written whole under a temporary name and renamed into place: a crash leaves
-        the fork or nothing."""
-        kept: list[bytes] = []
-        dumps: list[str] = []
-        with open(parent.path / EVENTS_FILE, "rb") as f:
-            for raw in f.read().split(b"\n"):
-                try:
-                    event = fastjson.loads(raw)
-                except ValueError:  # a torn last line (the parent was read whole when loaded)
-                    break
-                if event.get("type") == "append" and int(event.get("index", 0)) >= num_common:
-                    break
-                if event.get("type") == "view" and event.get("dump"):
-                    dumps.append(str(event["dump"]))
-                if event.get("type") == "header" and isinstance(event.get("conversation"), dict):
-                    # The fork's own name; the rest of the header (system prompt, tools) is the parent's.
-                    event["conversation"]["id"] = f"{key}/{path.name}"
-                    raw = fastjson.dumps_record(event)
-                kept.append(raw + b"\n")
-        make_private_dir(path)
-        for dump in dumps:
-            src = parent.path / dump
-            dst = path / dump
-            make_private_dir(dst.parent)
-            LocalBackend(dst.parent).write_atomic(dst.name, src.read_bytes())
-        if is_anonymous_key(key):  # its own archive: what its history refers to, nothing else of the parent's
-            from_parent, to_fork = ArchiveStore(self.archive_dir(parent.path)), ArchiveStore(self.archive_dir(path))
-
-            def read(aid: str) -> bytes | None:
-                return from_parent.get(aid).encode("utf-8", "surrogatepass") if from_parent.exists(aid) else None
-
-            def write(aid: str, data: bytes) -> None:
-                to_fork.put(data.decode("utf-8", "surrogatepass"))
-
-            copy_referenced_archive(b"".join(kept), read, write)
-        LocalBackend(path).write_atomic(EVENTS_FILE, b"".join(kept))
-        compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
-        s = ProxySession(key, path, compactor, calibration=parent.calibration,
-                         inject_recall=parent.inject_recall)
-        if len(compactor.originals) == num_common:
-            s.wire = list(parent.wire[:num_common])  # as the client sent them: the next compare is of dicts
-        else:
-            s.note_wire([])
-        s.log_nbytes = _log_size(path)
-        return s
-
-    def _refuse_links(self, key: ConversationKey) -> None:
-        """OSError when a folder between the data directory and the key's is a symbolic link: the
-        proxy writes only into directories of its data directory, never where a link planted there
-        points. (The data directory itself may be a link: the operator chose it.)"""
-        folder = self.data_dir
-        for part in key.split("/"):
-            folder = folder / part
-            refuse_symlink(folder)
-
-    def _load_key(self, key: ConversationKey, warnings: list[str] | None) -> list[ProxySession]:
-        """The key's sessions, least recently used first: the most recently written ones that fit the
-        bounds (a key with more sessions than ``max_loaded_sessions``, or logs beyond
-        ``max_loaded_bytes``, leaves its oldest on disk, where ``ctxfold restore`` reads them; a
-        request that would continue one of those forks or starts anew instead)."""
-        folder = self.data_dir / key
-        self._refuse_links(key)
-        if not folder.is_dir():
-            return []
-        found: list[tuple[float, int, Path]] = []
-        for entry in os.listdir(folder):
-            path = folder / entry
-            if entry != "archive":
-                refuse_symlink(path)
-            try:
-                st = os.stat(path / EVENTS_FILE)
-            except OSError:
-                continue
-            if not os.path.lexists(path / QUARANTINE_FILE):
-                found.append((st.st_mtime, st.st_size, path))
-        found.sort(key=lambda f: (f[0], f[2].name), reverse=True)  # newest first
-        chosen: list[tuple[int, Path]] = []
-        total = 0
-        for _, size, path in found:
-            if chosen and (len(chosen) >= self.cache.max_sessions or total + size > self.cache.max_bytes):
-                break
-            chosen.append((size, path))
-            total += size
-        out = []
-        for size, path in reversed(chosen):
-            try:
-                compactor = self.make_compactor(Conversation(messages=[]), path)  # resumes from the log
-            except Exception as e:  # noqa: BLE001 - whatever is wrong with this log concerns this session alone
-                self._quarantine(path, e, warnings)
-                continue
-            s = ProxySession(key, path, compactor)
-            s.note_wire([])
-            s.log_nbytes = size
-            out.append(s)
-        return out
-
-    def _quarantine(self, path: Path, error: Exception, warnings: list[str] | None) -> None:
-        reason = self._quarantine_note(path, error, None)
-        try:
-            LocalBackend(path).write_atomic(QUARANTINE_FILE, (reason + "\n").encode())
-        except OSError as e:  # a read-only data directory: set aside for this process only
-            log.error("cannot mark %s as set aside: %s", path, e)
-        self._quarantine_warning(reason, warnings)
 
     def _quarantine_note(self, where: object, error: Exception, warnings: list[str] | None) -> str:
         reason = one_line(error)
@@ -423,44 +255,41 @@ class SessionStore:
             warnings.append(f"a stored session of this conversation could not be read ({reason}); it was set "
                             "aside and the conversation continues in a new session")
 
-    # -- a shared store (serve/shared_sessions.py) ---------------------------------------------------
+    # -- the store (serve/stored_sessions.py) ---------------------------------------------------------
     @property
-    def store(self) -> Store | None:
-        return self.shared.store if self.shared is not None else None
+    def store(self) -> Store:
+        return self.stored.store
 
     @property
     def spool(self) -> SpoolingStore | None:
-        return self.shared.spool if self.shared is not None else None
+        return self.stored.spool
 
     async def commit(self, session: ProxySession, *, unless_only_appends: bool = False,
                      release: bool = False) -> None:
-        """:meth:`SharedSessions.commit`; nothing for a session in the data directory."""
-        if self.shared is not None:
-            await self.shared.commit(session, unless_only_appends=unless_only_appends, release=release)
+        """:meth:`StoredSessions.commit`."""
+        await self.stored.commit(session, unless_only_appends=unless_only_appends, release=release)
 
     async def finish(self, key: ConversationKey) -> None:
-        """The request on ``key`` is over (:meth:`SharedSessions.finish`); nothing in the data directory."""
-        if self.shared is not None:
-            await self.shared.finish(key)
+        """The request on ``key`` is over (:meth:`StoredSessions.finish`)."""
+        await self.stored.finish(key)
 
     def note_store_error(self, key: ConversationKey, error: BaseException) -> str:
-        return self._shared().note_store_error(key, error)
+        """A request passed through because the store failed (:meth:`StoredSessions.note_store_error`).
+        A local store's disk refusing a write (full, read-only) is also remembered for /health."""
+        reason = self.stored.note_store_error(key, error)
+        cause = error.__cause__
+        if cause is not None and is_storage_error(cause):
+            return self.note_storage_error(cause)
+        return reason
 
     async def replay_spool(self) -> None:
-        if self.shared is not None:
-            await self.shared.replay_spool()
+        await self.stored.replay_spool()
 
     async def store_problem(self) -> str | None:
-        return await self.shared.store_problem() if self.shared is not None else None
+        return await self.stored.store_problem()
 
     async def aclose(self) -> None:
-        if self.shared is not None:
-            await self.shared.aclose()
-
-    def _shared(self) -> SharedSessions:
-        if self.shared is None:  # not an assert: python -O must not turn this into an AttributeError
-            raise RuntimeError("the shared-store path is used without a store")
-        return self.shared
+        await self.stored.aclose()
 
     # -- storage ----------------------------------------------------------------------------------
     def note_storage_error(self, error: BaseException) -> str:
@@ -493,16 +322,3 @@ class SessionStore:
     def close(self) -> None:
         for s in self.loaded():
             s.compactor.close()
-
-
-def _current_log_size(s: ProxySession) -> int:
-    """The size of a session's log: as its open log counts it (no system call), else from a stat."""
-    counted: int | None = getattr(s.compactor.session, "log_nbytes", None)  # a Session's; None: not open
-    return counted if counted is not None else _log_size(s.path)
-
-
-def _log_size(path: Path) -> int:
-    try:
-        return os.stat(path / EVENTS_FILE).st_size
-    except OSError:
-        return 0

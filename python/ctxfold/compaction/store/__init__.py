@@ -25,6 +25,7 @@ from ctxfold.compaction.store.base import (
     LeaseLost,
     NoSuchSession,
     QuotaExceeded,
+    SessionId,
     SpoolFull,
     Store,
     StoredSession,
@@ -38,7 +39,7 @@ from ctxfold.compaction.store.spool import DEFAULT_SPOOL_MAX_BYTES, Spooled, Spo
 
 __all__ = [
     "DEFAULT_LEASE_MS", "DEFAULT_SPOOL_MAX_BYTES", "Batch", "BufferedLog", "Lease", "LeaseLost", "LocalStore",
-    "NoSuchSession", "QuotaExceeded", "SpoolFull", "Spooled", "SpoolingStore", "Store", "StoreError", "StoreLimits",
+    "NoSuchSession", "QuotaExceeded", "SessionId", "SpoolFull", "Spooled", "SpoolingStore", "Store", "StoreError", "StoreLimits",
     "StoreUnavailable", "StoredSession", "fold_events", "is_shared_url", "load_events", "open_store", "read_from_store",
     "read_restored", "restore_async", "restore_events", "restore_from_store",
 ]

@@ -31,10 +31,14 @@ import itertools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NewType, Protocol
 
 from ctxfold.compaction.eventlog import Event, Record
 from ctxfold.errors import CtxfoldError, FormatError
+
+# A session's id in a store (the proxy's: ``<key>/<nnnn>``), not to be mixed up with the key it is under
+# (serve.keys.ConversationKey), its tenant (TenantId) or an archived output's id (ArchiveId).
+SessionId = NewType("SessionId", str)
 
 # A session id: path-like segments of safe characters (the proxy's are its data directory's relative
 # paths, ``tenants/<tenant>/sessions/<key>/<n>``: five). The local store makes directories of them and
@@ -45,6 +49,8 @@ SESSION_ID_PATTERN = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT}){{0,4}}")
 BLOB_NAME_PATTERN = re.compile(r"(?:history/[0-9]{6}-[0-9a-f]{16}\.jsonl|archive/[0-9a-f]{64}\.txt)")
 
 DEFAULT_LEASE_MS = 30_000
+# When a local store fsyncs its event logs (LocalStore): every batch, only batches beyond messages, never.
+FSYNC_MODES = ("always", "compactions", "never")
 
 
 class StoreError(CtxfoldError):
@@ -225,6 +231,11 @@ class Store(Protocol):
 
     async def release(self, lease: Lease) -> None:
         """Give the lease up now, if still held by ``lease`` (the next acquirer gets a later token)."""
+        ...
+
+    async def quarantine(self, session_id: str, reason: str) -> None:
+        """The session's log cannot be read: keep it (restore salvages what it can) but list it no more,
+        where the store can say so (a local directory: a ``QUARANTINED`` file with ``reason``)."""
         ...
 
     async def close(self) -> None: ...

@@ -2,8 +2,19 @@
 
 ``<root>/<session id>/events.jsonl`` holds the records one a line, exactly as :class:`Session` writes
 them (so a session written either way loads either way), and blobs are files under the session's
-directory (``history/``, ``archive/``). Appends are one ``write`` on an ``O_APPEND`` descriptor and an
-fsync; a torn last line (a crash mid-write) is ignored on reading and cut before the next append.
+directory (``history/``, ``archive/``). An id whose last name is ``archive`` (the proxy's archive of a
+key, ``<key>/archive``) is an archive directory itself: its ``archive/<sha256>.txt`` blobs are its files
+``<sha256>.txt``, the layout :class:`ctxfold.compaction.archive.ArchiveStore` reads. So the proxy's data
+directory is a local store rooted there, and what earlier versions wrote in it loads as it is.
+
+Appends are one ``write`` on an ``O_APPEND`` descriptor, fsynced as ``fsync`` says: ``always`` (the
+default), ``compactions`` (only batches that hold more than the session's header and messages: a
+view, a state, a blob; the proxy's default, since a client sends its messages again with every
+request) or ``never``. Blobs are always written atomically and fsynced. A torn last line (a crash
+mid-write) is ignored on reading and cut before the next append.
+
+A session set aside (:meth:`LocalStore.quarantine`: its log cannot be read) keeps a ``QUARANTINED``
+file saying why, and is listed no more.
 
 The lease lives in this process: the local store is for one process (``shared`` is False), so the
 lease and its fencing token only order this process's own writers (the fence is kept in memory and
@@ -23,9 +34,10 @@ from typing import ParamSpec, TypeVar
 
 from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compaction.eventlog import Event, encode_event, event_seq, fold_events
-from ctxfold.compaction.session import EVENTS_FILE, Session
+from ctxfold.compaction.session import ARCHIVE_DIR, EVENTS_FILE, HISTORY_DIR, Session
 from ctxfold.compaction.store.base import (
     DEFAULT_LEASE_MS,
+    FSYNC_MODES,
     Batch,
     Lease,
     LeaseLost,
@@ -37,6 +49,8 @@ from ctxfold.compaction.store.base import (
     refuse_to_fold,
 )
 
+QUARANTINE_FILE = "QUARANTINED"  # in a session directory set aside: why
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -46,29 +60,55 @@ class LocalStore:
 
     shared = False
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: str = "always") -> None:
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync: expected one of {', '.join(FSYNC_MODES)}, got {fsync!r}")
         self.root = Path(root)
         self.url = str(self.root)
+        self.fsync = fsync
         self._fence: dict[str, int] = {}  # session id -> last token granted
         self._leases: dict[str, tuple[str, int, float]] = {}  # session id -> (owner, token, expiry monotonic s)
-        self._next: dict[str, int] = {}  # session id -> next seq, once read
+        self._next: dict[str, int] = {}  # session id -> next seq, once read or written
+        # Sessions whose log this process wrote last (whole lines): no torn tail to look for before an append.
+        self._clean: set[str] = set()
 
     def _dir(self, session_id: str) -> Path:
         return self.root / check_session_id(session_id)
+
+    def _blob_path(self, session_id: str, name: str) -> Path:
+        folder, file = check_blob_name(name).split("/")
+        if folder == ARCHIVE_DIR and session_id.rsplit("/", 1)[-1] == ARCHIVE_DIR:
+            return self._dir(session_id) / file  # an archive directory's own files (module docstring)
+        return self._dir(session_id) / folder / file
 
     # -- reading ----------------------------------------------------------------------------------
     async def exists(self, session_id: str) -> bool:
         return (self._dir(session_id) / EVENTS_FILE).is_file()
 
     async def sessions(self, prefix: str = "") -> list[str]:
+        """The ids of the stored sessions that start with ``prefix``, sorted; not the ones set aside.
+        Walks only the folder the prefix names (the proxy asks for one key's sessions per request)."""
+        start = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         out = []
-        if self.root.is_dir():
-            for dirpath, dirnames, filenames in os.walk(self.root):
+        if start.is_dir():
+            for dirpath, dirnames, filenames in os.walk(start):
                 rel = os.path.relpath(dirpath, self.root)
-                if EVENTS_FILE in filenames and rel != ".":
+                if EVENTS_FILE in filenames and rel != "." and QUARANTINE_FILE not in filenames:
                     out.append(Path(rel).as_posix())
-                dirnames[:] = [d for d in dirnames if d not in ("history", "archive") and rel.count(os.sep) < 3]
+                # ids have up to 5 names (check_session_id): no deeper
+                dirnames[:] = [d for d in dirnames if d not in (HISTORY_DIR, ARCHIVE_DIR) and rel.count(os.sep) < 4]
         return sorted(s for s in out if s.startswith(prefix))
+
+    def read_blob(self, session_id: str, name: str) -> bytes:
+        """:meth:`get_blob`, synchronously: for a compactor's archive reads in a worker thread, or on
+        the event loop (a local read is as quick as a thread hop). FileNotFoundError when absent."""
+        path = self._blob_path(session_id, name)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise StoreUnavailable(f"{path}: {e.strerror or e}") from e
 
     def _read(self, session_id: str) -> StoredSession:
         session = Session(self._dir(session_id))
@@ -93,6 +133,12 @@ class LocalStore:
             raise LeaseLost(f"{self._dir(lease.session_id)}: write refused: the session's lease was granted to "
                             f"another writer (fencing token {fence})")
 
+    def _syncs(self, batch: Batch) -> bool:
+        """Whether appending ``batch`` ends with an fsync (see ``fsync`` in the module docstring)."""
+        if self.fsync == "compactions":
+            return any(e.get("type") not in ("header", "append") for e in batch.events)
+        return self.fsync == "always" and bool(batch.events)
+
     def _append(self, lease: Lease, batch: Batch) -> None:
         sid = lease.session_id
         batch_seqs_contiguous(batch.events)
@@ -106,13 +152,20 @@ class LocalStore:
         if event_seq(events[0]) != nxt:
             raise ValueError(f"{self._dir(sid)}: events missing before seq {event_seq(events[0])} "
                              f"(the log expects {nxt})")
-        _append_lines(self._dir(sid), events)
+        clean = sid in self._clean
+        self._clean.discard(sid)  # until this write is whole
+        _append_lines(self._dir(sid), events, sync=self._syncs(batch), clean=clean)
+        self._clean.add(sid)
         self._next[sid] = event_seq(events[-1]) + 1
 
     async def append(self, lease: Lease, batch: Batch, *, release: bool = False) -> None:
-        # In this thread: an append is one write and an fsync, which the proxy's loop has waited for
-        # until now too; a thread hop would cost more than it frees for small batches.
-        self._guard("appending events", self._append, lease, batch)
+        # A batch without an fsync (the messages of a request and its answer) in this thread: a write
+        # is quicker than the two context switches of a worker thread. An fsync (a compaction, blobs)
+        # in a worker thread: the proxy's other conversations do not wait for the disk.
+        if batch.blobs or self._syncs(batch):
+            await asyncio.to_thread(self._guard, "appending events", self._append, lease, batch)
+        else:
+            self._guard("appending events", self._append, lease, batch)
         if release:
             await self.release(lease)
 
@@ -125,28 +178,29 @@ class LocalStore:
         folded = fold_events(stored.events)
         LocalBackend(self._dir(lease.session_id)).write_atomic(
             EVENTS_FILE, b"".join(encode_event(e) + b"\n" for e in folded))
+        self._clean.add(lease.session_id)
         return stored.next_seq - 1
 
     async def checkpoint(self, lease: Lease) -> int:
         return await asyncio.to_thread(self._guard, "writing a checkpoint", self._checkpoint, lease)
 
     def _put_blob(self, session_id: str, name: str, data: bytes) -> None:
-        folder, file = check_blob_name(name).split("/")
-        make_private_dir(self._dir(session_id))
-        LocalBackend(self._dir(session_id) / folder).write_atomic(file, data)
+        path = self._blob_path(session_id, name)
+        make_private_dir(path.parent)
+        LocalBackend(path.parent).write_atomic(path.name, data)
 
     async def put_blob(self, session_id: str, name: str, data: bytes) -> None:
-        self._guard(f"writing {name}", self._put_blob, session_id, name, data)
+        # A blob is written atomically, fsync and all: in a worker thread (see append).
+        await asyncio.to_thread(self._guard, f"writing {name}", self._put_blob, session_id, name, data)
 
     async def get_blob(self, session_id: str, name: str) -> bytes:
-        folder, file = check_blob_name(name).split("/")
-        path = self._dir(session_id) / folder / file
-        try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise StoreUnavailable(f"{path}: {e.strerror or e}") from e
+        return self.read_blob(session_id, name)
+
+    def _quarantine(self, session_id: str, reason: str) -> None:
+        LocalBackend(self._dir(session_id)).write_atomic(QUARANTINE_FILE, (reason + "\n").encode())
+
+    async def quarantine(self, session_id: str, reason: str) -> None:
+        await asyncio.to_thread(self._guard, "setting a session aside", self._quarantine, session_id, reason)
 
     # -- the lease --------------------------------------------------------------------------------
     async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS,
@@ -159,6 +213,15 @@ class LocalStore:
         now = time.monotonic()
         if held is not None and held[2] > now:
             return None
+        if new:
+            # The session's directory, made here and only here: None when the id is taken (a session, one
+            # set aside, one whose first write never landed), so the caller tries the next. The first
+            # grant of the id (token 1), whatever this process granted for a directory deleted since.
+            if not self._guard("making a session directory", _make_new_dir, self._dir(session_id)):
+                return None
+            self._fence.pop(session_id, None)
+            self._next.pop(session_id, None)
+            self._clean.discard(session_id)
         token = self._fence.get(session_id, 0) + 1
         self._fence[session_id] = token
         self._leases[session_id] = (owner, token, now + ttl_ms / 1000)
@@ -193,13 +256,25 @@ class LocalStore:
             raise StoreUnavailable(f"{self.root}: {what} failed: {e.strerror or e}") from e
 
 
-def _append_lines(folder: Path, events: list[Event]) -> None:
-    """Append records as lines of ``folder/events.jsonl``: one write, then fsync; all or none."""
-    make_private_dir(folder)
+def _make_new_dir(folder: Path) -> bool:
+    """Make ``folder`` (mode 0700, its parents too); False when it exists already."""
+    make_private_dir(folder.parent)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _append_lines(folder: Path, events: list[Event], *, sync: bool = True, clean: bool = False) -> None:
+    """Append records as lines of ``folder/events.jsonl``: one write, then (``sync``) fsync; all or
+    none. ``clean``: the log ends with a whole line (this process wrote it last): nothing to cut."""
     path = folder / EVENTS_FILE
-    refuse_symlink(path)
-    # Session's own tail cutter: a line torn by a crash ends before the first new one starts.
-    Session(folder)._cut_torn_tail()
+    if not clean:
+        make_private_dir(folder)
+        refuse_symlink(path)
+        # Session's own tail cutter: a line torn by a crash ends before the first new one starts.
+        Session(folder)._cut_torn_tail()
     data = b"".join(encode_event(e) + b"\n" for e in events)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -207,6 +282,7 @@ def _append_lines(folder: Path, events: list[Event]) -> None:
         if written != len(data):
             os.ftruncate(fd, os.fstat(fd).st_size - written)
             raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes); disk full?", str(path))
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)

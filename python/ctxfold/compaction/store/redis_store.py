@@ -423,6 +423,11 @@ class RedisStore:
         value = f"{lease.owner}|{lease.token}"
         await self._call("releasing the lease", lambda: self._release(keys=keys, args=[value]))
 
+    async def quarantine(self, session_id: str, reason: str) -> None:
+        # Nothing written: each replica that finds the log unreadable sets it aside for itself (the
+        # proxy remembers it), and a marker written beside it would be one more key to expire with it.
+        check_session_id(session_id)
+
     async def sweep(self) -> int:
         """Take the accounts whose every session expired out of the store (their listing, their
         counters); returns the sessions taken out. Nothing without expiry. Each proxy runs it on a timer."""

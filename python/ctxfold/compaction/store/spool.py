@@ -281,5 +281,8 @@ class SpoolingStore:
     async def release(self, lease: Lease) -> None:
         await self.inner.release(lease)
 
+    async def quarantine(self, session_id: str, reason: str) -> None:
+        await self.inner.quarantine(session_id, reason)
+
     async def close(self) -> None:
         await self.inner.close()

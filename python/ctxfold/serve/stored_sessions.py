@@ -1,15 +1,22 @@
-"""The proxy's sessions on a shared store (Redis): leased per request, committed under the lease.
+"""The proxy's sessions in a :class:`~ctxfold.compaction.store.Store`: leased per request, committed under the lease.
 
-A key's sessions are ``<key>/<nnnn>`` there (the same relative names as in a data directory), their
-archive is the blobs of ``<key>/archive`` (a tenant's) or ``<key>/<nnnn>/archive`` (an anonymous
-conversation's), and any replica serves any request. Per request, under the key's lock: every session of
-the key is leased (waiting while another replica holds it); one whose grant is not the token this process
-held last plus one was written elsewhere and is read again; the compactor writes to a
-:class:`~ctxfold.compaction.store.BufferedLog` whose batch is committed under the lease (:meth:`SharedSessions.commit`)
-after the compaction step and after the answer; the leases are released when the request ends
-(:meth:`SharedSessions.finish`), so the next request may go to any replica. Leases are renewed while a
-request works (a long summary): a replica that stalls past its lease loses the session, and its writes
-are refused by the fencing token.
+One path for both stores: :class:`~ctxfold.compaction.store.LocalStore` rooted at the data directory
+(the default) and :class:`~ctxfold.compaction.store.RedisStore` (``--store``, shared by replicas). A
+key's sessions are ``<key>/<nnnn>`` (in a data directory: its folders, as every earlier version wrote
+them), their archive is the blobs of ``<key>/archive`` (a tenant's) or ``<key>/<nnnn>/archive`` (an
+anonymous conversation's). Per request, under the key's lock: every session of the key is leased
+(waiting while another replica holds it); one whose grant is not the token this process held last plus
+one was written elsewhere and is read again; the compactor writes to a
+:class:`~ctxfold.compaction.store.BufferedLog` whose batch is committed under the lease
+(:meth:`StoredSessions.commit`) after the compaction step and after the answer; the leases are released
+when the request ends (:meth:`StoredSessions.finish`), so the next request may go to any replica. With a
+shared store, leases are renewed while a request works (a long summary): a replica that stalls past its
+lease loses the session, and its writes are refused by the fencing token.
+
+What a store that is not shared spares (a local directory is one process's): the listing of a loaded
+key's sessions and the renewal task, per request (nobody else writes them), and checkpoints (they fold
+a log to spare a network store's reads; a local log is read from the disk, and every earlier version
+of ctxfold reads it unfolded).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import errno
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,7 @@ from ctxfold.compaction.store import (
     BufferedLog,
     Lease,
     LeaseLost,
+    LocalStore,
     Spooled,
     SpoolingStore,
     Store,
@@ -38,8 +46,10 @@ from ctxfold.compaction.store import (
     StoreError,
     StoreUnavailable,
 )
+from ctxfold.compaction.store.base import SessionId
 from ctxfold.serve.keys import ConversationKey, is_anonymous_key
 from ctxfold.serve.loaded import LoadedKey, LoadedSessions
+from ctxfold.serve.quota import DiskQuota
 from ctxfold.serve.routing import ProxySession
 
 log = logging.getLogger("ctxfold.serve")
@@ -61,9 +71,14 @@ def copy_referenced_archive(history: bytes, read: Callable[[str], bytes | None],
             copied += 1
     return copied
 
-# A compactor writing to a shared store's buffered log: the header (empty messages: resume the log),
-# where it would live on disk (names the key), the log.
+# A compactor writing to a store's buffered log: the header (empty messages: resume the log), the
+# session's path under the data directory (names the key; a local store's directory), the log.
 StoreCompactorFactory = Callable[[Conversation, Path, BufferedLog], Compactor]
+
+
+def records_nbytes(events: Iterable[dict[str, Any]]) -> int:
+    """The bytes ``events`` take as log records (one line each, as a local store writes them)."""
+    return sum(len(encode_event(e)) + 1 for e in events)
 
 # The sessions of one key leased (and so routed among) per request: the most recent.
 MAX_LEASED_SESSIONS_PER_KEY = 16
@@ -74,22 +89,26 @@ class SessionBusy(StoreError):
     through uncompacted."""
 
 
-class SharedSessions:
-    """The shared-store side of :class:`~ctxfold.serve.sessions.SessionStore` (see the module docstring)."""
+class StoredSessions:
+    """The store side of :class:`~ctxfold.serve.sessions.SessionStore`: reading, creating, forking,
+    committing and leasing a key's sessions (see the module docstring)."""
 
     def __init__(self, store: Store, cache: LoadedSessions, make_store_compactor: StoreCompactorFactory, *,
                  data_dir: Path, lease_ms: int, owner: str, create_in_thread: bool,
-                 note_quarantine: Callable[[object, Exception, list[str] | None], str]) -> None:
+                 note_quarantine: Callable[[object, Exception, list[str] | None], str],
+                 quota: DiskQuota | None = None) -> None:
         self.store = store
         self.cache = cache
         self.make_store_compactor = make_store_compactor
-        self.data_dir = data_dir  # never written here: names a session's key (key_of, archive_prefix)
+        self.data_dir = data_dir  # names a session's key (key_of, archive_prefix); a local store's root
         self.lease_ms = lease_ms
         self.owner = owner
         self.create_in_thread = create_in_thread
         self._note_quarantine = note_quarantine
+        # The data directory's per-tenant accounts (serve.quota), for a local store; a shared store keeps its own.
+        self.quota = quota
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the app: archive reads from worker threads
-        self._set_aside: set[str] = set()  # store sessions whose log cannot be read (this process's view)
+        self._set_aside: set[str] = set()  # sessions whose log cannot be read (this process's view)
         self._renewers: dict[str, asyncio.Task[None]] = {}  # key -> the task renewing its leases
         # Leases this process could not release (the store was down): still its own until they run out,
         # so the next request renews one rather than waiting up to its whole time for itself.
@@ -99,15 +118,15 @@ class SharedSessions:
 
 
     @staticmethod
-    def _numbered(key: ConversationKey, ids: list[str]) -> list[str]:
+    def _numbered(key: ConversationKey, ids: list[str]) -> list[SessionId]:
         """The ids of ``key``'s sessions among ``ids`` (not its archive, nor a longer key's), oldest first."""
         depth = key.count("/") + 1
-        found = [i for i in ids if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
+        found = [SessionId(i) for i in ids if i.count("/") == depth and i.rsplit("/", 1)[1].isdigit()]
         return sorted(found, key=lambda i: int(i.rsplit("/", 1)[1]))
 
     def _archive_id(self, key: ConversationKey, session_id: str) -> str:
         """The store's id of a session's archive: the key's for a tenant, the session's own for the
-        anonymous tenant (see :meth:`archive_dir`)."""
+        anonymous tenant (see :meth:`SessionStore.archive_dir`)."""
         return f"{session_id}/archive" if is_anonymous_key(key) else f"{key}/archive"
 
     async def _acquire(self, session_id: str) -> Lease:
@@ -161,7 +180,19 @@ class SharedSessions:
     def _fetcher(self, key: ConversationKey, session_id: str) -> Callable[[str], bytes]:
         """A blob reader for the compactor's archive, which reads in worker threads (read_archive): the
         key's archive, then the session's own blobs (an archive written while the store was down went
-        to the spool with the session's batch). OSError when the store cannot answer."""
+        to the spool with the session's batch). OSError when the store cannot answer. A local store
+        is read directly, from any thread."""
+        store = self.store
+        if isinstance(store, LocalStore):
+            archive_id = self._archive_id(key, session_id)
+
+            def read_local(name: str) -> bytes:
+                try:
+                    return store.read_blob(archive_id, name)
+                except StoreUnavailable as e:
+                    raise OSError(errno.EIO, str(e)) from None
+
+            return read_local
 
         def fetch(name: str) -> bytes:
             loop = self.loop
@@ -201,41 +232,58 @@ class SharedSessions:
             compactor = self.make_store_compactor(conversation, path, blog)
         return compactor, blog
 
-    async def _load_from_store(self, key: ConversationKey, session_id: str, warnings: list[str] | None) -> ProxySession | None:
+    async def _load_from_store(self, key: ConversationKey, session_id: SessionId,
+                               warnings: list[str] | None) -> ProxySession | None:
         """The stored session, or None when it holds no events yet (its first write never landed) or
-        cannot be read (set aside for this process, counted, logged, said in ``warnings``)."""
+        cannot be read (set aside, counted, logged, said in ``warnings``)."""
         try:
             stored = await self.store.read(session_id)
-            if not stored.events:
+            if not stored.events and not stored.unreadable:
                 return None
             compactor, blog = await self._build(key, session_id, Conversation(messages=[]), stored)
         except StoreError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever is wrong with this log concerns this session alone
-            self._set_aside.add(session_id)
-            self._note_quarantine(f"{self.store.url} {session_id}", e, warnings)
+            await self._quarantine(session_id, e, warnings)
             return None
         s = ProxySession(key, self._store_path(session_id), compactor, store_id=session_id, log=blog)
         s.note_wire([])
-        s.log_nbytes = sum(len(encode_event(e)) for e in stored.events)
+        s.log_nbytes = records_nbytes(stored.events)
         return s
+
+    async def _quarantine(self, session_id: SessionId, error: Exception, warnings: list[str] | None) -> None:
+        """Set a session whose log cannot be read aside: for this process, and in the store where it can
+        say so (a local store's ``QUARANTINED`` file); counted, logged, said in ``warnings``."""
+        self._set_aside.add(session_id)
+        reason = self._note_quarantine(f"{self.store.url} {session_id}", error, warnings)
+        try:
+            await self.store.quarantine(session_id, reason)
+        except (OSError, StoreError) as e:  # a read-only data directory: set aside for this process only
+            log.error("cannot mark %s as set aside: %s", session_id, e)
 
     async def sync_key(self, key: ConversationKey, warnings: list[str] | None) -> LoadedKey:
         """``key``'s sessions as the store holds them now, each leased by this process until
-        :meth:`finish`: the ones loaded before and untouched since are kept, the others read again."""
+        :meth:`finish`: the ones loaded before and untouched since are kept, the others read again.
+        A store that is not shared is listed only when the key is not loaded: nobody else writes it."""
         store = self.store
-        entry = self.cache.get(key) or self.cache.put(key, [])
-        ids = [i for i in self._numbered(key, await store.sessions(key + "/")) if i not in self._set_aside]
-        # The most recent ones: the others stay in the store (restore reads them), as a data directory
-        # leaves its oldest on disk. Each costs a lease per request, so a client that edits its history
-        # at every request (a fork each time) costs a bounded number of round trips.
+        found = self.cache.get(key)
+        entry = found or self.cache.put(key, [])
+        if found is not None and not store.shared:
+            ids = [s.store_id for s in entry.sessions if s.store_id is not None and not s.broken]
+        else:
+            ids = [i for i in self._numbered(key, await store.sessions(key + "/")) if i not in self._set_aside]
+        # The most recent ones: the others stay in the store (restore reads them). Each costs a lease per
+        # request, so a client that edits its history at every request (a fork each time) costs a bounded
+        # number of round trips.
         ids = ids[-min(self.cache.max_sessions, MAX_LEASED_SESSIONS_PER_KEY):]
-        self._start_renewing(key)
+        if store.shared:
+            self._start_renewing(key)
         loaded = {s.store_id: s for s in entry.sessions}
         kept: list[ProxySession] = []
         held: list[Lease] = []
+        nbytes = 0
         try:
-            for session_id in ids:
+            for session_id in reversed(ids):  # newest first: the oldest stay out past the bytes bound
                 lease = await self._acquire(session_id)
                 held.append(lease)
                 s = loaded.get(session_id)
@@ -243,10 +291,13 @@ class SharedSessions:
                 # release, renewed): nobody else wrote since.
                 if s is None or s.broken or lease.token not in (s.token, s.token + 1):
                     s = await self._load_from_store(key, session_id, warnings)
-                    if s is None:
+                    if s is None or (kept and nbytes + s.log_nbytes > self.cache.max_bytes):
                         await self._release_quietly(held.pop())
+                        if s is not None:
+                            s.compactor.close()
                         continue
                 s.lease, s.token = lease, lease.token
+                nbytes += s.log_nbytes
                 kept.append(s)
         except BaseException:
             for lease in held:
@@ -254,6 +305,7 @@ class SharedSessions:
             for s in kept:
                 s.lease = None
             raise
+        kept.reverse()  # oldest first, as listed
         # Least recently used first: the sessions used before keep their order, the ones just read go first.
         order = {id(s): k for k, s in enumerate(entry.sessions)}
         kept.sort(key=lambda s: order.get(id(s), -1))
@@ -262,45 +314,69 @@ class SharedSessions:
 
     async def _new_store_id(self, key: ConversationKey) -> Lease:
         """A lease on a new session id of ``key``: the first grant ever for that id (token 1), so two
-        replicas creating a session at once never get the same one."""
+        replicas creating a session at once never get the same one. Counted against the tenant's
+        bounds first (QuotaExceeded: nothing is written): by the store itself (``new``), or by the data
+        directory's accounts."""
         store = self.store
         taken = [int(i.rsplit("/", 1)[1]) for i in self._numbered(key, await store.sessions(key + "/"))]
         n = max(taken, default=-1) + 1
         while True:
-            # new: the store counts it against the tenant's bound (QuotaExceeded at the bound).
-            lease = await store.acquire(f"{key}/{n:04d}", owner=self.owner, ttl_ms=self.lease_ms, new=True)
+            session_id = f"{key}/{n:04d}"
+            if self.quota is not None:
+                self.quota.admit(self._store_path(session_id))
+            try:
+                lease = await store.acquire(session_id, owner=self.owner, ttl_ms=self.lease_ms, new=True)
+            except BaseException:
+                self._forget(session_id)
+                raise
             if lease is not None and lease.token == 1:
                 return lease
+            self._forget(session_id)
             if lease is not None:
                 await self._release_quietly(lease)
             n += 1
 
+    def _forget(self, session_id: str) -> None:
+        """A session counted in the data directory's accounts is not made after all."""
+        if self.quota is not None:
+            self.quota.forget(self._store_path(session_id))
+
+    async def _abandon(self, lease: Lease) -> None:
+        """A new session's making failed: uncounted, its lease given up."""
+        self._forget(lease.session_id)
+        await self._release_quietly(lease)
+
     async def create(self, key: ConversationKey, conversation: Conversation) -> ProxySession:
         lease = await self._new_store_id(key)
-        session_id = lease.session_id
+        session_id = SessionId(lease.session_id)
+        # The whole history goes in at construction: a conversation first seen long (a proxy put in front
+        # of a running agent) is compacted once by the next pass, not by a hard trigger per tool
+        # result while it is read in.
         conv = Conversation(messages=list(conversation.messages), id=session_id, system=conversation.system,
                             tools=conversation.tools, source_format="openai", source="ctxfold serve")
         try:
             compactor, blog = await self._build(key, session_id, conv, None)
         except BaseException:
-            await self._release_quietly(lease)
+            await self._abandon(lease)
             raise
-        s = ProxySession(key, self._store_path(session_id), compactor, store_id=session_id, log=blog, lease=lease,
-                         token=lease.token)
-        return s
+        return ProxySession(key, self._store_path(session_id), compactor, store_id=session_id, log=blog,
+                            lease=lease, token=lease.token)
 
     async def fork(self, key: ConversationKey, parent: ProxySession, num_common: int) -> ProxySession:
-        """:meth:`_fork` through the store: the new session's events are the parent's up to the first
-        append of a message after the common prefix (renumbered from 0), with the history dumps those
-        events name. A parent read back as its checkpoint keeps its last compaction only when that
+        """A new session continuing ``parent``'s first ``num_common`` messages: its events are the
+        parent's up to the first append of a message after the common prefix (renumbered from 0; every
+        compaction of that prefix and its state kept), with the history dumps those events name, written
+        as one batch (a crash leaves the fork or nothing). A tenant's archive is the key's, shared; an
+        anonymous conversation's is its own, so the archived outputs its copied history refers to are
+        copied. A parent read back as its checkpoint keeps its last compaction only when that
         compaction lies within the prefix (else the fork starts uncompacted and compacts again)."""
         store = self.store
         parent_id = parent.store_id
         if parent_id is None:
-            raise RuntimeError("a session in the data directory forked through the store")
+            raise RuntimeError("a session without a store id is forked")
         stored = await store.read(parent_id)
         lease = await self._new_store_id(key)
-        session_id = lease.session_id
+        session_id = SessionId(lease.session_id)
         try:
             kept: list[dict[str, Any]] = []
             blobs: list[tuple[str, bytes]] = []
@@ -329,7 +405,7 @@ class SharedSessions:
             compactor, blog = await self._build(key, session_id, Conversation(messages=[]),
                                                 StoredSession(session_id, kept))
         except BaseException:
-            await self._release_quietly(lease)
+            await self._abandon(lease)
             raise
         s = ProxySession(key, self._store_path(session_id), compactor, calibration=parent.calibration,
                          inject_recall=parent.inject_recall, store_id=session_id, log=blog, lease=lease,
@@ -338,27 +414,29 @@ class SharedSessions:
             s.wire = list(parent.wire[:num_common])
         else:
             s.note_wire([])
-        s.log_nbytes = sum(len(encode_event(e)) for e in kept)
+        s.log_nbytes = records_nbytes(kept)
         return s
 
     async def commit(self, session: ProxySession, *, unless_only_appends: bool = False,
                      release: bool = False) -> None:
         """Write what the session's compactor logged since the last commit, under its lease: the
         archive's blobs to the key's archive, then the rest as one batch; a checkpoint after a
-        compaction. Nothing for a session in the data directory. Raises StoreUnavailable (Spooled:
+        compaction (a shared store's: see the module docstring). Raises StoreUnavailable (Spooled:
         the batch waits in the local spool, memory and store+spool agree) or LeaseLost; after any
         failure but Spooled the session is marked broken and its key unloaded (read again next time).
 
-        ``unless_only_appends``: nothing when only messages wait (the step before forwarding, when
-        nothing fired): they go with the answer's commit, one write (and one fsync of Redis's
-        append-only file) fewer per request. Nothing is acknowledged to the client before the
-        answer, and a request that gets none is sent again with those messages. ``release``: the
+        ``unless_only_appends``: with a shared store, nothing when only messages wait (the step before
+        forwarding, when nothing fired): they go with the answer's commit, one round trip (and one
+        fsync of Redis's append-only file) fewer per request. Nothing is acknowledged to the client
+        before the answer, and a request that gets none is sent again with those messages. A local
+        store writes them at once (a write without fsync, quicker than the round trip): a disk that
+        refuses them is said to the client in the request's warning header. ``release``: the
         request's last write: the lease goes in the same call (when there was something to write;
         else :meth:`finish` releases it)."""
         blog, lease = session.log, session.lease
         if blog is None or session.broken:
             return
-        if unless_only_appends and blog.only_appends_pending:
+        if unless_only_appends and blog.only_appends_pending and self.store.shared:
             return
         batch = blog.take()
         if not batch:
@@ -379,15 +457,15 @@ class SharedSessions:
                     pass  # all of it under the session's own name: spooled with its events
             await store.append(lease, rest, release=release)
         except Spooled:
-            session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
+            session.log_nbytes += records_nbytes(batch.events)
             raise
         except (StoreError, ValueError):
             session.broken = True
             raise
-        session.log_nbytes += sum(len(encode_event(e)) for e in batch.events)
+        session.log_nbytes += records_nbytes(batch.events)
         if release and batch.events:
             session.lease = None  # released by the append
-        if any(e.get("type") == "view" for e in batch.events):
+        if store.shared and any(e.get("type") == "view" for e in batch.events):
             try:
                 await store.checkpoint(lease)
             except (StoreError, ValueError) as e:  # the events are stored: a later checkpoint folds them
