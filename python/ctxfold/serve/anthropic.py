@@ -38,7 +38,7 @@ from ctxfold.compaction.archive.recall import read_archive_tool_anthropic
 from ctxfold.errors import FormatError
 from ctxfold.serve.dialect import Dialect, StreamFilter
 from ctxfold.serve.request import BadRequest, ParsedRequest, decode_object
-from ctxfold.wire.sse import SseReader
+from ctxfold.wire.sse import SseReader, json_object
 
 log = logging.getLogger("ctxfold.serve")
 
@@ -216,13 +216,8 @@ class MessageAssembler:
     chunks: int = 0
 
     def add(self, payload: str | None) -> dict[str, Any] | None:
-        if payload is None:
-            return None
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return None
-        if not isinstance(event, dict):
+        event = json_object(payload)
+        if event is None:
             return None
         self.chunks += 1
         try:

@@ -48,7 +48,7 @@ from ctxfold.compaction.archive import READ_ARCHIVE, read_archive_tool_openai
 from ctxfold.errors import FormatError
 from ctxfold.serve.dialect import Dialect, StreamFilter
 from ctxfold.serve.request import BadRequest, ParsedRequest, decode_object, error_response
-from ctxfold.wire.sse import SseReader
+from ctxfold.wire.sse import SseReader, json_object
 
 log = logging.getLogger("ctxfold.serve")
 
@@ -162,13 +162,8 @@ class ResponseAssembler:
     chunks: int = 0
 
     def add(self, payload: str | None) -> dict[str, Any] | None:
-        if payload is None:
-            return None
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return None
-        if not isinstance(event, dict):
+        event = json_object(payload)
+        if event is None:
             return None
         self.chunks += 1
         kind = event.get("type")

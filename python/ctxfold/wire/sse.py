@@ -5,6 +5,9 @@ proxy (:mod:`ctxfold.serve`) reads the upstream's streams with it, and the summa
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 DONE = "[DONE]"
 
 
@@ -71,3 +74,15 @@ class SseReader:
     def rest(self) -> bytes:
         """Bytes fed that no complete event holds yet (an unterminated last event)."""
         return b"".join(self._raw) + b"".join(self._partial)
+
+
+def json_object(payload: str | None) -> dict[str, Any] | None:
+    """An event's ``data:`` payload as a JSON object; None for no payload, bad JSON or another JSON
+    value (an accumulator reads what it understands and relays the rest untouched)."""
+    if payload is None:
+        return None
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
