@@ -46,6 +46,24 @@ from synth import TRACES_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_REQUESTS_PER_CONVERSATION = 40
+# Large tool-like outputs in the synthetic conversations (--big-kb, --big-every): every BIG_EVERY-th
+# request's user message carries BIG_KB kB of fresh text (log lines, paths, numbers: never seen before,
+# so the proxy counts it cold). Set once from the command line.
+BIG_KB = 0
+BIG_EVERY = 10
+
+
+def big_text(conv: int, req: int) -> str:
+    rng = random.Random(conv * 1_000_003 + req)
+    words = ["error", "warning", "src/app/models.py", "line", "assert", "def", "return", "0x7f3a", "None",
+             "tests/test_api.py::test_create", "PASSED", "FAILED", "Traceback", "self", "value", "{", "}"]
+    out, size = [], 0
+    while size < BIG_KB * 1024:
+        line = f"{rng.randrange(10**6):06d} " + " ".join(rng.choice(words) for _ in range(rng.randrange(4, 14)))
+        line += f" {rng.random():.6f}\n"
+        out.append(line)
+        size += len(line)
+    return "".join(out)
 PHASES = ("sequential", "paced", "traces", "saturated")
 API_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 # Replayed requests stop at this body size: about 75k tokens, well under the proxy's 128k window.
@@ -130,7 +148,10 @@ def next_request(st: dict[str, Any], stream: bool) -> tuple[str, dict[str, Any],
         if st["req"] == MAX_REQUESTS_PER_CONVERSATION:  # start over: agent conversations are tens of turns
             st.update(new_state(st["conv"] + 1_000_000, api=st["api"]), started=True)
         tag = f"conv={st['conv']} req={st['req']}"
-        st["messages"].append({"role": "user", "content": f"{tag} please answer briefly about item {st['req']}"})
+        question = f"{tag} please answer briefly about item {st['req']}"
+        if BIG_KB and st["req"] % BIG_EVERY == BIG_EVERY - 1:
+            question += "\n" + big_text(st["conv"], st["req"])
+        st["messages"].append({"role": "user", "content": question})
         if st["api"] == "responses":
             body = {"model": "bench", "instructions": st["messages"][0]["content"], "input": st["messages"][1:],
                     "stream": stream}
@@ -324,6 +345,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "ctxfold", "serve", "--upstream", up_url, "--port", "0", "--data-dir", data,
            "--summarizer", "extractive", "--context-tokens", "131072"]
     cmd += ["--fsync", args.fsync]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
     procs = [up]
     try:
         proxy, proxy_url = start(cmd, marker="listening on ", stream="stderr")
@@ -335,7 +358,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         urls = {"direct": f"{up_url}{path}", "passthrough": f"{bare_url}{path}", "ctxfold": f"{proxy_url}{path}"}
         result: dict[str, Any] = {"conversations": args.conversations, "duration_s": args.duration_s,
                                   "think_ms": args.think_ms, "stream": args.stream, "fsync": args.fsync,
-                                  "api": args.api, "event_loop": _event_loop_name()}
+                                  "api": args.api, "event_loop": _event_loop_name(),
+                                  "tokenizer": args.tokenizer or "the default", "big_kb": BIG_KB, "big_every": BIG_EVERY}
         # sequential: one request at a time. paced: the conversations each wait --think-ms between requests,
         # as agents do, so the servers are busy but not saturated. saturated: no wait at all, which on a
         # small machine measures queueing (throughput), not what the proxy adds to a request.
@@ -391,9 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api", choices=tuple(API_PATHS), default="chat",
                     help="the API the synthetic phases speak (default chat: /v1/chat/completions)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="also write the result there")
+    ap.add_argument("--tokenizer", metavar="SPEC", help="the proxy's --tokenizer (default: the proxy's default)")
+    ap.add_argument("--big-kb", type=int, default=0, help="kB of fresh tool-like text in every --big-every-th request")
+    ap.add_argument("--big-every", type=int, default=10)
     args = ap.parse_args(argv)
     if unknown := sorted(set(args.phases) - set(PHASES)):
         ap.error(f"--phases: no phase {', '.join(unknown)}; the phases are {', '.join(PHASES)}")
+    global BIG_KB, BIG_EVERY
+    BIG_KB, BIG_EVERY = args.big_kb, max(1, args.big_every)
     result = run(args)
     text = json.dumps(result, indent=2)
     print(text)

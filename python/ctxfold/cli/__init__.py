@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -88,7 +89,22 @@ def _exit_code(exc: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+class _CommandLineWarnings(logging.Handler):
+    """The library's warnings (a counter that falls back to the estimate, a template rendered whole) as
+    the command's own lines, on the stderr of the moment (tests swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"ctxfold: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+
+
+def _show_library_warnings() -> None:
+    logger = logging.getLogger("ctxfold")
+    if not any(isinstance(h, _CommandLineWarnings) for h in logger.handlers):
+        logger.addHandler(_CommandLineWarnings(logging.WARNING))  # `serve` replaces it with its own logging
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _show_library_warnings()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

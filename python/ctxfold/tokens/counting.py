@@ -189,12 +189,16 @@ def _exact_or_estimate(name: str) -> TokenCounter:
     except TokenizerError as exc:
         why = str(exc)
     else:
-        if isinstance(exact, (HFTokenizerCounter, TiktokenCounter)) and exact.backend == "fastokens":
+        if not isinstance(exact, (HFTokenizerCounter, TiktokenCounter)):
+            why = f"ctxfold has no fast exact counter for it (name {name!r} itself to count exactly, more slowly)"
+        elif exact.backend == "fastokens":
             # The chat template the estimate stands for frames every request (role markers, tool-call
             # markup): without it an exact count of the message texts alone would be under the truth.
             exact.template = estimate.template
             return exact
-        why = ("the fast exact counter did not agree with the tokenizer (see above)" if fast_bpe_installed()
-               else "the fast exact counter is not installed; pip install 'ctxfold[tokenizers]'")
+        elif fast_bpe_installed():
+            why = "the fast exact counter did not agree with the tokenizer (see the warning above)"
+        else:
+            why = "the fast exact counter is not installed; pip install 'ctxfold[tokenizers]'"
     log.warning("counting %s tokens with its estimate (an upper bound), not exactly: %s", name, why)
     return estimate
