@@ -21,7 +21,7 @@ COUNTERS = {"exact (default)": "auto:deepseek-v4", "estimate": "estimate:deepsee
 
 
 def traces(root: Path) -> list[str]:
-    return sorted(str(p) for p in root.rglob("*") if p.suffix in (".json", ".jsonl") and "licen" not in p.name.lower())
+    return sorted(str(p) for p in root.rglob("*") if p.suffix in (".json", ".jsonl", ".traj") and "licen" not in p.name.lower())
 
 
 def replay(files: list[str], window: int, tokenizer: str, jobs: int) -> dict[str, int]:
