@@ -658,3 +658,20 @@ def test_tools_added_after_the_first_request_are_counted(tmp_path: Path) -> None
             srv.close()
     assert up.rejected_over_context == 0
     assert max(up.prompt_tokens_seen) <= 16_000 - 256
+
+
+def test_a_large_new_message_is_counted_off_the_event_loop() -> None:
+    """An exact count of a 100 kB tool output takes milliseconds: the other conversations on the loop
+    must not wait it out, so it goes to the worker thread even when nothing can fire."""
+    from ctxfold.chat.messages import Conversation, Message, Role
+    from ctxfold.compaction.compactor import Compactor
+    from ctxfold.compaction.config import CompactConfig
+    from ctxfold.serve.compaction import INLINE_NEW_BYTES, CompactionStep
+
+    c = Compactor(Conversation(messages=[Message(Role.USER, "hi")]),
+                  config=CompactConfig.preset("both", context_tokens=1_000_000))
+    small = [Message(Role.USER, "x" * 1000)]
+    large = [Message(Role.USER, "x" * (INLINE_NEW_BYTES + 1))]
+    assert c.quiet(large)  # nothing can fire in a million-token window
+    assert CompactionStep.inline(c, small)
+    assert not CompactionStep.inline(c, large)

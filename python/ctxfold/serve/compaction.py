@@ -25,12 +25,17 @@ from ctxfold.compaction.archive.marker import MARKER_PREFIX
 from ctxfold.compaction.compactor import CompactionEvent, Compactor
 from ctxfold.compaction.cost import CompactionCost, PriceTable
 from ctxfold.compaction.effects import Step, run_async
+from ctxfold.compaction.view import tokens_bound
 from ctxfold.serve.config import ProxyConfig
 from ctxfold.serve.dialect import OPENAI
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.request import ParsedRequest
 from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.window import lower_after_refusal
+
+# New messages up to this size (UTF-8 bytes, a frame each) are counted on the event loop: the exact
+# counter takes about 20 us a kB (fastokens, one core), so at most a millisecond or so of the loop.
+INLINE_NEW_BYTES = 64 * 1024
 
 log = logging.getLogger("ctxfold.serve")
 
@@ -182,18 +187,23 @@ class CompactionStep:
             body["tools"] = list(parsed.body.get("tools") or []) + [dialect.recall_tool()]
         return Outgoing(session, body, dialect.dumps(body, parsed.fast_json), recall, own_recall)
 
-    def inline(self, c: Compactor, new: list[Message]) -> bool:
+    @staticmethod
+    def inline(c: Compactor, new: list[Message]) -> bool:
         """Whether appending ``new`` is cheap enough to run on the event loop: nothing fires and nothing
         is archived. A thread hop costs two context switches, which on a busy machine is most of the
         latency the proxy adds; a summary (a model call) must not block the loop. (The compactor never
         writes: its log is buffered, and the commit fsyncs off the loop.)
+
+        New messages over :data:`INLINE_NEW_BYTES` are counted in the worker thread too: an exact
+        count of a large tool output takes milliseconds, which the other conversations on the loop
+        would wait out.
 
         Nothing fires when even an upper bound of the tokens after the append (every byte a token)
         stays under the lowest trigger line of the configuration (:meth:`Compactor.quiet`) and no
         tool output worth archiving slid behind the kept turns (:meth:`Compactor.archive_due`, at
         most once per user turn): nothing is counted to find that out.
         """
-        return c.quiet(new) and not c.archive_due(new)
+        return c.quiet(new) and not c.archive_due(new) and sum(map(tokens_bound, new)) <= INLINE_NEW_BYTES
 
     @staticmethod
     def _ingest(session: ProxySession, new: list[Message], sent: list[dict[str, Any]], *,
