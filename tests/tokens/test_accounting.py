@@ -230,3 +230,23 @@ def test_message_tokens_by_index_reads_one_value() -> None:
     for bad in (3, -4, 99):
         with pytest.raises(IndexError, match=f"message_tokens: index {bad} out of range for 3 messages"):
             acc.message_tokens(bad)
+
+
+@pytest.mark.parametrize("tokenizer", ["qwen3", "deepseek-v4"])
+def test_control_tokens_the_vocabulary_lacks_are_counted_as_their_text(tokenizer: str) -> None:
+    """A template paired with another model's tokenizer: DeepSeek's role markers are not in Qwen3's
+    vocabulary, so the model reads each as several tokens of text. Counted as one each, the request
+    came out at 23 tokens where its text holds 56; now never under the whole text's count."""
+    from ctxfold.demo import demo_conversation
+    from ctxfold.tokens.counting import load_counter
+    from ctxfold.tokens.templates import get_template
+
+    counter = load_counter(tokenizer)
+    conv = demo_conversation()
+    acct = RequestAccounting(counter, get_template("deepseek-v3.2"))
+    counted = acct.reset(Conversation(messages=conv.messages[:40], system=conv.system, tools=conv.tools))
+    whole = counter.count(acct.request_text())
+    if tokenizer == "deepseek-v4":
+        assert counted == whole  # its own markers: one token each, exactly as before
+    else:
+        assert whole <= counted <= whole * 1.05

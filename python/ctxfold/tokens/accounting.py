@@ -23,7 +23,7 @@ Thread safety: none; one accountant per conversation, used by its owner.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +69,17 @@ def default_template(counter: TokenCounter) -> ChatTemplate | JinjaChatTemplate:
     """
     name = getattr(counter, "template", "")
     return get_template(name) if isinstance(name, str) and name else PLAIN
+
+
+def _special_extra_tokens(counter: TokenCounter, specials: Mapping[int, str]) -> dict[int, int]:
+    """The template's control tokens that the counter's vocabulary lacks (a template paired with another
+    model's tokenizer): the model reads their text as text, so each costs its text's tokens, not one.
+    Id -> tokens beyond the one a control token is counted as; empty where every one is in the
+    vocabulary, or where the counter cannot say (the estimate, tiktoken)."""
+    token_id = getattr(counter, "token_id", None)
+    if token_id is None or not counter.exact:
+        return {}
+    return {i: counter.count(text) - 1 for i, text in specials.items() if token_id(text) is None and counter.count(text) > 1}
 
 
 # How far back a result's call is looked for. Calls and results sit a few messages apart; the bound
@@ -173,6 +184,7 @@ class RequestAccounting:
         # Whether the template refuses two user messages in a row: a rewrite then frames its summary
         # as a user/assistant pair (ctxfold's presets accept any order).
         self.alternates_roles = self._jinja is not None and self._jinja.alternates_roles
+        self._special_extra = _special_extra_tokens(counter, self.renderer.specials)
         self._segs: list[Segment] = []  # Jinja: every message's segment, as last derived
         self._jinja_suffix: Segment = ()
         self._next_check = _FIRST_CHECK_MESSAGES
@@ -519,7 +531,10 @@ class RequestAccounting:
                 continue
             # Rendered segments never hold two text parts in a row: each str is one run.
             runs = tuple(p for p in seg if isinstance(p, str))
-            todo.append((k, _Pending(key, runs, len(seg) - len(runs), tail)))
+            num_specials = len(seg) - len(runs)
+            if self._special_extra:
+                num_specials += sum(self._special_extra.get(p, 0) for p in seg if isinstance(p, int))
+            todo.append((k, _Pending(key, runs, num_specials, tail)))
         if not todo:
             return out
         texts: list[str] = []
