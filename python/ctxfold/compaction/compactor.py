@@ -72,7 +72,7 @@ from ctxfold.compaction.view import (
     utf8_len,
 )
 from ctxfold.tokens.accounting import RequestAccounting
-from ctxfold.tokens.counting import TokenCounter, load_counter
+from ctxfold.tokens.counting import DEFAULT_TOKENIZER, TokenCounter, load_counter
 from ctxfold.tokens.templates import ChatTemplate
 from ctxfold.tokens.templates.jinja import JinjaChatTemplate
 
@@ -110,7 +110,7 @@ class Compactor:
         self.config = config if config is not None else CompactConfig()
         self._policy = Policy(self.config)
         self._quiet_line: tuple[CompactConfig | None, int | None] = (None, None)  # see _quiet_line_tokens
-        self.counter = counter if counter is not None else load_counter("estimate:deepseek-v4")
+        self.counter = counter if counter is not None else load_counter(DEFAULT_TOKENIZER)
         self._accounting = RequestAccounting(self.counter, template)
         # The byte bound of the messages appended since the last count; not 0 exactly when there are
         # some (every message has a frame), so it also says that the accounting is stale.

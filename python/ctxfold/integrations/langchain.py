@@ -87,7 +87,7 @@ from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.effects import Step
 from ctxfold.compaction.summarize import CallableSummarizer, Summarizer, SummaryResult, TokenCallback
 from ctxfold.compaction.summarize.request import SummaryRequest, to_openai_messages
-from ctxfold.tokens.counting import TokenCounter, load_counter
+from ctxfold.tokens.counting import DEFAULT_TOKENIZER, TokenCounter, load_counter
 from ctxfold.tokens.templates import ChatTemplate
 from ctxfold.tokens.templates.jinja import JinjaChatTemplate
 
@@ -297,7 +297,7 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     """Context compaction for ``create_agent``, before every model call. See the module docstring.
 
     ``context_tokens``: the model's window (or ``config.context_tokens``). ``counter``: a ctxfold token
-    counter or its name (``load_counter``; default the DeepSeek V4 estimate), ``template``: the chat
+    counter or its name (``load_counter``; default ``auto:deepseek-v4``: exact where installed, else the estimate), ``template``: the chat
     template requests are counted with. ``summarizer``: a ctxfold summarizer or a LangChain chat model
     (wrapped in :class:`ChatModelSummarizer`); default the extractive summary, no model. ``session_dir``:
     where each thread's session lives, to resume after a restart; default memory.
@@ -315,7 +315,7 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
             raise ValueError("CtxfoldMiddleware needs the model's window: pass context_tokens= (or a config "
                              "with context_tokens)")
         self.config = config
-        self.counter = load_counter(counter or "estimate:deepseek-v4") if counter is None or isinstance(counter, str) \
+        self.counter = load_counter(counter or DEFAULT_TOKENIZER) if counter is None or isinstance(counter, str) \
             else counter
         self.template = template
         self.summarizer = ChatModelSummarizer(summarizer, counter=self.counter) \
