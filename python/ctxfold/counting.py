@@ -1,6 +1,7 @@
 """The import path ``ctxfold.counting``, kept for users; the code lives in :mod:`ctxfold.tokens.counting`."""
 
 from ctxfold.tokens.counting import (
+    DEFAULT_TOKENIZER,
     LONG_TEXT_CHARS,
     NAMED_TOKENIZERS,
     TIKTOKEN_ENCODINGS,
@@ -21,6 +22,7 @@ from ctxfold.tokens.counting import (
 )
 
 __all__ = [
+    "DEFAULT_TOKENIZER",
     "LONG_TEXT_CHARS",
     "NAMED_TOKENIZERS",
     "TIKTOKEN_ENCODINGS",

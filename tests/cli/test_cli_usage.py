@@ -139,7 +139,8 @@ def test_impossible_settings_are_one_usage_error(capsys: pytest.CaptureFixture[s
     assert not (tmp_path / "ctxfold-data").exists()  # refused before any work
 
 
-@pytest.mark.parametrize("extra", [[], ["--template", "deepseek-v4"], ["--tokenizer", "chars4", "--template", "chatml"]])
+@pytest.mark.parametrize("extra", [[], ["--tokenizer", "estimate:deepseek-v4", "--template", "deepseek-v4"],
+                                   ["--tokenizer", "chars4", "--template", "chatml"]])
 def test_kv_plan_tokens_names_the_flags_it_needs(capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
     code, out, err = run_main(capsys, "replay", "--demo", "--kv-plan", "tokens", *extra)
     assert (code, out) == (EXIT_USAGE, "")

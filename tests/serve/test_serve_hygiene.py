@@ -264,9 +264,13 @@ def test_everything_the_proxy_writes_is_private(upstream: tuple[ScriptedUpstream
                                                proxy: tuple[ProxyApp, str], tmp_path: Path) -> None:
     old = os.umask(0o022)  # the usual umask: what it lets through, the proxy must not ask for
     try:
-        assert post(proxy[1], chat(("user", "hello"))).status_code == 200
+        r = post(proxy[1], chat(("user", "hello")))
+        assert r.status_code == 200
         session = proxy[0].sessions.loaded()[0]
         session.compactor.store.put("archived output\n" * 200)
+        # Archive writes are stored with the session's next request (as a compaction's are): one more turn.
+        answer = r.json()["choices"][0]["message"]["content"]
+        assert post(proxy[1], chat(("user", "hello"), ("assistant", answer), ("user", "more"))).status_code == 200
         dump = Session(session.path).write_history_dump([Message(role=Role.USER, content="hi")],
                                                         Conversation(messages=[]))
     finally:
