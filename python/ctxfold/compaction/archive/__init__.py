@@ -47,6 +47,8 @@ from ctxfold.compaction.archive.recall import (
     read_archive_tool_openai,
     read_archive_tool_spec,
     read_slice,
+    recall_tools_anthropic,
+    recall_tools_openai,
 )
 from ctxfold.compaction.archive.search import (
     MAX_HITS,
@@ -115,6 +117,8 @@ __all__ = [
     "read_archive_tool_openai",
     "read_archive_tool_spec",
     "read_slice",
+    "recall_tools_anthropic",
+    "recall_tools_openai",
     "restore",
     "search",
     "search_archive",
