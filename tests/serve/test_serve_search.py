@@ -189,3 +189,41 @@ def test_an_archive_in_redis_is_searched_from_another_replica(upstream: tuple[Sc
     aid = archived(app0, SECRET, url0, headers=key)
     _, tool_answer, _ = searched_through(up, url1, "zanzibar-42", headers=key)
     assert f"1. id={aid} tool output" in tool_answer
+
+
+def test_the_responses_api_search_is_answered_by_the_proxy(upstream: tuple[ScriptedUpstream, str],
+                                                         tmp_path: Path) -> None:
+    openai = pytest.importorskip("openai")
+    up, upstream_url = upstream
+    app, srv = start_proxy(upstream_url, tmp_path / "data")
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-test", max_retries=0)
+        c.responses.create(model="m", input="start")
+        aid = app.sessions.loaded()[-1].compactor.store.put(SECRET)
+        history: list[dict[str, Any]] = [
+            {"role": "user", "content": "start"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "echo: start"}]},
+            {"role": "user", "content": "what failed?"}]
+        tools = [{"type": "function", "name": "noop", "parameters": {"type": "object"}}]
+        for stream in (False, True):
+            up.responses_script = [
+                [{"type": "function_call", "call_id": "q1", "name": SEARCH_ARCHIVE,
+                  "arguments": json.dumps({"query": "zanzibar-\\d+", "regex": True})}],
+                [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "loader.py"}]}]]
+            n = len(up.received)
+            if stream:
+                with c.responses.stream(model="m", input=history, tools=tools) as s:
+                    events = list(s)
+                    final = s.get_final_response()
+                assert not any(e.type == "response.output_item.added" and e.item.type == "function_call"
+                               for e in events)
+            else:
+                final = c.responses.create(model="m", input=history, tools=tools)
+            assert final.output_text == "loader.py"
+            assert len(up.received) == n + 2
+            result = up.received[n + 1]["input"][-1]
+            assert result["type"] == "function_call_output" and result["call_id"] == "q1"
+            assert result["output"].startswith('[search_archive "zanzibar-\\\\d+" (regex, any case): 1 matching')
+            assert f"1. id={aid} tool output, {len(SECRET)} chars, 30 matches" in result["output"]
+    finally:
+        srv.close()
