@@ -112,9 +112,9 @@ def test_a_stream_is_relayed_byte_for_byte(pair: tuple[ScriptedUpstream, ProxyAp
         got = b"".join(r.iter_bytes())
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert got == up.sent[-1]
-    if tools:  # the recall tool went upstream in the Responses function-tool shape
-        assert up.received[-1]["tools"][-1]["name"] == "read_archive"
-        assert up.received[-1]["tools"][-1]["type"] == "function"
+    if tools:  # the recall tools went upstream in the Responses function-tool shape
+        assert [t["name"] for t in up.received[-1]["tools"][-2:]] == ["read_archive", "search_archive"]
+        assert all(t["type"] == "function" and "function" not in t for t in up.received[-1]["tools"][-2:])
 
 
 def test_a_tool_round_trip_continues_one_session(pair: tuple[ScriptedUpstream, ProxyApp, str]) -> None:

@@ -31,7 +31,8 @@ SAMPLE_ARCHIVE_ID = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f
 def frame_summary(summary: str, history_id: str | None) -> str:
     """The summary as the rebuilt view shows it: framed, with a pointer to the full history."""
     pointer = (f'The conversation before this summary is archived: read_archive("{history_id}") gives it '
-               "(JSON lines, one message each; the first line names the earlier part, if any).\n"
+               "(JSON lines, one message each; the first line names the earlier part, if any); "
+               'search_archive("text") finds text in it, in earlier parts and in every archived tool output.\n'
                if history_id else "")
     # Frames never nest, whatever a summary holds: lines of an earlier frame inside it are dropped.
     body = "\n".join(line for line in summary.rstrip().splitlines()

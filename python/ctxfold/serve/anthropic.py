@@ -33,8 +33,8 @@ from aiohttp import web
 from ctxfold.chat.formats.anthropic import dump, messages_from_anthropic, tool_spec
 from ctxfold.chat.formats.openai import message_to_openai
 from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.compaction.archive import READ_ARCHIVE
-from ctxfold.compaction.archive.recall import read_archive_tool_anthropic
+from ctxfold.compaction.archive import RECALL_TOOLS
+from ctxfold.compaction.archive.recall import recall_tools_anthropic
 from ctxfold.errors import FormatError
 from ctxfold.serve.dialect import Dialect, StreamFilter
 from ctxfold.serve.request import BadRequest, ParsedRequest, decode_object
@@ -295,7 +295,7 @@ class RecallEventFilter(StreamFilter):
             return True, raw_event
         elif kind == "content_block_start" and isinstance(index, int):
             block = parsed.get("content_block") or {}
-            if block.get("type") == "tool_use" and block.get("name") == READ_ARCHIVE:
+            if block.get("type") == "tool_use" and block.get("name") in RECALL_TOOLS:
                 self._held.add(index)
                 return True, raw_event
             self._map[index] = self.client_blocks
@@ -328,7 +328,7 @@ class AnthropicDialect(Dialect):
     name = "anthropic"
     path = "/v1/messages"
     asks_stream_usage = False  # its streams carry usage in message_start and message_delta
-    recall_specs = (tool_spec(read_archive_tool_anthropic(), 0),)
+    recall_specs = tuple(tool_spec(t, k) for k, t in enumerate(recall_tools_anthropic()))
 
     def parse(self, raw: bytes) -> ParsedRequest:
         body, fast = decode_object(raw)
@@ -355,8 +355,8 @@ class AnthropicDialect(Dialect):
     def tool_name(self, tool: Any) -> Any:
         return tool.get("name") if isinstance(tool, dict) else None
 
-    def recall_tool(self) -> dict[str, Any]:
-        return read_archive_tool_anthropic()
+    def recall_tools(self) -> list[dict[str, Any]]:
+        return recall_tools_anthropic()
 
     def max_reply_tokens(self, body: dict[str, Any]) -> int | None:
         n = body.get("max_tokens")
@@ -392,7 +392,7 @@ class AnthropicDialect(Dialect):
 
     def is_recall_round(self, message: dict[str, Any]) -> bool:
         calls = _calls(message)
-        return bool(calls) and all(c.get("name") == READ_ARCHIVE for c in calls)
+        return bool(calls) and all(c.get("name") in RECALL_TOOLS for c in calls)
 
     def recall_calls(self, message: dict[str, Any]) -> list[ToolCall]:
         return [ToolCall(id=str(c.get("id", "")), name=str(c.get("name", "")),

@@ -46,8 +46,8 @@ class Outgoing:
     session: ProxySession
     body: dict[str, Any]  # the request object as sent (the first recall round's)
     payload: bytes  # its bytes
-    recall: bool  # the proxy offers read_archive and answers its calls
-    own_recall: bool  # the client offers a read_archive tool of its own: the proxy never adds one
+    recall: bool  # the proxy offers read_archive and search_archive and answers their calls
+    own_recall: bool  # the client offers a recall tool of its own: the proxy never adds one
     first_new: int = 0  # the original index of the first message this request brought
     compactions: int = 0  # compaction passes this request applied
     # The engine's KV the last applied pass of this request plans to keep (its exact common prefix with the
@@ -128,11 +128,12 @@ class CompactionStep:
         if c.min_gain_waits > waits:
             self.metrics.min_gain_waits.inc(amount=c.min_gain_waits - waits)
         if not has_own_recall and not session.inject_recall:
-            # Offer the tool once the conversation has archived outputs: from a pass of this request, in
-            # the messages it brought, or (first request after a restart) anywhere in the view.
+            # Offer the tools once the conversation has archived outputs: from a pass of this request, in
+            # the messages it brought, or (first request after a restart) anywhere in the view; or a
+            # summary, whose history dump is archived and which tells the model to read and search it.
             scanned, session.recall_scanned = session.recall_scanned, True
             if tools or _has_archive_marker(new) or (not scanned and _has_archive_marker(c.view)) \
-                    or any(e.archived for e in events):
+                    or any(e.archived or (e.applied and e.kind == "summary") for e in events):
                 session.inject_recall = True
         out = self._outgoing(parsed, session, recall=session.inject_recall and not has_own_recall,
                              own_recall=has_own_recall)
@@ -184,7 +185,7 @@ class CompactionStep:
         if not untouched:
             body.update(dialect.outgoing_messages(parsed, c.header.system, view, origins, originals))
         if recall:
-            body["tools"] = list(parsed.body.get("tools") or []) + [dialect.recall_tool()]
+            body["tools"] = list(parsed.body.get("tools") or []) + dialect.recall_tools()
         return Outgoing(session, body, dialect.dumps(body, parsed.fast_json), recall, own_recall)
 
     @staticmethod

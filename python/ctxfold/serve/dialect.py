@@ -1,7 +1,7 @@
 """The API a client speaks, as one object the proxy's steps ask: how its request is parsed into the
 proxy's form (:class:`~ctxfold.serve.request.ParsedRequest`), how the compacted view goes back out in
 its shape, how its answers (JSON or streamed) are read, recorded and calibrated, how the model's
-``read_archive`` calls are answered in it, and how its errors look.
+recall calls (``read_archive``, ``search_archive``) are answered in it, and how its errors look.
 
 :data:`OPENAI` is chat completions (``/v1/chat/completions``); :mod:`ctxfold.serve.anthropic` holds
 Anthropic's messages (``/v1/messages``). Sessions, tenants, bounds, compaction, the window guard,
@@ -20,7 +20,8 @@ from aiohttp import web
 from ctxfold import fastjson
 from ctxfold.chat.formats.openai import message_from_openai
 from ctxfold.chat.messages import Message, ToolCall, ToolSpec
-from ctxfold.compaction.archive import READ_ARCHIVE, read_archive_tool_openai
+from ctxfold.compaction.archive import RECALL_TOOLS
+from ctxfold.compaction.archive.recall import recall_tools_openai
 from ctxfold.errors import FormatError
 from ctxfold.serve.recall import hold_event, is_recall_round, openai_calls, to_wire
 from ctxfold.serve.request import ParsedRequest, error_response, parse_messages, parse_request, parse_tools
@@ -67,7 +68,7 @@ class Dialect:
     name = "openai"
     path = "/v1/chat/completions"  # on the proxy, and under the upstream's base URL
     asks_stream_usage = True  # a stream may be asked for usage (stream_options.include_usage)
-    recall_specs: tuple[ToolSpec, ...] = parse_tools({"tools": [read_archive_tool_openai()]})
+    recall_specs: tuple[ToolSpec, ...] = parse_tools({"tools": recall_tools_openai()})
 
     # -- the request -----------------------------------------------------------------------------------
     def parse(self, raw: bytes) -> ParsedRequest:
@@ -84,8 +85,9 @@ class Dialect:
     def tool_name(self, tool: Any) -> Any:
         return (tool.get("function") or tool).get("name") if isinstance(tool, dict) else None
 
-    def recall_tool(self) -> dict[str, Any]:
-        return read_archive_tool_openai()
+    def recall_tools(self) -> list[dict[str, Any]]:
+        """The recall tools the proxy offers (read_archive, search_archive), in this API's shape."""
+        return recall_tools_openai()
 
     def max_reply_tokens(self, body: dict[str, Any]) -> int | None:
         """The request's own limit on the answer: ``max_completion_tokens`` (OpenAI's current name) or
@@ -171,7 +173,9 @@ class Dialect:
         return fastjson.dumps(body, fast=fast)
 
     def has_own_recall(self, tools: list[Any]) -> bool:
-        return any(self.tool_name(t) == READ_ARCHIVE for t in tools)
+        """Whether the client offers a recall tool of its own (a ctxfold library behind the proxy): the
+        proxy then offers neither and answers no call, the client does."""
+        return any(self.tool_name(t) in RECALL_TOOLS for t in tools)
 
 
 OPENAI = Dialect()

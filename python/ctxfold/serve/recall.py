@@ -1,7 +1,8 @@
-"""The proxy's answers to the model's ``read_archive`` calls: the archived outputs it asks for, within a
-budget of characters per request, so that hundreds of calls in one answer cannot build a huge upstream
-request. :func:`hold_event` decides which streamed events wait until the proxy knows whether an answer
-is a recall round (the client never sees those calls)."""
+"""The proxy's answers to the model's recall calls: ``read_archive`` (the archived outputs it asks for)
+and ``search_archive`` (hits in the conversation's archive), within a budget of characters per request,
+so that hundreds of calls in one answer cannot build a huge upstream request. :func:`hold_event` decides
+which streamed events wait until the proxy knows whether an answer is a recall round (the client never
+sees those calls). Every dialect answers through :func:`recall_results`."""
 
 from __future__ import annotations
 
@@ -12,17 +13,24 @@ from typing import Any
 
 from ctxfold.chat.formats.openai import message_to_openai
 from ctxfold.chat.messages import Message, Role, ToolCall
-from ctxfold.compaction.archive import READ_ARCHIVE, ArchiveStore, answer_read_archive
+from ctxfold.compaction.archive import (
+    READ_ARCHIVE,
+    RECALL_TOOLS,
+    SEARCH_ARCHIVE,
+    ArchiveStore,
+    answer_recall_call,
+)
 from ctxfold.compaction.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
+from ctxfold.compaction.archive.search import MAX_ANSWER_CHARS
 from ctxfold.serve.metrics import ProxyMetrics
 
 
 def is_recall_round(message: dict[str, Any]) -> bool:
-    """Whether an answer (a ``choices[0].message`` dict) calls read_archive and nothing else."""
+    """Whether an answer (a ``choices[0].message`` dict) calls recall tools and nothing else."""
     calls = message.get("tool_calls")
     if not isinstance(calls, list) or not calls:
         return False
-    return all(isinstance(c, dict) and isinstance(c.get("function"), dict) and c["function"].get("name") == READ_ARCHIVE
+    return all(isinstance(c, dict) and isinstance(c.get("function"), dict) and c["function"].get("name") in RECALL_TOOLS
                for c in calls)
 
 
@@ -56,12 +64,22 @@ async def answer_recall(store: ArchiveStore, body: dict[str, Any], message: dict
 
 async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[int], *, max_chars: int,
                          metrics: ProxyMetrics) -> list[Message]:
-    """The answers to the model's read_archive ``calls``, one tool message each. ``left`` (one number,
+    """The answers to the model's recall ``calls``, one tool message each. ``left`` (one number,
     shared by the request's rounds): the characters of archived text the request may still receive;
-    a call asking for more gets what is left, and the answer says so."""
+    a read asking for more gets what is left, and the answer says so; a search's answer is bounded
+    by what is left and counted whole."""
     results = []
     for tc in calls:
         metrics.recall_calls.inc()
+        if tc.name == SEARCH_ARCHIVE:
+            if left[0] < _MIN_SEARCH_CHARS:
+                results.append(_recall_refused(tc, max_chars))
+                continue
+            answer = await asyncio.to_thread(answer_recall_call, store, tc,
+                                             max_search_chars=min(left[0], MAX_ANSWER_CHARS))
+            left[0] -= len(answer.text)
+            results.append(answer)
+            continue
         wanted = _recall_limit(tc.arguments)
         if wanted is not None and left[0] <= 0:
             results.append(_recall_refused(tc, max_chars))
@@ -71,7 +89,7 @@ async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[
             args = json.loads(tc.arguments)
             args["limit"] = left[0]
             tc = replace(tc, arguments=json.dumps(args))
-        answer = await asyncio.to_thread(answer_read_archive, store, tc)
+        answer = await asyncio.to_thread(answer_recall_call, store, tc)
         if wanted is not None and not answer.is_error:
             header, _, piece = answer.text.partition("\n")
             left[0] -= len(piece)
@@ -79,6 +97,10 @@ async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[
                 answer = replace(answer, content=answer.text + _recall_cut_note(max_chars))
         results.append(answer)
     return results
+
+
+# A search answer shorter than this would show no hit (its header alone takes a few hundred characters).
+_MIN_SEARCH_CHARS = 1_000
 
 
 def _recall_limit(arguments: str) -> int | None:
@@ -105,16 +127,17 @@ def _recall_cut_note(max_chars: int) -> str:
 
 
 def _recall_refused(call: ToolCall, max_chars: int) -> Message:
-    return Message(role=Role.TOOL, id="", tool_call_id=call.id, name=READ_ARCHIVE, is_error=True,
-                   content=f"Not read: this answer's read_archive output already reached its limit of {max_chars} "
-                           "characters. Answer with what you have, and call read_archive again with the same "
-                           "arguments in a later answer if you still need it.")
+    name = call.name if call.name in RECALL_TOOLS else READ_ARCHIVE
+    return Message(role=Role.TOOL, id="", tool_call_id=call.id, name=name, is_error=True,
+                   content=f"Not {'searched' if name == SEARCH_ARCHIVE else 'read'}: this answer's read_archive "
+                           f"output already reached its limit of {max_chars} characters. Answer with what you have, "
+                           f"and call {name} again with the same arguments in a later answer if you still need it.")
 
 
 
 def hold_event(data: str | None, chunk: dict[str, Any] | None, recall_calls: set[int]) -> bool:
-    """Whether a streamed event waits for the end of the answer: read_archive call deltas and the
-    closing events. ``recall_calls`` collects the indexes of read_archive calls as their names appear."""
+    """Whether a streamed event waits for the end of the answer: recall call deltas and the closing
+    events. ``recall_calls`` collects the indexes of recall calls as their names appear."""
     if data is not None and data.strip() == "[DONE]":
         return True
     if chunk is None:
@@ -135,7 +158,7 @@ def hold_event(data: str | None, chunk: dict[str, Any] | None, recall_calls: set
             continue
         index = tc.get("index", k)
         fn = tc.get("function")
-        if isinstance(fn, dict) and fn.get("name") == READ_ARCHIVE:
+        if isinstance(fn, dict) and fn.get("name") in RECALL_TOOLS:
             recall_calls.add(index)
         hold = hold or index in recall_calls
     return hold

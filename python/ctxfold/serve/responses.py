@@ -44,7 +44,8 @@ from ctxfold.chat.formats.responses import (
     written_items,
 )
 from ctxfold.chat.messages import Message, Role, ToolCall, ToolSpec
-from ctxfold.compaction.archive import READ_ARCHIVE, read_archive_tool_openai
+from ctxfold.compaction.archive import RECALL_TOOLS
+from ctxfold.compaction.archive.recall import recall_tools_openai
 from ctxfold.errors import FormatError
 from ctxfold.serve.dialect import Dialect, StreamFilter
 from ctxfold.serve.request import BadRequest, ParsedRequest, decode_object, error_response
@@ -243,7 +244,7 @@ class RecallItemFilter(StreamFilter):
             return True, raw_event
         elif kind == "response.output_item.added" and isinstance(index, int):
             item = parsed.get("item") or {}
-            if item_type(item) == "function_call" and item.get("name") == READ_ARCHIVE:
+            if item_type(item) == "function_call" and item.get("name") in RECALL_TOOLS:
                 self._held.add(index)
                 return True, raw_event
             self._map[index] = self.client_items
@@ -302,8 +303,8 @@ class ResponsesDialect(Dialect):
     def tool_name(self, tool: Any) -> Any:
         return tool.get("name") if isinstance(tool, dict) else None
 
-    def recall_tool(self) -> dict[str, Any]:
-        return {"type": "function", **read_archive_tool_openai()["function"]}
+    def recall_tools(self) -> list[dict[str, Any]]:
+        return [{"type": "function", **t["function"]} for t in recall_tools_openai()]
 
     def max_reply_tokens(self, body: dict[str, Any]) -> int | None:
         n = body.get("max_output_tokens")
@@ -340,7 +341,8 @@ class ResponsesDialect(Dialect):
 
     def is_recall_round(self, message: dict[str, Any]) -> bool:
         calls = _calls(message)
-        return bool(calls) and all(item_type(c) == "function_call" and c.get("name") == READ_ARCHIVE for c in calls)
+        return bool(calls) and all(item_type(c) == "function_call" and c.get("name") in RECALL_TOOLS
+                                   for c in calls)
 
     def recall_calls(self, message: dict[str, Any]) -> list[ToolCall]:
         return [ToolCall(id=str(c.get("call_id", "")), name=str(c.get("name", "")), arguments=str(c.get("arguments", "")))

@@ -210,6 +210,40 @@ class StoredSessions:
 
         return fetch
 
+    def _lister(self, key: ConversationKey, session_id: str) -> Callable[[], list[str]]:
+        """The names of the archive's blobs in the store, for the search index (in worker threads, like
+        :meth:`_fetcher`): the key's archive and the session's own archived blobs. OSError when the
+        store cannot answer."""
+        store = self.store
+        if isinstance(store, LocalStore):
+            archive_id = self._archive_id(key, session_id)
+
+            def list_local() -> list[str]:
+                try:
+                    return store.list_blobs(archive_id) + store.list_blobs(session_id)
+                except StoreUnavailable as e:
+                    raise OSError(errno.EIO, str(e)) from None
+
+            return list_local
+
+        async def both() -> list[str]:
+            return await store.blob_names(self._archive_id(key, session_id)) + await store.blob_names(session_id)
+
+        def list_remote() -> list[str]:
+            loop = self.loop
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if loop is None or running is loop:  # on the loop's own thread: waiting would deadlock it
+                raise OSError(errno.EDEADLK, "the archive cannot be listed from the event loop's thread")
+            try:
+                return asyncio.run_coroutine_threadsafe(both(), loop).result(timeout=30)
+            except StoreUnavailable as e:
+                raise OSError(errno.EIO, str(e)) from None
+
+        return list_remote
+
     async def _get_blob(self, key: ConversationKey, session_id: str, name: str) -> bytes:
         store = self.store
         try:
@@ -222,7 +256,8 @@ class StoredSessions:
 
     async def _build(self, key: ConversationKey, session_id: str, conversation: Conversation,
                      stored: StoredSession | None) -> tuple[Compactor, BufferedLog]:
-        blog = BufferedLog(session_id, stored, fetch=self._fetcher(key, session_id), source=self.store.url)
+        blog = BufferedLog(session_id, stored, fetch=self._fetcher(key, session_id),
+                           list_blobs=self._lister(key, session_id), source=self.store.url)
         path = self._store_path(session_id)
         # Reading a long conversation back (parsing, counting) would hold the loop: a worker thread then.
         big = stored is not None and len(stored.events) > 64 or len(conversation.messages) > 64

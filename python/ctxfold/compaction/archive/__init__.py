@@ -4,7 +4,10 @@
 - :mod:`ctxfold.compaction.archive.marker`: the one-line marker that replaces an archived output.
 - :mod:`ctxfold.compaction.archive.passes`: the turn-start pass, the mid-turn stage, the hard trigger's last
   resort, and the byte-exact restore.
-- :mod:`ctxfold.compaction.archive.recall`: the ``read_archive`` tool.
+- :mod:`ctxfold.compaction.archive.recall`: the ``read_archive`` tool, and :func:`answer_recall_call`, which
+  answers either recall tool.
+- :mod:`ctxfold.compaction.archive.search`: the ``search_archive`` tool, over the index of
+  :mod:`ctxfold.compaction.archive.index`.
 """
 
 from __future__ import annotations
@@ -35,13 +38,29 @@ from ctxfold.compaction.archive.recall import (
     DEFAULT_LIMIT_CHARS,
     MAX_LIMIT_CHARS,
     READ_ARCHIVE,
+    RECALL_TOOLS,
     ArchiveSlice,
     answer_read_archive,
+    answer_recall_call,
     read_archive,
     read_archive_tool_anthropic,
     read_archive_tool_openai,
     read_archive_tool_spec,
     read_slice,
+    recall_tools_anthropic,
+    recall_tools_openai,
+)
+from ctxfold.compaction.archive.search import (
+    MAX_HITS,
+    SEARCH_ARCHIVE,
+    SearchHit,
+    SearchResult,
+    answer_search_archive,
+    search,
+    search_archive,
+    search_archive_tool_anthropic,
+    search_archive_tool_openai,
+    search_archive_tool_spec,
 )
 from ctxfold.compaction.archive.store import (
     ArchiveId,
@@ -58,8 +77,11 @@ from ctxfold.compaction.archive.store import (
 __all__ = [
     "DEFAULT_LIMIT_CHARS",
     "MARKER_PREFIX",
+    "MAX_HITS",
     "MAX_LIMIT_CHARS",
     "READ_ARCHIVE",
+    "RECALL_TOOLS",
+    "SEARCH_ARCHIVE",
     "ArchiveId",
     "ArchiveParams",
     "ArchivePass",
@@ -73,7 +95,11 @@ __all__ = [
     "Marker",
     "MemoryBackend",
     "OversizedResult",
+    "SearchHit",
+    "SearchResult",
     "answer_read_archive",
+    "answer_recall_call",
+    "answer_search_archive",
     "archive_mid_turn",
     "archive_oversized",
     "archive_turn_start",
@@ -91,6 +117,13 @@ __all__ = [
     "read_archive_tool_openai",
     "read_archive_tool_spec",
     "read_slice",
+    "recall_tools_anthropic",
+    "recall_tools_openai",
     "restore",
+    "search",
+    "search_archive",
+    "search_archive_tool_anthropic",
+    "search_archive_tool_openai",
+    "search_archive_tool_spec",
     "turn_start_cutoff",
 ]

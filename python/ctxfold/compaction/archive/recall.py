@@ -20,10 +20,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ctxfold.chat.messages import Message, Role, ToolCall, ToolSpec
+from ctxfold.compaction.archive.search import (
+    MAX_ANSWER_CHARS,
+    SEARCH_ARCHIVE,
+    answer_search_archive,
+    search_archive_tool_anthropic,
+    search_archive_tool_openai,
+)
 from ctxfold.compaction.archive.store import ArchiveStore, is_valid_id
 from ctxfold.errors import ArchiveError, IntegrityError
 
 READ_ARCHIVE = "read_archive"
+RECALL_TOOLS = frozenset({READ_ARCHIVE, SEARCH_ARCHIVE})  # the tools ctxfold offers and answers
 DEFAULT_LIMIT_CHARS = 10_000  # about 2.5k tokens: a useful page that leaves room in a busy context
 MAX_LIMIT_CHARS = 100_000
 
@@ -74,6 +82,16 @@ def read_archive_tool_openai() -> dict[str, Any]:
 def read_archive_tool_anthropic() -> dict[str, Any]:
     """The tool definition in the Anthropic Messages ``tools`` format."""
     return {"name": READ_ARCHIVE, "description": _DESCRIPTION, "input_schema": dict(PARAMETERS_SCHEMA)}
+
+
+def recall_tools_openai() -> list[dict[str, Any]]:
+    """Both recall tools, read_archive and search_archive, in the OpenAI chat-completions format."""
+    return [read_archive_tool_openai(), search_archive_tool_openai()]
+
+
+def recall_tools_anthropic() -> list[dict[str, Any]]:
+    """Both recall tools in the Anthropic Messages format."""
+    return [read_archive_tool_anthropic(), search_archive_tool_anthropic()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,3 +197,15 @@ def answer_read_archive(store: ArchiveStore, call: ToolCall, *, message_id: str 
         name=READ_ARCHIVE,
         is_error=is_error,
     )
+
+
+def answer_recall_call(store: ArchiveStore, call: ToolCall, *, message_id: str = "",
+                       max_search_chars: int = MAX_ANSWER_CHARS) -> Message:
+    """The tool-result message answering a call of either recall tool (read_archive, search_archive);
+    any other name is answered with an error naming the two. ``max_search_chars`` bounds a search's answer."""
+    if call.name == SEARCH_ARCHIVE:
+        return answer_search_archive(store, call, message_id=message_id, max_chars=max_search_chars)
+    if call.name == READ_ARCHIVE:
+        return answer_read_archive(store, call, message_id=message_id)
+    return Message(role=Role.TOOL, content=f"Error: {call.name!r} is neither {READ_ARCHIVE!r} nor {SEARCH_ARCHIVE!r}.",
+                   id=message_id, tool_call_id=call.id, name=call.name, is_error=True)

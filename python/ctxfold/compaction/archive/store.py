@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NewType, Protocol
 
+from ctxfold.compaction.archive.index import INDEX_FILE, ArchiveIndex
 from ctxfold.errors import ArchiveError, IntegrityError
 
 ArchiveId = NewType("ArchiveId", str)
@@ -298,14 +299,23 @@ class ArchiveStore:
     that into "left inline" and report it. The first write failure is logged once per store, so a full
     disk does not flood the log with one line per tool output.
 
-    Not thread-safe: one conversation is compacted by one task at a time.
+    ``index_path``: where its search index is kept (:mod:`ctxfold.compaction.archive.index`); by
+    default beside the files of a local directory, and for any other backend a temporary database of
+    this process, rebuilt from the archive at its first search.
+
+    Not thread-safe: one conversation is compacted by one task at a time (the search index is).
     """
 
-    def __init__(self, location: str | os.PathLike[str] | Backend, **storage_options: Any) -> None:
+    def __init__(self, location: str | os.PathLike[str] | Backend, *,
+                 index_path: str | os.PathLike[str] | None = None, **storage_options: Any) -> None:
         if isinstance(location, (str, os.PathLike)):
             self.backend: Backend = open_backend(location, **storage_options)
         else:
             self.backend = location
+        if index_path is None and isinstance(self.backend, LocalBackend):
+            index_path = self.backend.root / INDEX_FILE
+        self.index_path = index_path
+        self._index: ArchiveIndex | None = None
         # Ids known to be stored: lets a pass over an already-compacted conversation skip the
         # per-marker stat (see passes.py). Only ever holds ids that were written or seen on disk.
         self._known: set[str] = set()
@@ -373,6 +383,13 @@ class ArchiveStore:
             raise IndexError(f"offset {offset_chars} is negative")
         end = len(text) if limit_chars is None else offset_chars + limit_chars
         return text[offset_chars:end]
+
+    @property
+    def search_index(self) -> ArchiveIndex:
+        """The archive's search index, opened at first use (no file is made before a search)."""
+        if self._index is None:
+            self._index = ArchiveIndex(self.index_path)
+        return self._index
 
     def ids(self) -> list[ArchiveId]:
         """The stored ids, sorted. Temp files and foreign files are not ids."""

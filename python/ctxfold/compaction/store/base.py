@@ -217,6 +217,11 @@ class Store(Protocol):
         """FileNotFoundError when absent."""
         ...
 
+    async def blob_names(self, session_id: str) -> list[str]:
+        """The names of the session's blobs (``archive/<sha256>.txt``, ``history/...``), sorted: what the
+        search index of an archive is kept in step with (:mod:`ctxfold.compaction.archive.index`)."""
+        ...
+
     async def acquire(self, session_id: str, *, owner: str, ttl_ms: int = DEFAULT_LEASE_MS,
                       new: bool = False) -> Lease | None:
         """The session's lease with a new fencing token, or None while another holder's lease runs.

@@ -39,6 +39,7 @@ from ctxfold.compaction.session import history_dump_text
 from ctxfold.compaction.store.base import Batch, StoredSession, check_session_id
 
 BlobFetch = Callable[[str], bytes]  # blob name -> bytes from the store; FileNotFoundError when absent
+BlobList = Callable[[], list[str]]  # the archive's blob names in the store (archive/<sha256>.txt); OSError when it cannot say
 
 
 class BufferedLog:
@@ -46,7 +47,8 @@ class BufferedLog:
     serialises access (as with :class:`Session`)."""
 
     def __init__(self, session_id: str, stored: StoredSession | None = None, *,
-                 fetch: BlobFetch | None = None, source: str = "store") -> None:
+                 fetch: BlobFetch | None = None, list_blobs: BlobList | None = None,
+                 source: str = "store") -> None:
         self.session_id = check_session_id(session_id)
         self.source = f"{source} {session_id}"
         self._stored = stored
@@ -58,6 +60,7 @@ class BufferedLog:
         self._events: list[Event] = []
         self._blobs: dict[str, bytes] = {}  # pending, in insertion order
         self._fetch = fetch
+        self._list_blobs = list_blobs
 
     # -- what the compactor calls (Session's surface) ---------------------------------------------
     def exists(self) -> bool:
@@ -161,4 +164,9 @@ class BufferedArchive:
         self._known.add(name)
 
     def names(self) -> Iterator[str]:
-        return iter(sorted(self._known | {b.split("/", 1)[1] for b in self.log._blobs if b.startswith("archive/")}))
+        """The names committed or fetched before and those pending; with the log's ``list_blobs``, every
+        name the store holds too (the search index asks: another replica may have archived some)."""
+        listed = self.log._list_blobs() if self.log._list_blobs is not None else []
+        stored = {b.split("/", 1)[1] for b in listed if b.startswith("archive/")}
+        return iter(sorted(self._known | stored | {b.split("/", 1)[1] for b in self.log._blobs
+                                                   if b.startswith("archive/")}))

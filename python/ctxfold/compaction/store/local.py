@@ -36,6 +36,7 @@ from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, ref
 from ctxfold.compaction.eventlog import Event, encode_event, event_seq, fold_events
 from ctxfold.compaction.session import ARCHIVE_DIR, EVENTS_FILE, HISTORY_DIR, Session
 from ctxfold.compaction.store.base import (
+    BLOB_NAME_PATTERN,
     DEFAULT_LEASE_MS,
     FSYNC_MODES,
     Batch,
@@ -195,6 +196,27 @@ class LocalStore:
 
     async def get_blob(self, session_id: str, name: str) -> bytes:
         return self.read_blob(session_id, name)
+
+    def list_blobs(self, session_id: str) -> list[str]:
+        """:meth:`blob_names`, synchronously (a directory listing, as quick as a thread hop)."""
+        folder = self._dir(session_id)
+        own_archive = session_id.rsplit("/", 1)[-1] == ARCHIVE_DIR  # its files are the blobs (_blob_path)
+        places = [(folder, ARCHIVE_DIR)] if own_archive else [(folder / ARCHIVE_DIR, ARCHIVE_DIR),
+                                                               (folder / HISTORY_DIR, HISTORY_DIR)]
+        out: list[str] = []
+        for place, kind in places:
+            try:
+                with os.scandir(place) as it:
+                    names = [f"{kind}/{e.name}" for e in it]
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise StoreUnavailable(f"{place}: {e.strerror or e}") from e
+            out.extend(n for n in names if BLOB_NAME_PATTERN.fullmatch(n))
+        return sorted(out)
+
+    async def blob_names(self, session_id: str) -> list[str]:
+        return self.list_blobs(session_id)
 
     def _quarantine(self, session_id: str, reason: str) -> None:
         LocalBackend(self._dir(session_id)).write_atomic(QUARANTINE_FILE, (reason + "\n").encode())

@@ -53,6 +53,7 @@ from ctxfold.compaction.eventlog import (
     fold_events,
 )
 from ctxfold.compaction.store.base import (
+    BLOB_NAME_PATTERN,
     DEFAULT_LEASE_MS,
     Batch,
     Lease,
@@ -388,6 +389,19 @@ class RedisStore:
         if data is None:
             raise FileNotFoundError(f"{self.url} {session_id}: no {name}")
         return data if isinstance(data, bytes) else data.encode()
+
+    async def blob_names(self, session_id: str) -> list[str]:
+        if self.blobs_url is not None:
+            backend = self._blob_backend(session_id)
+            try:
+                flat = await asyncio.to_thread(lambda: list(backend.names()))
+            except OSError as e:
+                raise StoreUnavailable(f"store {self.url}: listing {self.blobs_url} failed: {e}") from e
+            names = [n.replace("-", "/", 1) for n in flat]  # put_blob wrote "archive/x" as "archive-x"
+        else:
+            keys = await self._call("listing blobs", lambda: self.client.hkeys(self._key(session_id, "blobs")))
+            names = [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
+        return sorted(n for n in names if BLOB_NAME_PATTERN.fullmatch(n))
 
     def _blob_backend(self, session_id: str) -> Any:
         from ctxfold.compaction.archive.store import open_backend

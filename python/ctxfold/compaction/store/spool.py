@@ -256,6 +256,10 @@ class SpoolingStore:
     async def put_blob(self, session_id: str, name: str, data: bytes) -> None:
         await self.inner.put_blob(session_id, name, data)
 
+    async def blob_names(self, session_id: str) -> list[str]:
+        spooled = {n for entry in self._pending_for(session_id) for n, _ in entry.batch.blobs}
+        return sorted(spooled | set(await self.inner.blob_names(session_id)))
+
     async def get_blob(self, session_id: str, name: str) -> bytes:
         for entry in reversed(self._pending_for(session_id)):
             for n, data in entry.batch.blobs:
