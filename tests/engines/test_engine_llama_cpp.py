@@ -139,14 +139,20 @@ def test_prefix_reuse_equals_a_cold_prefill_over_several_compactions(model: Any,
         assert c.prefilled_tokens == len(ids) - plan.reuse_tokens < before
         assert seq.context.positions(0) == (0, len(ids) - 1)
         cuts = (c.rebuild.system_tokens, c.kept_tokens)
-        assert max_diff(c.logits, cold_logits(cold, ids, cuts)) <= EXACT_TOLERANCE
+        # Bit-identical where this CPU's kernels give a token the same values whatever batch it is in
+        # (measured 0 on an Intel Xeon). Where they do not (an AMD EPYC build: two cold prefills split
+        # at different points differ by ~1), the reused KV, computed in the batches it was appended in,
+        # cannot match a prefill split elsewhere that closely: the batching bound and the argmax hold it.
+        split_noise = max_diff(cold_logits(cold, ids, cuts), cold_logits(cold, ids, cuts[:1]))
+        exact_bound = EXACT_TOLERANCE if split_noise <= EXACT_TOLERANCE else BATCHING_TOLERANCE
+        assert max_diff(c.logits, cold_logits(cold, ids, cuts)) <= exact_bound, f"split noise {split_noise:.2e}"
         d = max_diff(c.logits, cold_logits(cold, ids))
         one_call.append(d)
         assert d <= BATCHING_TOLERANCE and int(np.argmax(c.logits)) == int(np.argmax(cold_logits(cold, ids)))
         # The sequence goes on from the re-synced KV as from a cold one.
         seq.append(model.tokenize("<start_of_turn>user\nGo on.<end_of_turn>\n"), SegmentKind.USER)
         want = cold_logits(cold, seq.sequence.ids(), (*cuts, len(ids)))
-        assert max_diff(seq.next_logits, want) <= EXACT_TOLERANCE
+        assert max_diff(seq.next_logits, want) <= exact_bound
     print(f"\nprefix reuse against a one-call cold prefill, max |logit diff| per compaction: "
           f"{[f'{d:.2e}' for d in one_call]}")
 

@@ -38,10 +38,12 @@ def test_the_default_accounting_adds_the_deepseek_frames() -> None:
     assert default_template(counter) is DEEPSEEK_V32
     assert default_template(load_counter("deepseek-v4")) is PLAIN  # an exact tokenizer counts what it is given
     conv = Conversation(messages=[Message(Role.USER, "hi")], system=None)
-    compactor = Compactor(conv)  # no counter, no template: the defaults
+    compactor = Compactor(conv)  # no counter, no template: the defaults (exact where installed)
     assert compactor.accounting.template is DEEPSEEK_V32
-    framed = RequestAccounting(counter, DEEPSEEK_V32).reset(conv)
-    assert compactor.accounting.total_tokens == framed > RequestAccounting(counter, PLAIN).reset(conv)
+    default = load_counter(DEFAULT_TOKENIZER)
+    framed = RequestAccounting(default, DEEPSEEK_V32).reset(conv)
+    assert compactor.accounting.total_tokens == framed > RequestAccounting(default, PLAIN).reset(conv)
+    assert RequestAccounting(counter, DEEPSEEK_V32).reset(conv) > RequestAccounting(counter, PLAIN).reset(conv)
 
 
 def test_default_count_bounds_every_deepseek_request(traces_dir: Path) -> None:
