@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 
 from ctxfold.chat import formats
 from ctxfold.chat.messages import ContentPart, Conversation, Message, Role, ToolCall
-from ctxfold.compaction.summarize import ExtractiveSummarizer, build_summary_request, extractive_summary
+from ctxfold.compaction.summarize import (
+    SUMMARY_TEXT_KEY,
+    ExtractiveSummarizer,
+    build_summary_request,
+    extractive_summary,
+)
 from ctxfold.compaction.summarize.extractive import _NOT_A_GOAL_RE
 from ctxfold.compaction.trail import TRAIL_TITLE
 
@@ -224,3 +229,12 @@ def test_cut_reason_says_whether_the_cap_left_facts_out(conversations: list[Conv
     small = [Message(Role.USER, "Rename foo to bar in util.py.")]
     r = s.summarize(build_summary_request(small, cap_tokens=4096))
     assert r.cut_reason == "none" and "Rename foo to bar in util.py." in r.text
+
+
+def test_a_model_summary_with_headings_is_carried_whole() -> None:
+    # A model's summary in markdown sections was read as one of the extractive summary's own: the sections
+    # it did not know (a plan, decisions) were dropped from every later summary.
+    said = "## Decisions\n- keep the cache keyed by path\n## Plan\n- rerun test_store.py after the fix"
+    earlier = Message(Role.USER, "[frame]", summary=True, extra={SUMMARY_TEXT_KEY: said})
+    text = extractive_summary([earlier, Message(Role.USER, "go on")], 2000)
+    assert "keep the cache keyed by path" in text and "rerun test_store.py after the fix" in text
