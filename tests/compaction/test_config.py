@@ -210,6 +210,7 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("tail.cap_tokens", -1, "-1 is out of range [0, inf)"),
     ("summary.max_tokens", 0, "0 is out of range [1, inf)"),
     ("summary.min_room_tokens", 0, "0 is out of range [1, inf)"),
+    ("summary.trail_max_tokens", 0, "0 is out of range [1, inf)"),
     ("summary.timeout_s", 0, "0.0 is out of range (0, inf)"),
     ("summary.low_water", 0, "0.0 is out of range (0, 1]"),
     ("summary.chunked", "no", "'no' is not a boolean"),

@@ -15,8 +15,14 @@ from hypothesis import strategies as st
 
 from ctxfold.chat import formats
 from ctxfold.chat.messages import ContentPart, Conversation, Message, Role, ToolCall
-from ctxfold.compaction.summarize import ExtractiveSummarizer, build_summary_request, extractive_summary
+from ctxfold.compaction.summarize import (
+    SUMMARY_TEXT_KEY,
+    ExtractiveSummarizer,
+    build_summary_request,
+    extractive_summary,
+)
 from ctxfold.compaction.summarize.extractive import _NOT_A_GOAL_RE
+from ctxfold.compaction.trail import TRAIL_TITLE
 
 _WS = re.compile(r"\s+")
 
@@ -108,7 +114,7 @@ def test_exit_codes_and_errors_from_mini_swe_agent(conversations: list[Conversat
     text = ExtractiveSummarizer().summarize(build_summary_request(c, cap_tokens=4096)).text
     codes = re.findall(r"-> exit (-?\d+)", text)
     assert codes and set(codes) <= {str(n) for n in range(-1, 256)}
-    assert "## Files" in text and "edited: pydicom/jsonrep.py" in text  # the file the fix went into
+    assert f"## {TRAIL_TITLE}" in text and "- pydicom/jsonrep.py (written): " in text  # where the fix went
 
 
 def test_real_tokenizer_cap(conversations: list[Conversation]) -> None:
@@ -207,10 +213,11 @@ def test_speed_on_two_thousand_real_messages(conversations: list[Conversation]) 
     assert sum(len(m.text) for m in msgs) > 500_000  # real tool outputs
     times = []
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         extractive_summary(msgs, 4096)
-        times.append(time.perf_counter() - t0)
-    # A few tens of milliseconds on a quiet core; the bound leaves room for a loaded CI machine.
+        times.append(time.process_time() - t0)
+    # About a hundred milliseconds of CPU with the artifact trail. CPU time, not wall time: on a shared
+    # machine (two cores, load 8) the wall time of the same work doubled and the bound measured the load.
     assert statistics.median(times) < 0.25, times
 
 
@@ -222,3 +229,12 @@ def test_cut_reason_says_whether_the_cap_left_facts_out(conversations: list[Conv
     small = [Message(Role.USER, "Rename foo to bar in util.py.")]
     r = s.summarize(build_summary_request(small, cap_tokens=4096))
     assert r.cut_reason == "none" and "Rename foo to bar in util.py." in r.text
+
+
+def test_a_model_summary_with_headings_is_carried_whole() -> None:
+    # A model's summary in markdown sections was read as one of the extractive summary's own: the sections
+    # it did not know (a plan, decisions) were dropped from every later summary.
+    said = "## Decisions\n- keep the cache keyed by path\n## Plan\n- rerun test_store.py after the fix"
+    earlier = Message(Role.USER, "[frame]", summary=True, extra={SUMMARY_TEXT_KEY: said})
+    text = extractive_summary([earlier, Message(Role.USER, "go on")], 2000)
+    assert "keep the cache keyed by path" in text and "rerun test_store.py after the fix" in text

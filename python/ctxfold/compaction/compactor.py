@@ -115,7 +115,9 @@ class Compactor:
         # The byte bound of the messages appended since the last count; not 0 exactly when there are
         # some (every message has a frame), so it also says that the accounting is stale.
         self._pending_bound_tokens = 0
-        self._extractive = ExtractiveSummarizer(counter=self.counter)  # the default and the fallback
+        # The default and the fallback.
+        self._extractive = ExtractiveSummarizer(counter=self.counter,
+                                                trail_max_tokens=self.config.summary.trail_max_tokens)
         self.summarizer: Summarizer = summarizer if summarizer is not None else self._extractive
         self.observer: Observer = observer if observer is not None else NullObserver()
         self.page_size_tokens = page_size_tokens

@@ -144,6 +144,9 @@ class SummaryConfig:
     # stay allows), well below the trigger lines, so a steady conversation compacts every few turns
     # instead of sitting at the line and compacting on every one. Tail and summary budgets derive from it.
     low_water: float = setting(0.6, Check(float, 0.0, 1.0, lo_open=True))
+    # The files the agent changed, added to every summary that leaves them out (ctxfold.compaction.trail):
+    # the section takes at most this many tokens, and at most a quarter of the summary.
+    trail_max_tokens: int = setting(512, _POS_INT)
 
     def __post_init__(self) -> None:
         validate_fields(self, self._SECTION)

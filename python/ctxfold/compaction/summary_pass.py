@@ -37,9 +37,11 @@ from ctxfold.compaction.summarize import (
     ExtractiveSummarizer,
     FallbackSummarizer,
     Summarizer,
+    SummaryRequest,
     SummaryResult,
     build_summary_request,
     contract_text,
+    with_trail,
 )
 from ctxfold.core.ledger import SegmentFlag
 from ctxfold.core.tail import SegmentTail, select_tail_from_ledger, widen_tail, widened_preview_chars
@@ -322,6 +324,8 @@ def summarize(c: Compactor, bottom: int, reason: str, mid_turn: bool, *,
                 failure = result.primary_failure
                 if failure is not None and result.detail:
                     failure = f"{failure} ({result.detail})"
+                if failure is None:  # a model wrote it: the files it leaves out are added
+                    return _with_trail(c, result, request)
                 return Summary(result.text, result.summarizer, result.cut_reason, failure)
     # The extractive summary takes no room in the window (no model writes it), so only the cap
     # binds; an eighth of the window at most, so the rebuilt view keeps room for the tail.
@@ -331,6 +335,16 @@ def summarize(c: Compactor, bottom: int, reason: str, mid_turn: bool, *,
     extractive = c._extractive.summarize(replace(request, max_tokens=cap, cap_tokens=cap),
                                          on_token=c.observer.summary_token)
     return Summary(extractive.text, extractive.summarizer, extractive.cut_reason, failure)
+
+
+def _with_trail(c: Compactor, result: SummaryResult, request: SummaryRequest) -> Summary:
+    """A model's summary with the artifact trail it leaves out (:func:`with_trail`), within the same cap."""
+    text, cut = with_trail(result.text, request.transcript, max_tokens=request.max_tokens, counter=c.counter,
+                           trail_max_tokens=c.config.summary.trail_max_tokens)
+    head = result.text.rstrip()
+    if text != result.text and text.startswith(head):
+        c.observer.summary_token(text[len(head):])  # streamed as the end of the summary it follows
+    return Summary(text, result.summarizer, request.limit_reason if cut else result.cut_reason, None)
 
 
 def tail_budget(c: Compactor, summary_text: str, besides_tokens: int) -> tuple[int, int]:

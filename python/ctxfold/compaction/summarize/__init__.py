@@ -34,6 +34,7 @@ from ctxfold.compaction.summarize.postprocess import (
     clean_summary,
     garbage_reason,
     trim_to_tokens,
+    with_trail,
 )
 from ctxfold.compaction.summarize.request import (
     FRAME_CLOSE,
@@ -101,4 +102,5 @@ __all__ = [
     "split_into_chunks",
     "to_openai_messages",
     "trim_to_tokens",
+    "with_trail",
 ]

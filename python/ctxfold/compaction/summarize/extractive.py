@@ -6,8 +6,8 @@ the summary contract, as far as rules can find it:
 
 - earlier summaries (repeated compactions keep their lineage);
 - the user's goals: the real user turns, trimmed (the first one, the task statement, gets the most room);
-- files edited and inspected (paths in tool-call arguments and shell commands), then files mentioned in
-  outputs;
+- the files the agent changed, with the last change to each (:mod:`ctxfold.compaction.trail`), sized first;
+- files inspected (paths in tool-call arguments and shell commands), then files mentioned in outputs;
 - commands run with their exit codes (mini-swe-agent ``<returncode>``, OpenHands ``exit code``, ...) and
   other tool calls with the head of their result;
 - errors seen (the exception line of a traceback, ``error:`` lines, failed exit codes);
@@ -40,14 +40,21 @@ from ctxfold.compaction.summarize.base import (
     failed,
     no_room,
 )
-from ctxfold.compaction.summarize.postprocess import trim_to_tokens
+from ctxfold.compaction.summarize.postprocess import (
+    TRAIL_MAX_TOKENS,
+    append_section,
+    trail_section,
+    trim_to_tokens,
+)
 from ctxfold.compaction.summarize.request import (
     INTERNAL_KEY,
     SUMMARY_TEXT_KEY,
     SummaryRequest,
     build_summary_request,
 )
+from ctxfold.compaction.trail import TRAIL_TITLE, artifact_trail, parse_trail
 
+_HEADER_OPENING = "Summary of the earlier conversation ("  # this module's own summaries start so
 _SCAN_CHARS = 2000  # chars scanned at each end of a large text
 _GOAL_FIRST_CHARS = 1500  # the first user turn is usually the task statement
 _GOAL_CHARS = 400
@@ -111,15 +118,11 @@ _SHELL_TOOLS = frozenset({
     "bash", "shell", "sh", "execute_bash", "run", "terminal", "execute_command", "run_command", "cmd", "exec",
     "execute", "run_shell_command", "shell_exec", "run_terminal_cmd", "bash_tool", "local_shell",
 })
-_EDIT_WORDS = ("edit", "write", "create", "replace", "patch", "insert", "apply", "update", "append", "delete")
-_EDIT_COMMANDS = frozenset({"create", "str_replace", "insert", "undo_edit", "write", "edit", "append"})
+_EDITOR_COMMANDS = frozenset({"create", "str_replace", "insert", "undo_edit", "write", "edit", "append", "view"})
 _PATH_KEYS = ("path", "file_path", "filepath", "filename", "file", "target_file", "notebook_path", "dir",
               "directory")
 _PATH_LIST_KEYS = ("paths", "files", "file_paths")
 _CMD_KEYS = ("command", "cmd", "script", "code")
-_SHELL_EDIT_RE = re.compile(r"(?:\bsed\s+-i|>>?|\btee\b|\bpatch\b|\bgit\s+apply\b|\btouch\b|\bmv\b|\bcp\b|"
-                            r"\brm\b|\bmkdir\b|\bcat\s*<<)")
-
 
 def _one_line(text: str, limit: int) -> str:
     s = _WS_RE.sub(" ", text[: 4 * limit + 64]).strip()  # only what can be shown is normalised
@@ -191,8 +194,7 @@ def _str_field(args: Any, keys: Sequence[str]) -> str | None:
 class _Facts:
     goals: list[str] = field(default_factory=list)
     earlier: list[str] = field(default_factory=list)
-    edited: dict[str, int] = field(default_factory=dict)  # path -> last message index
-    inspected: dict[str, int] = field(default_factory=dict)
+    inspected: dict[str, int] = field(default_factory=dict)  # path -> last message index
     mentioned: Counter[str] = field(default_factory=Counter)
     commands: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -211,8 +213,9 @@ def _carry(summary: str, f: _Facts) -> None:
     goals, so the task statement stays first; its files, commands and errors before the new ones),
     so repeated compactions keep the durable state without nesting summaries inside summaries.
     Stale notes and pending steps are dropped: the conversation since has superseded them. Any other
-    summary (a model's prose) is kept whole as an earlier summary.
-    """
+    summary (a model's prose, headings or not) is kept whole, but for its trail section (the trail reads it)."""
+    if (at := summary.find(f"## {TRAIL_TITLE}")) >= 0:
+        summary = summary[:at]
     sections: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in summary.strip().splitlines():
@@ -220,7 +223,7 @@ def _carry(summary: str, f: _Facts) -> None:
             current = sections.setdefault(line[3:].strip().lower(), [])
         elif line.startswith("- ") and current is not None:
             current.append(line[2:].strip())
-    if not sections:
+    if not sections or not summary.startswith(_HEADER_OPENING):
         if summary.strip():  # the acknowledgement that pairs a summary (Compactor) carries nothing
             f.earlier.append(summary.strip())
         return
@@ -228,9 +231,7 @@ def _carry(summary: str, f: _Facts) -> None:
     f.goals.extend(sections.get("user goals and constraints", ()))
     for item in sections.get("files", ()):
         kind, _, path = item.partition(": ")
-        if kind == "edited":
-            f.edited.setdefault(path, -1)
-        elif kind == "inspected":
+        if kind == "inspected":
             f.inspected.setdefault(path, -1)
         elif path:
             f.mentioned[path] += 1
@@ -363,10 +364,9 @@ def _note_call(f: _Facts, c: ToolCall, i: int) -> str:
             v = args.get(k)
             if isinstance(v, list):
                 paths.extend(x for x in v if isinstance(x, str))
-    sub = cmd if cmd in _EDIT_COMMANDS or cmd == "view" else None  # str_replace_editor's "command"
-    edits = (sub in _EDIT_COMMANDS) if sub else any(w in lname for w in _EDIT_WORDS)
-    for p in paths:
-        (f.edited if edits else f.inspected)[p.strip()] = i
+    sub = cmd if cmd in _EDITOR_COMMANDS else None  # str_replace_editor's "command"
+    for p in paths:  # the ones it changed are the trail's (and leave the inspected list there)
+        f.inspected[p.strip()] = i
     if cmd is not None and sub is None and (lname in _SHELL_TOOLS or not paths):
         _note_shell_paths(f, cmd, i)
         return f"`{_one_line(cmd, _CMD_CHARS)}`"
@@ -377,10 +377,8 @@ def _note_call(f: _Facts, c: ToolCall, i: int) -> str:
 
 
 def _note_shell_paths(f: _Facts, cmd: str, i: int) -> None:
-    head = cmd[: _SCAN_CHARS * 2]  # a heredoc can carry a whole file: the verbs and paths are at its start
-    target = f.edited if _SHELL_EDIT_RE.search(head) else f.inspected
-    for p in _find_paths(head):
-        target[p] = i
+    # A heredoc can carry a whole file: the paths that matter are at its start.
+    f.inspected.update(dict.fromkeys(_find_paths(cmd[: _SCAN_CHARS * 2]), i))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -403,17 +401,16 @@ def _first_then_recent(n: int) -> list[int]:
     return ([0] if n else []) + list(range(n - 1, 0, -1))
 
 
-def _sections(f: _Facts) -> list[_Section]:
+def _sections(f: _Facts, changed: set[str]) -> list[_Section]:
     # Unique: a carried summary and the transcript after it can both hold a goal (the summary also
     # covered the verbatim tail it was kept with).
     goals = [_one_line(g, _GOAL_FIRST_CHARS if k == 0 else _GOAL_CHARS) for k, g in enumerate(dict.fromkeys(f.goals))]
     earlier = [e if len(e) <= 4000 else e[:4000] + " …" for e in f.earlier]
     files: list[str] = []
-    edited = sorted(f.edited, key=lambda p: -f.edited[p])
-    inspected = sorted((p for p in f.inspected if p not in f.edited), key=lambda p: -f.inspected[p])
-    known = set(f.edited) | set(f.inspected)
+    inspected = sorted((p for p in f.inspected if p not in changed), key=lambda p: -f.inspected[p])
+    known = changed | set(f.inspected)
     mentioned = [p for p, _ in f.mentioned.most_common() if p not in known][:_MAX_MENTIONED]
-    files += [f"edited: {p}" for p in edited] + [f"inspected: {p}" for p in inspected]
+    files += [f"inspected: {p}" for p in inspected]
     files += [f"mentioned in output: {p}" for p in mentioned]
     commands = _dedupe_runs(f.commands)
     errors = list(dict.fromkeys(f.errors))  # unique, first occurrence order
@@ -493,37 +490,44 @@ def _render(sections: list[_Section], budget_chars: int, header: str) -> tuple[s
     return "\n".join(out).strip() + "\n", omitted
 
 
-def extractive_summary(messages: Sequence[Message], max_tokens: int, *, counter: TokenCounter | None = None) -> str:
-    """The extractive summary of ``messages`` in at most ``max_tokens`` tokens (``counter``, else chars/4).
+def extractive_summary(messages: Sequence[Message], max_tokens: int, *, counter: TokenCounter | None = None,
+                       trail_max_tokens: int = TRAIL_MAX_TOKENS) -> str:
+    """The extractive summary of ``messages`` in at most ``max_tokens`` tokens (``counter``, else chars/4), its
+    trail section in at most min(``trail_max_tokens``, ``max_tokens`` / 4). Never raises on message content:
+    the rules only read text. The result may be shorter than the cap; it is never longer."""
+    return _extract(messages, max_tokens, counter, trail_max_tokens)[0]
 
-    Never raises on message content: the rules only read text. The result may be shorter than the cap; it is
-    never longer."""
-    return _extract(messages, max_tokens, counter)[0]
 
-
-def _extract(messages: Sequence[Message], max_tokens: int, counter: TokenCounter | None) -> tuple[str, bool]:
+def _extract(messages: Sequence[Message], max_tokens: int, counter: TokenCounter | None,
+             trail_max_tokens: int = TRAIL_MAX_TOKENS) -> tuple[str, bool]:
     """The summary, and whether the cap made it leave something out."""
     if max_tokens < 1:
         return "", True
-    header = f"Summary of the earlier conversation ({len(messages)} messages), extracted without a model."
+    header = f"{_HEADER_OPENING}{len(messages)} messages), extracted without a model."
     facts = _collect(messages)
-    budget_chars = max_tokens * 4  # chars/4 is the first guess; a real counter corrects it below
-    text = ""
+    trail = artifact_trail(messages)
+    # The trail is sized first: it is what every other summary loses, and the rest fits around it.
+    section = trail_section(trail, min(trail_max_tokens, max_tokens // 4), counter)
+    body_tokens = max_tokens - (count_tokens(counter, section) + 1 if section else 0)
+    budget_chars = body_tokens * 4  # chars/4 is the first guess; a real counter corrects it below
     for _ in range(4):
-        text, omitted = _render(_sections(facts), budget_chars, header)
+        text, omitted = _render(_sections(facts, {c.path for c in trail}), budget_chars, header)
         n = count_tokens(counter, text)
-        if n <= max_tokens:
-            return text, omitted > 0
-        budget_chars = int(budget_chars * max_tokens / n * 0.95)
-    return trim_to_tokens(text, max_tokens, counter), True
+        if n <= body_tokens:
+            break
+        budget_chars = int(budget_chars * body_tokens / n * 0.95)
+    else:
+        text, omitted = trim_to_tokens(text, body_tokens, counter), 1
+    joined, cut = append_section(text, section, max_tokens, counter)
+    return joined, omitted > 0 or cut or len(parse_trail(section)) < len(trail)
 
 
-def safe_extractive_summary(messages: Sequence[Message], max_tokens: int, *,
-                            counter: TokenCounter | None = None) -> tuple[str, bool]:
+def safe_extractive_summary(messages: Sequence[Message], max_tokens: int, *, counter: TokenCounter | None = None,
+                            trail_max_tokens: int = TRAIL_MAX_TOKENS) -> tuple[str, bool]:
     """:func:`extractive_summary`, and if a rule ever trips on input nobody foresaw, a minimal summary (the
     user turns) instead of an exception: this is the last line of the fallback chain."""
     try:
-        return _extract(messages, max_tokens, counter)
+        return _extract(messages, max_tokens, counter, trail_max_tokens)
     except Exception:  # noqa: BLE001 - the fallback of the fallback must not raise
         goals = [_one_line(m.text, _GOAL_CHARS) for m in messages if m.role is Role.USER and isinstance(m.text, str)]
         text = f"Summary of the earlier conversation ({len(messages)} messages).\n" + "\n".join(
@@ -534,8 +538,9 @@ def safe_extractive_summary(messages: Sequence[Message], max_tokens: int, *,
 class ExtractiveSummarizer:
     """The summarizer without a model. Stateless and thread-safe; ``on_token`` gets the whole text at once."""
 
-    def __init__(self, *, counter: TokenCounter | None = None) -> None:
+    def __init__(self, *, counter: TokenCounter | None = None, trail_max_tokens: int = TRAIL_MAX_TOKENS) -> None:
         self._counter = counter
+        self._trail_max_tokens = trail_max_tokens
 
     @property
     def name(self) -> str:
@@ -566,7 +571,8 @@ class ExtractiveSummarizer:
     def summarize_messages(self, messages: Sequence[Message], max_tokens: int) -> SummaryResult:
         """The same without a request object (the fallback path uses it)."""
         t0 = time.perf_counter()
-        text, capped = safe_extractive_summary(messages, max_tokens, counter=self._counter)
+        text, capped = safe_extractive_summary(messages, max_tokens, counter=self._counter,
+                                               trail_max_tokens=self._trail_max_tokens)
         return self._result(text, capped, t0, build_summary_request(messages, cap_tokens=max(1, max_tokens)))
 
     def _run(self, request: SummaryRequest, on_token: TokenCallback | None,
@@ -576,7 +582,8 @@ class ExtractiveSummarizer:
             return failed(self.name, "cancelled", 0.0)
         if (refused := no_room(self.name, request)) is not None:
             return refused
-        text, capped = safe_extractive_summary(request.transcript, request.max_tokens, counter=self._counter)
+        text, capped = safe_extractive_summary(request.transcript, request.max_tokens, counter=self._counter,
+                                               trail_max_tokens=self._trail_max_tokens)
         result = self._result(text, capped, t0, request)
         if result.ok and on_token is not None:
             on_token(result.text)

@@ -8,15 +8,23 @@ can be split across pieces, so the cutter holds back any tail that could still b
 text it may have to take back.
 
 :func:`garbage_reason` says why a finished answer is not a usable summary (empty, markup only, a loop).
+
+:func:`with_trail` adds to a finished summary the files the agent changed that it leaves out (the artifact
+trail, :mod:`ctxfold.compaction.trail`), so every summary carries them whoever wrote it.
 """
 
 from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Sequence
 
+from ctxfold.chat.messages import Message
 from ctxfold.compaction.summarize.base import CutReason, SummaryResult, TokenCounter, count_tokens, failed
 from ctxfold.compaction.summarize.request import SUMMARY_CONTRACT
+from ctxfold.compaction.trail import FileChange, artifact_trail, mentions, render_trail
+
+TRAIL_MAX_TOKENS = 512  # summary.trail_max_tokens: the most a summary's trail section takes
 
 # Markers where the model tries to leave the summary. ｜ is U+FF5C, ▁ is U+2581 (DeepSeek's specials).
 CONTROL_MARKERS: tuple[str, ...] = (
@@ -256,3 +264,46 @@ def result_from_cutter(cutter: StreamCutter, name: str, seconds: float, counter:
         return failed(name, bad, seconds, detail="; ".join(x for x in (detail, extra) if x) or None)
     return SummaryResult(text=text, ok=True, failure=None, cut_reason=cutter.cut_reason,
                          num_tokens=count_tokens(counter, text), seconds=seconds, summarizer=name, detail=detail)
+
+
+def trail_section(trail: Sequence[FileChange], max_tokens: int, counter: TokenCounter | None) -> str:
+    """The trail section in at most ``max_tokens`` tokens: the newest changes that fit ("" if none does)."""
+    max_chars = max(0, max_tokens) * 4  # chars/4 is the first guess; a real counter corrects it below
+    for _ in range(4):
+        section = render_trail(trail, max_chars=max_chars)
+        n = count_tokens(counter, section)
+        if n <= max_tokens:
+            return section
+        max_chars = int(max_chars * max_tokens / n * 0.95)
+    return ""
+
+
+def append_section(text: str, section: str, max_tokens: int, counter: TokenCounter | None) -> tuple[str, bool]:
+    """``text`` and ``section`` in at most ``max_tokens`` tokens: the section whole, the text cut to make
+    room where it must. Returns (the joined text, whether ``text`` was cut)."""
+    if not section:
+        return text, False
+    room = max_tokens - count_tokens(counter, section) - 1
+    cut = False
+    for _ in range(4):
+        body = trim_to_tokens(text, max(0, room), counter)
+        cut = cut or len(body) < len(text)
+        joined = (body.rstrip() + "\n\n" + section) if body.strip() else section
+        over = count_tokens(counter, joined) - max_tokens
+        if over <= 0:
+            return joined, cut
+        room -= over  # tokens can merge or split at the seam: shorten by what it came out over
+    return trim_to_tokens(joined, max_tokens, counter), True
+
+
+def with_trail(text: str, transcript: Sequence[Message], *, max_tokens: int, counter: TokenCounter | None,
+               trail_max_tokens: int = TRAIL_MAX_TOKENS) -> tuple[str, bool]:
+    """A summary of ``transcript`` with the files the agent changed that it does not name, newest first, in
+    a section of at most min(``trail_max_tokens``, ``max_tokens`` / 4) tokens; the whole stays within
+    ``max_tokens`` (the summary's own text is cut at its end when it must make room). A summary that names
+    every changed file comes back unchanged. Returns (the text, whether the summary's own text was cut)."""
+    missing = [c for c in artifact_trail(transcript) if not mentions(text, c.path)]
+    if not missing:
+        return text, False
+    section = trail_section(missing, min(trail_max_tokens, max_tokens // 4), counter)
+    return append_section(text, section, max_tokens, counter)
