@@ -31,6 +31,7 @@ from ctxfold.compaction.summarize import (
     split_into_chunks,
     to_openai_messages,
     trim_to_tokens,
+    with_trail,
 )
 
 __all__ = [
@@ -64,4 +65,5 @@ __all__ = [
     "split_into_chunks",
     "to_openai_messages",
     "trim_to_tokens",
+    "with_trail",
 ]
