@@ -96,11 +96,13 @@ def run_agent(base_url: str, workdir: Path, *, steps: int, max_tokens: int, on_c
     """mini-swe-agent for ``steps`` model calls against ``base_url`` (ending in ``/v1``), its commands run in
     ``workdir``. An exception from the model (a refusal) ends the run; it is kept in ``error``."""
     require_mini_swe_agent()
+    import litellm
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.config import get_config_from_spec
     from minisweagent.environments.local import LocalEnvironment
     from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
 
+    litellm.suppress_debug_info = True  # else a "Provider List" banner per call for a model it has no price for
     run = AgentRun()
 
     class ReadOnlyEnvironment(LocalEnvironment):
