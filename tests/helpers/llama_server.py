@@ -49,13 +49,15 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: P
 
 
 def start_llama_server(gguf: Path, log: Path, *, n_ctx: int = 4096, threads: int = 2,
-                       chat_format: str = "gemma") -> tuple[subprocess.Popen[bytes], str]:
+                       chat_format: str = "gemma", decode_threads: int | None = None
+                       ) -> tuple[subprocess.Popen[bytes], str]:
     """llama_cpp.server on a free loopback port; returns the process and its base URL (``.../v1``).
-    Its stderr (the prefix-match lines) goes to ``log``."""
+    Its stderr (the prefix-match lines) goes to ``log``. ``threads`` evaluate prompts, ``decode_threads``
+    (default: as many) generate."""
     port = free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model", str(gguf), "--n_ctx", str(n_ctx),
-           "--chat_format", chat_format, "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-           "--n_threads_batch", str(threads), "--seed", "0"]
+           "--chat_format", chat_format, "--host", "127.0.0.1", "--port", str(port),
+           "--n_threads", str(decode_threads or threads), "--n_threads_batch", str(threads), "--seed", "0"]
     base = f"http://127.0.0.1:{port}"
     return launch(cmd, log, base + "/v1/models"), base + "/v1"
 
