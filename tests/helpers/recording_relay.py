@@ -111,14 +111,22 @@ class RecordingRelay:
                 resp = web.StreamResponse(status=up.status, headers={
                     "Content-Type": up.headers.get("Content-Type", "application/json")})
                 await resp.prepare(request)
+                client_left = False
                 async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
+                    try:
+                        await resp.write(chunk)
+                    except ConnectionError:
+                        # The proxy stops reading a summary at its cap or a control boundary and
+                        # closes the connection: the engine is told by closing ours.
+                        client_left = True
+                        break
             # llama-cpp-python prints its timings about when it sends the answer's last byte: wait for them,
             # and end the answer once the request is recorded, so a client that has it finds the record.
             log_text = await self._log_since(start)
             if request.method == "POST" and raw:
                 self.relayed.append(Relayed(request.path, json.loads(raw), up.status, engine_figures(log_text)))
-            await resp.write_eof()
+            if not client_left:
+                await resp.write_eof()
         return resp
 
     async def _log_since(self, start: int, wait_s: float = 2.0) -> str:
