@@ -5,6 +5,7 @@ another replica."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,23 @@ def search_call(call_id: str, query: str, **args: Any) -> dict[str, Any]:
             "function": {"name": SEARCH_ARCHIVE, "arguments": json.dumps({"query": query, **args})}}
 
 
+def answered(session: Any, answers: int) -> None:
+    """Wait until ``session`` holds ``answers`` assistant messages: an answer is recorded just after the
+    client has it, and a request sent before that would start a branch of its own."""
+    deadline = time.monotonic() + 10
+    while sum(m.role.value == "assistant" for m in session.compactor.originals) < answers:
+        assert time.monotonic() < deadline, "the answer was never recorded"
+        time.sleep(0.01)
+
+
 def archived(app: ProxyApp, text: str, url: str, headers: dict[str, str] | None = None) -> str:
     """``text`` put in the archive of the conversation that opened with "start" (the one loaded), and
     committed by that conversation's next request."""
     session = app.sessions.loaded()[-1]
+    answered(session, 1)
     aid = session.compactor.store.put(text)
     post(url, chat(("user", "start"), ("assistant", "echo: start"), ("user", "next")), headers=headers)
+    answered(session, 2)
     return aid
 
 
@@ -138,8 +150,11 @@ def test_the_messages_api_search_is_answered_by_the_proxy(upstream: tuple[Script
         history: list[dict[str, Any]] = [{"role": "user", "content": "start"},
                                          {"role": "assistant", "content": "echo: start"},
                                          {"role": "user", "content": "next"}]
-        aid = app.sessions.loaded()[-1].compactor.store.put(SECRET)
+        session = app.sessions.loaded()[-1]
+        answered(session, 1)
+        aid = session.compactor.store.put(SECRET)
         c.messages.create(model="m", max_tokens=64, messages=history)  # commits the archived output
+        answered(session, 2)
         history += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "what failed?"}]
         for stream in (False, True):
             up.messages_script = [
