@@ -184,7 +184,8 @@ class RequestAccounting:
         # Whether the template refuses two user messages in a row: a rewrite then frames its summary
         # as a user/assistant pair (ctxfold's presets accept any order).
         self.alternates_roles = self._jinja is not None and self._jinja.alternates_roles
-        self._special_extra = _special_extra_tokens(counter, self.renderer.specials)
+        # A preset's control tokens may be another model's; a Jinja template's come from its own tokenizer.
+        self._special_extra = {} if self._jinja is not None else _special_extra_tokens(counter, self.renderer.specials)
         self._segs: list[Segment] = []  # Jinja: every message's segment, as last derived
         self._jinja_suffix: Segment = ()
         self._next_check = _FIRST_CHECK_MESSAGES
