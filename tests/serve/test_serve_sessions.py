@@ -509,6 +509,29 @@ def test_a_client_sending_back_different_tool_calls_stays_in_one_family(
     assert len(Session(last).restore().messages) == len(history) - 2 - 1 + 1  # the last request's, and its answer
 
 
+def test_a_client_that_drops_the_answers_has_its_history_summarized(upstream: tuple[ScriptedUpstream, str],
+                                                                     tmp_path: Path) -> None:
+    """mini-swe-agent leaves a malformed answer out of its history and sends the next observation: no
+    request carries an answer, so each forks from the one before. What went out was seen by the model
+    all the same: the automatic passes summarize it, and the window guard has nothing left to do."""
+    up, url = upstream
+    app, srv = start_proxy(url, tmp_path / "data", compact=CompactConfig(context_tokens=4096))
+    try:
+        turns: list[tuple[str, str]] = [("user", "Fix the failing test in the repository.")]
+        for k in range(24):
+            answer(post(srv.url, chat(*turns)))
+            settle(app)
+            turns.append(("user", f"observation {k}: " + f"line {k} of the build log, unchanged. " * 30))
+        metrics = httpx.get(f"{srv.url}/metrics").text
+    finally:
+        srv.close()
+    assert app.sessions.num_forks >= 20
+    summaries = {trigger: metric(metrics, "ctxfold_compactions_total", kind="summary", trigger=trigger) or 0
+                 for trigger in ("soft", "hard", "turn_start", "guard")}
+    assert summaries["guard"] == 0 and sum(summaries.values()) >= 1, summaries
+    assert max(up.prompt_tokens_seen) <= 4096
+
+
 # -- faults ----------------------------------------------------------------------------------------------------
 
 def test_a_corrupt_session_is_set_aside_and_the_rest_keep_serving(

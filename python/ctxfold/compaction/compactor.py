@@ -33,7 +33,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ctxfold.chat.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.compaction import archive_pass as archive
@@ -60,7 +60,7 @@ from ctxfold.compaction.rebuild import (
     keep_turns_alternating,
     resume_message,
 )
-from ctxfold.compaction.session import Session, ViewEntry
+from ctxfold.compaction.session import Session, SessionLog, ViewEntry
 from ctxfold.compaction.summarize import ExtractiveSummarizer, Summarizer
 from ctxfold.compaction.summary_pass import summary_pass
 from ctxfold.compaction.view import (
@@ -75,9 +75,6 @@ from ctxfold.tokens.accounting import RequestAccounting
 from ctxfold.tokens.counting import DEFAULT_TOKENIZER, TokenCounter, load_counter
 from ctxfold.tokens.templates import ChatTemplate
 from ctxfold.tokens.templates.jinja import JinjaChatTemplate
-
-if TYPE_CHECKING:
-    from ctxfold.compaction.store.buffer import BufferedLog
 
 # The records and pieces users import from here, where they were first defined.
 __all__ = ["GUARD_STEPS", "MIN_SHIFT_TOKENS", "SAMPLE_ARCHIVE_ID", "SUMMARY_ACKNOWLEDGEMENT", "AppendResult",
@@ -99,7 +96,7 @@ class Compactor:
         template: ChatTemplate | JinjaChatTemplate | None = None,
         summarizer: Summarizer | None = None,
         session_dir: str | Path | None = None,
-        session_log: BufferedLog | None = None,
+        session_log: SessionLog | None = None,
         store: ArchiveStore | None = None,
         durable: bool = True,
         fsync_appends: bool = True,
@@ -146,7 +143,7 @@ class Compactor:
         self.min_gain_waits = 0  # automatic summaries the minimum-gain rule put off (compaction.cost)
 
         # The event log: a session directory, or a buffer a session store commits (ctxfold.compaction.store.buffer).
-        self.session: Session | BufferedLog | None = session_log
+        self.session: SessionLog | None = session_log
         if session_dir is not None:
             if session_log is not None:
                 raise ValueError("give session_dir or session_log, not both")
@@ -154,9 +151,7 @@ class Compactor:
         # The archive: given (shared by several sessions, or on object storage), else the session's
         # own directory (or the store's, through the buffer), else memory.
         if store is None:
-            store = ArchiveStore(self.session.archive_dir if isinstance(self.session, Session)
-                                 else self.session.archive_backend() if self.session is not None
-                                 else MemoryBackend())
+            store = ArchiveStore(self.session.archive_backend() if self.session is not None else MemoryBackend())
         self.store = store
 
         if self.session is not None and self.session.exists():
@@ -322,6 +317,16 @@ class Compactor:
         judges it as it judged that request (a turn start stays one: no resume instruction)."""
         with self._lock:
             self.state.mark_unseen(first_original)
+
+    def seen_originals(self) -> int:
+        """How many leading originals the model has seen (they went out in a request)."""
+        with self._lock:
+            return self.state.seen_originals()
+
+    def mark_seen(self, num_originals: int) -> None:
+        """The model saw the first ``num_originals`` originals, none after (a fork's parent sent them)."""
+        with self._lock:
+            self.state.mark_seen(num_originals)
 
     def conversation(self) -> Conversation:
         """The current view as a conversation (what the next request sends)."""

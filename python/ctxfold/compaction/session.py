@@ -31,12 +31,12 @@ import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from ctxfold import fastjson
 from ctxfold.chat.codec import encode_conversation_header, encode_message
 from ctxfold.chat.messages import Conversation, Message
-from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, refuse_symlink
+from ctxfold.compaction.archive.store import Backend, LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compaction.eventlog import (
     LOG_VERSION,
     Event,
@@ -49,8 +49,8 @@ from ctxfold.compaction.eventlog import (
     load_events,
 )
 
-__all__ = ["ARCHIVE_DIR", "EVENTS_FILE", "HISTORY_DIR", "LOG_VERSION", "ResumedState", "Session", "ViewEntry",
-           "history_dump_text"]
+__all__ = ["ARCHIVE_DIR", "EVENTS_FILE", "HISTORY_DIR", "LOG_VERSION", "ResumedState", "Session", "SessionLog",
+           "ViewEntry", "history_dump_text"]
 
 EVENTS_FILE = "events.jsonl"
 HISTORY_DIR = "history"
@@ -76,6 +76,27 @@ def history_dump_text(messages: Sequence[Message], conversation: Conversation, *
     header = {"type": "header", "first_index": first_index, "previous": previous,
               "conversation": encode_conversation_header(conversation)}
     return "".join(fastjson.dumps_text(line, separators=None) + "\n" for line in [header, *map(encode_message, messages)])
+
+
+class SessionLog(Protocol):
+    """Where a compactor writes its conversation's events, and reads them back to resume: a session
+    directory (:class:`Session`), or a buffer a session store commits
+    (:class:`ctxfold.compaction.store.buffer.BufferedLog`). Both write the same records
+    (:class:`ctxfold.compaction.eventlog.EventBuilder`)."""
+
+    def exists(self) -> bool: ...
+    def load(self) -> ResumedState: ...
+    def create(self, conversation: Conversation) -> None: ...
+    def append_messages(self, messages: Iterable[Message]) -> None: ...
+    def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
+                           first_index: int = 0, previous: str | None = None) -> Path: ...
+    def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
+                 state: dict[str, Any], figures: dict[str, Any] | None = None) -> None: ...
+    def log_state(self, state: dict[str, Any]) -> None: ...
+    def archive_backend(self) -> Backend:
+        """Where the session's archived outputs go when the compactor is given no archive of its own."""
+        ...
+    def close(self) -> None: ...
 
 
 class Session:
@@ -105,6 +126,9 @@ class Session:
     @property
     def archive_dir(self) -> Path:
         return self.root / ARCHIVE_DIR
+
+    def archive_backend(self) -> LocalBackend:
+        return LocalBackend(self.archive_dir)
 
     def exists(self) -> bool:
         return self.events_path.is_file()

@@ -95,6 +95,22 @@ class ViewState:
                 self.first_unseen = self.view[i]
                 return
 
+    def seen_originals(self) -> int:
+        """How many leading originals the model has seen: the first unseen message's original (the first
+        one shown after it when ctxfold wrote it), every original when it saw all."""
+        for origin in self.origins[self.unseen_start():]:
+            if origin >= 0:
+                return origin
+        return len(self.originals)
+
+    def mark_seen(self, num_originals: int) -> None:
+        """The model has seen the first ``num_originals`` originals and none after them."""
+        self.first_unseen = None
+        for i, origin in enumerate(self.origins):
+            if origin >= num_originals:
+                self.first_unseen = self.view[i]
+                return
+
     def at_turn_start(self) -> bool:
         return any(m.is_user_turn for m in self.view[self.unseen_start():])
 

@@ -442,6 +442,10 @@ class StoredSessions:
         except BaseException:
             await self._abandon(lease)
             raise
+        # What went out in the parent's requests was seen, answered or not: a client that leaves the
+        # answers out of its history (mini-swe-agent drops a malformed one) forks at every request, and
+        # a fork that counted its prefix unseen would never summarize it, leaving it all to the guard.
+        compactor.mark_seen(min(num_common, parent.compactor.seen_originals()))
         s = ProxySession(key, self._store_path(session_id), compactor, calibration=parent.calibration,
                          inject_recall=parent.inject_recall, store_id=session_id, log=blog, lease=lease,
                          token=lease.token)

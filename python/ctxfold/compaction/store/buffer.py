@@ -1,8 +1,7 @@
 """How the synchronous compactor writes to an asynchronous store: into a buffer the proxy commits.
 
-A :class:`BufferedLog` offers the compactor what :class:`ctxfold.compaction.session.Session` offers it (create,
-load, append_messages, write_history_dump, log_view, log_state, close) and keeps what it is given in
-memory: event records with the next seqs, and history dumps (and archived outputs, through
+A :class:`BufferedLog` is a :class:`ctxfold.compaction.session.SessionLog`, as a session directory is, and keeps
+what it is given in memory: event records with the next seqs, and history dumps (and archived outputs, through
 :meth:`BufferedLog.archive_backend`) as blobs. The proxy takes the batch with :meth:`BufferedLog.take`
 and commits it with one ``await store.append(lease, batch)`` before it answers the client.
 
@@ -62,7 +61,7 @@ class BufferedLog:
         self._fetch = fetch
         self._list_blobs = list_blobs
 
-    # -- what the compactor calls (Session's surface) ---------------------------------------------
+    # -- what the compactor calls (SessionLog) ---------------------------------------------
     def exists(self) -> bool:
         return self._exists
 
