@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from helpers import sdk_clients
 from helpers import synthetic_traces as synthetic
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -93,3 +94,11 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def close_sdk_clients() -> Iterator[None]:
+    """Closes the SDK clients a test made (tests/helpers/sdk_clients.py): their sockets, left to the
+    garbage collector, would fail whichever later test it runs in."""
+    yield
+    sdk_clients.close_all()

@@ -35,6 +35,7 @@ from ctxfold.compaction.config import CompactConfig
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, deepseek_counter
 from helpers.proxy_helpers import serve_in_background
+from helpers.sdk_clients import anthropic_client
 from helpers.subprocess_env import ctxfold_env
 
 SYSTEM = ("You are Claude Code, Anthropic's official CLI for Claude. (The transcript does not record the "
@@ -114,7 +115,6 @@ def restore(session_dir: Path) -> list[dict[str, Any]]:
 
 def replay(convs: list[Conversation], context_tokens: int, data_dir: Path) -> Figures:
     """Every conversation's requests through one proxy, in turn; the figures, restores compared."""
-    import anthropic
 
     count = deepseek_counter()
     up = ScriptedUpstream(context_tokens=context_tokens, count_tokens=count)
@@ -125,8 +125,7 @@ def replay(convs: list[Conversation], context_tokens: int, data_dir: Path) -> Fi
         proxy = ProxyApp(ProxyConfig(upstream=upstream.url, data_dir=data_dir, compact=compact,
                                      tokenizer="deepseek-v4", summarizer="extractive", fsync="never"))
         with serve_in_background(proxy) as srv:
-            client = anthropic.Anthropic(base_url=srv.url, api_key="sk-replay", max_retries=0,
-                                         default_headers={"anthropic-beta": BETA})
+            client = anthropic_client(srv.url, api_key="sk-replay", default_headers={"anthropic-beta": BETA})
             for conv in convs:
                 for messages, answer in requests_of(conv):
                     with client.messages.stream(

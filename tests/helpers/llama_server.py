@@ -146,7 +146,9 @@ def replay(base_url: str, conversations: list[list[str]], *, max_tokens: int, en
     whose request is refused as too long for the window is left there when ``stop_on_rejection``."""
     import openai
 
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=900.0)
+    from helpers.sdk_clients import openai_client
+
+    client = openai_client(base_url, api_key="unused", timeout=900.0)
     out: list[TurnResult] = []
     log_pos = engine_log.stat().st_size if engine_log is not None else 0
     for ci, turns in enumerate(conversations):

@@ -121,7 +121,8 @@ def test_proxy_before_llama_server_counts_what_the_engine_sees(engine: tuple[str
     try:
         report = probe_report(base)
         proxied = replay(base + "/v1", [turns], max_tokens=MAX_TOKENS, engine_log=engine_log, stream_every=4)
-        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
     finally:
         stop(proxy)
     proxy_log = (tmp_path / "proxy.log").read_text()
@@ -155,7 +156,8 @@ def test_engine_check_names_a_template_the_engine_does_not_use(engine: tuple[str
     proxy, base = start_proxy(engine_url, gguf, "gemma-3", tmp_path / "data", tmp_path / "proxy.log")
     try:
         report = probe_report(base)
-        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
     finally:
         stop(proxy)
     assert report["state"] == "differ", report

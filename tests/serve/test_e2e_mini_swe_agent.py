@@ -127,7 +127,8 @@ def test_mini_swe_agent_through_the_proxy_outlasts_the_window(engine: tuple[str,
     proxy, base = start_proxy(engine_url, gguf, tmp_path)
     try:
         run = run_agent(base + "/v1", tmp_path / "work", steps=STEPS, max_tokens=MAX_TOKENS)
-        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
     finally:
         stop(proxy)
     print_run("proxied", run)

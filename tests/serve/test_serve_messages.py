@@ -21,12 +21,13 @@ from ctxfold.serve import ProxyApp
 from ctxfold.serve.anthropic import count_breakpoints
 from ctxfold.serve.testing import ScriptedUpstream
 from helpers.proxy_helpers import start_proxy
+from helpers.sdk_clients import anthropic_client
 
 anthropic = pytest.importorskip("anthropic")
 
 
 def client(url: str, **headers: str) -> Any:
-    return anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0, default_headers=headers)
+    return anthropic_client(url, default_headers=headers)
 
 
 @pytest.fixture()

@@ -21,6 +21,7 @@ from ctxfold.serve import ProxyApp
 from ctxfold.serve.responses import RESPONSES
 from ctxfold.serve.testing import ScriptedUpstream
 from helpers.proxy_helpers import metric, start_proxy
+from helpers.sdk_clients import openai_client
 
 openai = pytest.importorskip("openai")
 
@@ -29,7 +30,7 @@ TOOLS = [{"type": "function", "name": "bash", "description": "run a command",
 
 
 def client(url: str) -> Any:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=0)
+    return openai_client(f"{url}/v1")
 
 
 @pytest.fixture()

@@ -18,6 +18,7 @@ from ctxfold.serve import ProxyApp
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.testing import ScriptedUpstream
 from helpers.proxy_helpers import chat, post, start_proxy, started_proxies
+from helpers.sdk_clients import anthropic_client, openai_client
 
 pytest.importorskip("regex")
 
@@ -141,11 +142,11 @@ def test_tenants_search_only_their_own_archive(upstream: tuple[ScriptedUpstream,
 
 def test_the_messages_api_search_is_answered_by_the_proxy(upstream: tuple[ScriptedUpstream, str],
                                                         tmp_path: Path) -> None:
-    anthropic = pytest.importorskip("anthropic")
+    pytest.importorskip("anthropic")
     up, upstream_url = upstream
     app, srv = start_proxy(upstream_url, tmp_path / "data")
     try:
-        c = anthropic.Anthropic(base_url=srv.url, api_key="sk-test", max_retries=0)
+        c = anthropic_client(srv.url)
         c.messages.create(model="m", max_tokens=64, messages=[{"role": "user", "content": "start"}])
         history: list[dict[str, Any]] = [{"role": "user", "content": "start"},
                                          {"role": "assistant", "content": "echo: start"},
@@ -208,11 +209,11 @@ def test_an_archive_in_redis_is_searched_from_another_replica(upstream: tuple[Sc
 
 def test_the_responses_api_search_is_answered_by_the_proxy(upstream: tuple[ScriptedUpstream, str],
                                                          tmp_path: Path) -> None:
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     up, upstream_url = upstream
     app, srv = start_proxy(upstream_url, tmp_path / "data")
     try:
-        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-test", max_retries=0)
+        c = openai_client(f"{srv.url}/v1")
         c.responses.create(model="m", input="start")
         aid = app.sessions.loaded()[-1].compactor.store.put(SECRET)
         history: list[dict[str, Any]] = [
