@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import pytest
 
 from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
+from ctxfold.compaction.archive import ArchiveStore, content_id
 from ctxfold.compaction.compactor import Compactor
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.session import Session
@@ -34,7 +35,9 @@ from ctxfold.compaction.store import (
     open_store,
     restore_from_store,
 )
+from ctxfold.compaction.store.buffer import BufferedArchive
 from ctxfold.compaction.store.redis_store import RedisStore, durability_problem
+from ctxfold.errors import ArchiveError
 from ctxfold.tokens.counting import TokenCounter, load_counter
 from ctxfold.tokens.templates import get_template
 from helpers.redis_server import RedisServer
@@ -361,6 +364,48 @@ def test_the_local_store_reads_and_writes_todays_session_files(counter: TokenCou
     records, _ = Session(tmp_path / "sessions" / SID).read_records()
     assert fold_events([r.event for r in records if r.event]) == [
         r.event for r in records if r.event]  # a fold of a fold: itself
+
+
+def test_a_stored_archive_is_read_in_a_worker_thread_from_what_the_loop_fetched(store_url: str) -> None:
+    """A recall call reads the archive in a worker thread; the store is read on the event loop before
+    it (the worker never waits on the loop). Fetched: read. Absent from the store: no such id. The
+    store failing: the reader says it could not read, not that the id is unknown. Listed: searchable."""
+    stored_text, other_text = "an archived output " * 20, "written by another replica " * 10
+    failing = False
+
+    async def body(store: Store) -> None:
+        aid, other = content_id(stored_text), content_id(other_text)
+        await store.put_blob(SID, f"archive/{aid}.txt", stored_text.encode())
+
+        async def fetch(name: str) -> bytes:
+            if failing:
+                raise OSError(5, "the store is unreachable")
+            return await store.get_blob(SID, name)
+
+        async def names() -> list[str]:
+            return await store.blob_names(SID)
+
+        archive = ArchiveStore(BufferedLog(SID, fetch=fetch, list_blobs=names).archive_backend())
+        backend = archive.backend
+        assert isinstance(backend, BufferedArchive)
+        with pytest.raises(KeyError):  # nothing fetched yet: the worker does not reach for the store
+            await asyncio.to_thread(archive.get, aid)
+        await backend.fetch([f"{aid}.txt", f"{'0' * 64}.txt"])
+        assert await asyncio.to_thread(archive.get, aid) == stored_text
+        with pytest.raises(KeyError):
+            await asyncio.to_thread(archive.get, "0" * 64)
+        nonlocal failing
+        failing = True
+        await backend.fetch([f"{aid}.txt"])
+        with pytest.raises(ArchiveError, match="unreachable"):
+            await asyncio.to_thread(archive.get, aid)
+        failing = False
+        await store.put_blob(SID, f"archive/{other}.txt", other_text.encode())
+        assert archive.ids() == [aid]  # the one fetched: the other is listed once the loop asks the store
+        assert await backend.relist() == sorted([f"{aid}.txt", f"{other}.txt"])
+        assert archive.ids() == sorted([aid, other])
+
+    with_store(store_url, body)
 
 
 # -- failures: unreachable, spool and replay --------------------------------------------------------------

@@ -213,7 +213,6 @@ class ProxyApp:
         self._loop = asyncio.get_running_loop()
         self._upstream = UpstreamClient(self.config.completions_url, connect_timeout_s=self.config.connect_timeout_s,
                                         read_timeout_s=self.config.read_timeout_s)
-        self.sessions.stored.loop = self._loop
         if self.sessions.spool is not None:
             self._replayer = self._loop.create_task(self._replay_spool())
         if self.config.quotas_on:

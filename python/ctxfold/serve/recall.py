@@ -22,6 +22,8 @@ from ctxfold.compaction.archive import (
 )
 from ctxfold.compaction.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
 from ctxfold.compaction.archive.search import MAX_ANSWER_CHARS
+from ctxfold.compaction.archive.store import is_valid_id
+from ctxfold.compaction.store.buffer import BufferedArchive
 from ctxfold.serve.metrics import ProxyMetrics
 
 
@@ -75,6 +77,7 @@ async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[
             if left[0] < _MIN_SEARCH_CHARS:
                 results.append(_recall_refused(tc, max_chars))
                 continue
+            await fetch_for(store, tc)
             answer = await asyncio.to_thread(answer_recall_call, store, tc,
                                              max_search_chars=min(left[0], MAX_ANSWER_CHARS))
             left[0] -= len(answer.text)
@@ -89,6 +92,7 @@ async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[
             args = json.loads(tc.arguments)
             args["limit"] = left[0]
             tc = replace(tc, arguments=json.dumps(args))
+        await fetch_for(store, tc)
         answer = await asyncio.to_thread(answer_recall_call, store, tc)
         if wanted is not None and not answer.is_error:
             header, _, piece = answer.text.partition("\n")
@@ -97,6 +101,25 @@ async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[
                 answer = replace(answer, content=answer.text + _recall_cut_note(max_chars))
         results.append(answer)
     return results
+
+
+async def fetch_for(store: ArchiveStore, call: ToolCall) -> None:
+    """Reads from a session store, on the event loop, what answering ``call`` in a worker thread will
+    read: the archived output a read asks for; for a search, the store's names and every text its
+    index lacks. Nothing for an archive in a directory or in memory, which the worker reads itself."""
+    backend = store.backend
+    if not isinstance(backend, BufferedArchive):
+        return
+    if call.name == SEARCH_ARCHIVE:
+        indexed = store.search_index.indexed_ids()
+        await backend.fetch(name for name in await backend.relist() if name.removesuffix(".txt") not in indexed)
+        return
+    try:
+        archive_id = json.loads(call.arguments).get("id")
+    except (ValueError, AttributeError):
+        return  # the tool answers the malformed call itself, reading nothing
+    if is_valid_id(archive_id):
+        await backend.fetch([f"{archive_id}.txt"])
 
 
 # A search answer shorter than this would show no hit (its header alone takes a few hundred characters).

@@ -38,7 +38,6 @@ from ctxfold.compaction.store import (
     BufferedLog,
     Lease,
     LeaseLost,
-    LocalStore,
     Spooled,
     SpoolingStore,
     Store,
@@ -47,6 +46,7 @@ from ctxfold.compaction.store import (
     StoreUnavailable,
 )
 from ctxfold.compaction.store.base import SessionId
+from ctxfold.compaction.store.buffer import BlobFetch, BlobList
 from ctxfold.serve.keys import ConversationKey, is_anonymous_key
 from ctxfold.serve.loaded import LoadedKey, LoadedSessions
 from ctxfold.serve.quota import DiskQuota
@@ -107,7 +107,6 @@ class StoredSessions:
         self._note_quarantine = note_quarantine
         # The data directory's per-tenant accounts (serve.quota), for a local store; a shared store keeps its own.
         self.quota = quota
-        self.loop: asyncio.AbstractEventLoop | None = None  # set by the app: archive reads from worker threads
         self._set_aside: set[str] = set()  # sessions whose log cannot be read (this process's view)
         self._renewers: dict[str, asyncio.Task[None]] = {}  # key -> the task renewing its leases
         # Leases this process could not release (the store was down): still its own until they run out,
@@ -177,72 +176,32 @@ class StoredSessions:
                 except StoreError as e:
                     log.warning("cannot renew the lease on session %s: %s", s.store_id, e)
 
-    def _fetcher(self, key: ConversationKey, session_id: str) -> Callable[[str], bytes]:
-        """A blob reader for the compactor's archive, which reads in worker threads (read_archive): the
-        key's archive, then the session's own blobs (an archive written while the store was down went
-        to the spool with the session's batch). OSError when the store cannot answer. A local store
-        is read directly, from any thread."""
-        store = self.store
-        if isinstance(store, LocalStore):
-            archive_id = self._archive_id(key, session_id)
+    def _fetcher(self, key: ConversationKey, session_id: str) -> BlobFetch:
+        """A blob reader for the compactor's archive, which the event loop calls before a recall call
+        reads (:class:`~ctxfold.compaction.store.buffer.BufferedArchive`): the key's archive, then the
+        session's own blobs (an archive written while the store was down went to the spool with the
+        session's batch). OSError when the store cannot answer."""
 
-            def read_local(name: str) -> bytes:
-                try:
-                    return store.read_blob(archive_id, name)
-                except StoreUnavailable as e:
-                    raise OSError(errno.EIO, str(e)) from None
-
-            return read_local
-
-        def fetch(name: str) -> bytes:
-            loop = self.loop
+        async def fetch(name: str) -> bytes:
             try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if loop is None or running is loop:  # on the loop's own thread: waiting would deadlock it
-                raise FileNotFoundError(f"{name}: not readable from the event loop's thread")
-            future = asyncio.run_coroutine_threadsafe(self._get_blob(key, session_id, name), loop)
-            try:
-                return future.result(timeout=30)
+                return await self._get_blob(key, session_id, name)
             except StoreUnavailable as e:
                 raise OSError(errno.EIO, str(e)) from None
 
         return fetch
 
-    def _lister(self, key: ConversationKey, session_id: str) -> Callable[[], list[str]]:
-        """The names of the archive's blobs in the store, for the search index (in worker threads, like
-        :meth:`_fetcher`): the key's archive and the session's own archived blobs. OSError when the
-        store cannot answer."""
+    def _lister(self, key: ConversationKey, session_id: str) -> BlobList:
+        """The names of the archive's blobs in the store, for the search index (like :meth:`_fetcher`):
+        the key's archive and the session's own archived blobs. OSError when the store cannot answer."""
         store = self.store
-        if isinstance(store, LocalStore):
-            archive_id = self._archive_id(key, session_id)
 
-            def list_local() -> list[str]:
-                try:
-                    return store.list_blobs(archive_id) + store.list_blobs(session_id)
-                except StoreUnavailable as e:
-                    raise OSError(errno.EIO, str(e)) from None
-
-            return list_local
-
-        async def both() -> list[str]:
-            return await store.blob_names(self._archive_id(key, session_id)) + await store.blob_names(session_id)
-
-        def list_remote() -> list[str]:
-            loop = self.loop
+        async def names() -> list[str]:
             try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if loop is None or running is loop:  # on the loop's own thread: waiting would deadlock it
-                raise OSError(errno.EDEADLK, "the archive cannot be listed from the event loop's thread")
-            try:
-                return asyncio.run_coroutine_threadsafe(both(), loop).result(timeout=30)
+                return await store.blob_names(self._archive_id(key, session_id)) + await store.blob_names(session_id)
             except StoreUnavailable as e:
                 raise OSError(errno.EIO, str(e)) from None
 
-        return list_remote
+        return names
 
     async def _get_blob(self, key: ConversationKey, session_id: str, name: str) -> bytes:
         store = self.store

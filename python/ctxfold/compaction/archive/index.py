@@ -67,6 +67,11 @@ class ArchiveIndex:
         with self._lock:
             return self._guarded(lambda: self._sync(store))
 
+    def indexed_ids(self) -> frozenset[str]:
+        """The ids indexed as of the last sync (none before the first): what a caller that must fetch
+        texts ahead of a sync can leave out."""
+        return frozenset(self._ids or ())
+
     def rows(self, literal: str | None) -> list[tuple[str, str]]:
         """(id, text) of every indexed text that may contain ``literal`` (case-insensitively; every
         text when ``literal`` is None or shorter than the trigram), in id order."""

@@ -27,8 +27,9 @@ compactor's memory is ahead of the store: the caller drops the compactor and loa
 
 from __future__ import annotations
 
+import errno
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ from ctxfold.compaction.eventlog import Event, EventBuilder, ResumedState, ViewE
 from ctxfold.compaction.session import history_dump_text
 from ctxfold.compaction.store.base import Batch, StoredSession, check_session_id
 
-BlobFetch = Callable[[str], bytes]  # blob name -> bytes from the store; FileNotFoundError when absent
-BlobList = Callable[[], list[str]]  # the archive's blob names in the store (archive/<sha256>.txt); OSError when it cannot say
+BlobFetch = Callable[[str], Awaitable[bytes]]  # blob name -> bytes from the store; FileNotFoundError when absent
+BlobList = Callable[[], Awaitable[list[str]]]  # the archive's blob names in the store; OSError when it cannot say
 
 
 class BufferedLog:
@@ -138,12 +139,52 @@ class BufferedLog:
 class BufferedArchive:
     """The archive of a :class:`BufferedLog`'s session. Archive files are content-addressed: a name
     written again holds the same bytes, so "exists" may say False for one the store holds (it is then
-    written once more) without harm."""
+    written once more) without harm.
+
+    The store is asynchronous and its readers (a recall call, the search index) run in worker threads:
+    the event loop fetches what a reader will need first (:meth:`fetch`, :meth:`relist`), and the reader
+    takes it from memory. Nothing here waits on the store from another thread.
+    """
 
     def __init__(self, log: BufferedLog) -> None:
         self.log = log
         self.location = f"{log.source} archive"
         self._known: set[str] = set()  # names committed or fetched before
+        self._fetched: dict[str, bytes] = {}  # read from the store for a reader that has not taken them yet
+        self._unreadable: dict[str, str] = {}  # names whose fetch failed, and why
+        self._listed: set[str] = set()  # the store's names at the last relist
+        self._list_error: str | None = None
+
+    async def fetch(self, names: Iterable[str]) -> None:
+        """Reads ``names`` from the store for a reader to come. A name pending or fetched already is
+        skipped, and one the store lacks is left out (the reader finds no such name); a failed read is
+        kept as the reason the reader's read fails."""
+        fetch = self.log._fetch
+        for name in names:
+            if fetch is None or name in self._fetched or f"archive/{name}" in self.log._blobs:
+                continue
+            self._unreadable.pop(name, None)
+            try:
+                self._fetched[name] = await fetch(f"archive/{name}")
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                self._unreadable[name] = str(e)
+                continue
+            self._known.add(name)
+
+    async def relist(self) -> list[str]:
+        """The names the store holds now (another replica may have archived some), which :meth:`names`
+        answers with from then on; the failure, when the store cannot say, is what it raises."""
+        listed: list[str] = []
+        self._list_error = None
+        if self.log._list_blobs is not None:
+            try:
+                listed = await self.log._list_blobs()
+            except OSError as e:
+                self._list_error = str(e)
+        self._listed = {b.split("/", 1)[1] for b in listed if b.startswith("archive/")}
+        return sorted(self._listed)
 
     def exists(self, name: str) -> bool:
         return name in self._known or f"archive/{name}" in self.log._blobs
@@ -152,20 +193,21 @@ class BufferedArchive:
         blob = f"archive/{name}"
         if blob in self.log._blobs:
             return self.log._blobs[blob]
-        if self.log._fetch is None:
-            raise FileNotFoundError(f"{self.location}: no {name}")
-        data = self.log._fetch(blob)
-        self._known.add(name)
-        return data
+        data = self._fetched.pop(name, None)
+        if data is not None:
+            return data
+        if name in self._unreadable:
+            raise OSError(errno.EIO, self._unreadable[name])
+        raise FileNotFoundError(f"{self.location}: no {name} (not fetched from the store)")
 
     def write_atomic(self, name: str, data: bytes) -> None:
         self.log._blobs[f"archive/{name}"] = bytes(data)
         self._known.add(name)
 
     def names(self) -> Iterator[str]:
-        """The names committed or fetched before and those pending; with the log's ``list_blobs``, every
-        name the store holds too (the search index asks: another replica may have archived some)."""
-        listed = self.log._list_blobs() if self.log._list_blobs is not None else []
-        stored = {b.split("/", 1)[1] for b in listed if b.startswith("archive/")}
-        return iter(sorted(self._known | stored | {b.split("/", 1)[1] for b in self.log._blobs
-                                                   if b.startswith("archive/")}))
+        """The names committed or fetched before, those pending and those the store listed at the last
+        :meth:`relist`. OSError when that listing failed."""
+        if self._list_error is not None:
+            raise OSError(errno.EIO, self._list_error)
+        pending = {b.split("/", 1)[1] for b in self.log._blobs if b.startswith("archive/")}
+        return iter(sorted(self._known | self._listed | pending))

@@ -100,9 +100,8 @@ class LocalStore:
                 dirnames[:] = [d for d in dirnames if d not in (HISTORY_DIR, ARCHIVE_DIR) and rel.count(os.sep) < 4]
         return sorted(s for s in out if s.startswith(prefix))
 
-    def read_blob(self, session_id: str, name: str) -> bytes:
-        """:meth:`get_blob`, synchronously: for a compactor's archive reads in a worker thread, or on
-        the event loop (a local read is as quick as a thread hop). FileNotFoundError when absent."""
+    async def get_blob(self, session_id: str, name: str) -> bytes:
+        # On the event loop: a local read of one archived output is about as quick as a thread hop.
         path = self._blob_path(session_id, name)
         try:
             return path.read_bytes()
@@ -194,11 +193,8 @@ class LocalStore:
         # A blob is written atomically, fsync and all: in a worker thread (see append).
         await asyncio.to_thread(self._guard, f"writing {name}", self._put_blob, session_id, name, data)
 
-    async def get_blob(self, session_id: str, name: str) -> bytes:
-        return self.read_blob(session_id, name)
-
-    def list_blobs(self, session_id: str) -> list[str]:
-        """:meth:`blob_names`, synchronously (a directory listing, as quick as a thread hop)."""
+    async def blob_names(self, session_id: str) -> list[str]:
+        # On the event loop, as get_blob: a directory listing.
         folder = self._dir(session_id)
         own_archive = session_id.rsplit("/", 1)[-1] == ARCHIVE_DIR  # its files are the blobs (_blob_path)
         places = [(folder, ARCHIVE_DIR)] if own_archive else [(folder / ARCHIVE_DIR, ARCHIVE_DIR),
@@ -214,9 +210,6 @@ class LocalStore:
                 raise StoreUnavailable(f"{place}: {e.strerror or e}") from e
             out.extend(n for n in names if BLOB_NAME_PATTERN.fullmatch(n))
         return sorted(out)
-
-    async def blob_names(self, session_id: str) -> list[str]:
-        return self.list_blobs(session_id)
 
     def _quarantine(self, session_id: str, reason: str) -> None:
         LocalBackend(self._dir(session_id)).write_atomic(QUARANTINE_FILE, (reason + "\n").encode())
