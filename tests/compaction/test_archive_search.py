@@ -202,6 +202,31 @@ def test_text_with_a_lone_surrogate_is_searchable() -> None:
     assert ids_of(got) == [aid] and got.hits[0].shown[0][0] == store.get(aid).index("plum")
 
 
+@pytest.mark.parametrize("pattern", [r"a{1000000}", r"(?:(?:a{1000}){1000}){1000}", r"(?:ab|cd){4000000000}",
+                                     r"[a-z]{200}\d{200}"])
+def test_a_regex_that_would_unroll_past_memory_is_refused_before_it_compiles(pattern: str) -> None:
+    """The regex package unrolls counted repeats as it compiles, before any timeout: the second pattern
+    took all the machine's memory, the third never returned."""
+    store = ArchiveStore(MemoryBackend())
+    store.put("a" * 100)
+    answer = search_archive(store, {"query": pattern, "regex": True})
+    assert answer.startswith("Error: the repeat counts of") and "+ or *" in answer
+    assert ids_of(page(store, r"a{10}(?:a{2,5}){3}", regex=True)) != []  # small counts still compile
+
+
+@pytest.mark.parametrize("query", ["nul \x00 here", "half \ud800 pair"])
+def test_a_literal_query_sqlite_cannot_take_reads_every_text(tmp_path: Path, query: str) -> None:
+    """A NUL ends an FTS5 string early ("unterminated string", and the index was rebuilt from nothing
+    at each such search); SQLite cannot encode a lone surrogate: both raised out of the search."""
+    store = ArchiveStore(tmp_path / "archive")
+    aid = store.put(f"before {query} after")
+    store.put("other text")
+    got = page(store, "nul \x00 here")
+    assert ids_of(got) == ([aid] if "\x00" in query else [])
+    page(store, "half \ud800 pair")  # the index holds the surrogate as '?': no hit, and no error
+    assert store.search_index.rebuilds == 0
+
+
 def test_conversations_are_apart(tmp_path: Path) -> None:
     a = ArchiveStore(tmp_path / "a" / "archive")
     b = ArchiveStore(tmp_path / "b" / "archive")

@@ -145,6 +145,31 @@ def test_a_lone_surrogate_escape_is_forwarded_and_stored(upstream: tuple[Scripte
     assert restored.messages[0].content == "half a pair: \ud83d"
 
 
+def test_a_conversation_with_a_lone_surrogate_is_counted_and_goes_on(upstream: tuple[ScriptedUpstream, str],
+                                                                    tmp_path: Path) -> None:
+    """A lone surrogate escape is valid JSON but no tokenizer takes it: the proxy counts it as U+FFFD
+    (once it was a 500 for every request that had to count it: the echoed answer, a long message)."""
+    app, srv = start_proxy(upstream[1], tmp_path / "data", compact=CompactConfig(context_tokens=8192))
+    try:
+        first = '{"role": "user", "content": "half a pair: \\ud83d ' + "word " * 3000 + '"}'
+        raw = '{"model": "m", "messages": [' + first + ']}'
+        r = post(srv.url, None, raw=raw.encode())
+        assert r.status_code == 200, r.text
+        settle(app)
+        answer = json.dumps(r.json()["choices"][0]["message"])
+        raw = '{"model": "m", "messages": [' + first + ", " + answer + ', {"role": "user", "content": "next"}]}'
+        r = post(srv.url, None, raw=raw.encode())
+        assert r.status_code == 200, r.text
+        settle(app)
+        assert [m.role.value for m in app.sessions.loaded()[0].compactor.originals] == ["user", "assistant"] * 2
+        raw = '{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "a \\udc00 b"}]}'
+        r = httpx.post(f"{srv.url}/v1/messages/count_tokens", content=raw.encode(), timeout=30,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+    finally:
+        srv.close()
+
+
 def test_requests_of_one_conversation_are_served_in_turn(upstream: tuple[ScriptedUpstream, str],
                                                          proxy: tuple[ProxyApp, str]) -> None:
     up, _ = upstream

@@ -126,11 +126,12 @@ class ProxyApp:
                  worker: int | None = None) -> None:
         self.config = config
         self.metrics = ProxyMetrics()
-        from ctxfold.tokens.counting import load_counter
+        from ctxfold.tokens.counting import LoneSurrogatesCounted, load_counter
         from ctxfold.tokens.templates import get_template
 
         # One counter and template for every conversation: both are stateless and thread-safe.
-        self.counter = load_counter(config.tokenizer)
+        # Requests may carry lone surrogate escapes, forwarded as they came: counted, never refused.
+        self.counter = LoneSurrogatesCounted(load_counter(config.tokenizer))
         self.template = get_template(config.template) if config.template is not None else None
         store: Store | None = None
         if config.store_url is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -202,3 +203,46 @@ def _exact_or_estimate(name: str) -> TokenCounter:
             why = "the fast exact counter is not installed; pip install 'ctxfold[tokenizers]'"
     log.warning("counting %s tokens with its estimate (an upper bound), not exactly: %s", name, why)
     return estimate
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class LoneSurrogatesCounted:
+    """``counter``, but a ``str`` with lone surrogates is counted with each one as U+FFFD, not refused.
+
+    For a proxy: JSON can carry a lone surrogate escape (``"\\ud83d"``), which the proxy forwards and
+    stores as it came, and which a lenient decoder upstream reads as U+FFFD; refusing to count it made
+    every request of that conversation fail. Texts are cleaned only after the counter refused them, so
+    valid text costs nothing more. Every other attribute is ``counter``'s own.
+    """
+
+    def __init__(self, counter: TokenCounter) -> None:
+        self._counter = counter
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._counter, name)
+
+    @property
+    def name(self) -> str:
+        return self._counter.name
+
+    @property
+    def exact(self) -> bool:
+        return self._counter.exact
+
+    def count(self, text: Text) -> int:
+        try:
+            return self._counter.count(text)
+        except ValueError:
+            if not isinstance(text, str) or not _LONE_SURROGATE.search(text):
+                raise
+            return self._counter.count(_LONE_SURROGATE.sub("\ufffd", text))
+
+    def count_batch(self, texts: Sequence[Text]) -> npt.NDArray[np.int64]:
+        try:
+            return self._counter.count_batch(texts)
+        except ValueError:
+            if isinstance(texts, (str, bytes)) or not any(isinstance(t, str) and _LONE_SURROGATE.search(t) for t in texts):
+                raise
+            return self._counter.count_batch([_LONE_SURROGATE.sub("\ufffd", t) if isinstance(t, str) else t for t in texts])

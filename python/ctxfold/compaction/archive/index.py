@@ -167,7 +167,9 @@ class ArchiveIndex:
 
     def _rows(self, literal: str | None) -> Iterator[tuple[str, str]]:
         db = self._connection()
-        if literal is None or len(literal) < TRIGRAM_MIN_CHARS or not self._fts:
+        # FTS5 ends a string at a NUL, and SQLite cannot take a lone surrogate: such a query reads every row.
+        if literal is None or len(literal) < TRIGRAM_MIN_CHARS or not self._fts or _sqlite_text(literal) != literal \
+                or "\x00" in literal:
             cursor = db.execute("SELECT id, text FROM docs ORDER BY id")
         else:
             phrase = '"' + literal.replace('"', '""') + '"'  # one FTS5 string: no query syntax in it

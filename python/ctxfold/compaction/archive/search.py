@@ -52,6 +52,11 @@ CONTEXT_CHARS = 80  # characters shown on each side of a match
 # not at every step: measured on (a|aa)+$ and (a+)+$ over 20,000 'a's and a 'b', it stops within about
 # twice its timeout (0.38-0.57 s for 0.25 s, 1.4-1.5 s for 1 s).
 SEARCH_BUDGET_S = 1.0
+# The regex package compiles a counted repeat by unrolling it: a{1000000} takes 270 MB and a second,
+# (?:(?:a{1000}){1000}){1000} all the memory there is, before any timeout applies. The product of a
+# pattern's repeat counts (nested or not: an upper bound on the unrolling) is held to this.
+MAX_REPEAT_PRODUCT = 10_000
+_COUNTED_REPEAT = re.compile(r"\{(\d*)(?:,(\d*))?\}")
 _BM25_K1 = 1.2
 _BM25_B = 0.75
 _FOLD = str.maketrans({"\n": " ", "\r": " ", "\t": " "})
@@ -205,6 +210,12 @@ def _compile(query: str, regex: bool, case_sensitive: bool) -> Any:
     except ImportError:
         return ("Error: regular-expression search is not installed here (it needs the regex package: pip install "
                 "'ctxfold[search]'). Search for literal text instead (regex=false).")
+    product = 1
+    for low, high in _COUNTED_REPEAT.findall(query):
+        product *= max(int(low or 0), int(high or 0), 1)
+    if product > MAX_REPEAT_PRODUCT:
+        return (f"Error: the repeat counts of {query!r} multiply to {product}; at most {MAX_REPEAT_PRODUCT}. "
+                "Use + or * instead of large {n} counts.")
     flags = regex_module.MULTILINE | (0 if case_sensitive else regex_module.IGNORECASE)
     try:
         return regex_module.compile(query, flags)
