@@ -5,6 +5,7 @@ The fixtures built on these (``upstream``, ``proxy``) live in conftest.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,3 +73,14 @@ def metric(text: str, sample: str, **labels: str) -> float | None:
             if s.name == sample and s.labels == labels:
                 return float(s.value)
     return None
+
+
+def settle(app: ProxyApp, timeout_s: float = 30.0) -> None:
+    """Wait until the proxy has recorded the answers it sent. It records an answer after the client has
+    it, still under the conversation's lock: a test that reads the data directory at once may be
+    early, and a request sent before the answer is recorded continues the conversation without it (a
+    branch of its own). The time limit is a safety net: the wait ends on the lock's release."""
+    deadline = time.monotonic() + timeout_s
+    while app.sessions.num_locked:
+        assert time.monotonic() < deadline, "a conversation stayed locked"
+        time.sleep(0.01)

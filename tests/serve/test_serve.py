@@ -21,18 +21,8 @@ from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from helpers.proxy_helpers import chat, metric, post, start_proxy
+from helpers.proxy_helpers import chat, metric, post, settle, start_proxy
 from helpers.subprocess_env import ctxfold_env
-
-
-def settle(app: ProxyApp, timeout_s: float = 10.0) -> None:
-    """Wait until the proxy has recorded the answers it sent: it does so after the client has the answer,
-    still under the conversation's lock, so a test that reads the data directory at once may be early."""
-    deadline = time.monotonic() + timeout_s
-    while app.sessions.num_locked:
-        assert time.monotonic() < deadline, "a conversation stayed locked"
-        time.sleep(0.01)
-
 
 # -- passthrough -------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from ctxfold.serve import ProxyApp
 from ctxfold.serve.forward import strip_null_usage, with_stream_usage
 from ctxfold.serve.sse import AnswerAssembler, SseReader
 from ctxfold.serve.testing import ScriptedUpstream
-from helpers.proxy_helpers import chat, metric, post, start_proxy
+from helpers.proxy_helpers import chat, metric, post, settle, start_proxy
 
 
 def probe_report(app: ProxyApp, timeout_s: float = 20.0) -> dict[str, Any]:
@@ -25,13 +25,6 @@ def probe_report(app: ProxyApp, timeout_s: float = 20.0) -> dict[str, Any]:
         assert time.monotonic() < deadline, "the startup probe did not finish"
         time.sleep(0.02)
     return app.engine_check.report.as_dict()
-
-
-def settle(app: ProxyApp, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while app.sessions.num_locked:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_null_usage_is_removed_from_an_event_and_nothing_else() -> None:

@@ -28,7 +28,7 @@ from ctxfold.compaction.config import CompactConfig
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
-from helpers.proxy_helpers import metric, started_proxies
+from helpers.proxy_helpers import metric, settle, started_proxies
 from helpers.redis_server import RedisServer
 from helpers.subprocess_env import ctxfold_env
 
@@ -89,10 +89,6 @@ def wait_for(what: str, done: Callable[[], bool]) -> None:
     while not done():
         assert time.monotonic() < deadline, f"still waiting for {what} after {DEADLINE_S} s"
         time.sleep(0.05)
-
-
-def settled(app: ProxyApp) -> None:
-    wait_for("the requests to settle", lambda: not app.sessions.num_locked)
 
 
 def session_dirs(data_dir: Path) -> list[Path]:
@@ -158,7 +154,7 @@ def test_a_tenant_past_its_sessions_bound_is_relayed_uncompacted_and_another_is_
         assert any(SUMMARY_MARK in str(b["messages"]) or "[ctxfold compacted" in str(b["messages"])
                    for b in list(up.received)[-6:])
         for app, _ in apps:
-            settled(app)
+            settle(app)
         counts = stored_sessions(request.getfixturevalue("redis_server")) if where == "redis" else \
             tenant_dirs(tmp_path / "app0")
         assert sorted(counts.values()) == [1, 3]  # B's one, A's three
@@ -220,7 +216,7 @@ def test_a_tenant_at_its_bytes_bound_stores_nothing_more(
         assert "bytes, at or over its bound (max_tenant_bytes 6000)" in replies[first].headers[WARNING_HEADER]
         assert not refused(conversation(proxy_url, "key-b", "b", turns=2)[-1])  # another tenant stores on
         assert not any(refused(r) for r in conversation(proxy_url, None, "anon", turns=2))
-        settled(app)
+        settle(app)
         text = metrics_text(proxy_url)
         assert (metric(text, "ctxfold_bad_requests_total", reason="tenant_quota") or 0) == len(flags) - first
 
@@ -235,7 +231,7 @@ def test_idle_sessions_expire_from_the_data_directory_and_free_the_quota(
         data = tmp_path / "app0"
         conversation(proxy_url, "key-a", "a", turns=2)
         assert refused(conversation(proxy_url, "key-a", "second")[0])  # at the bound
-        settled(app)
+        settle(app)
         assert tenant_dirs(data) == {app.sessions.key_for({"Authorization": "Bearer key-a"}, None,
                                                           [{"role": "user", "content": "x"}]).split("/")[1]: 1}
         keep_b = conversation(proxy_url, "key-b", "b")  # noqa: F841 - tenant B's session expires too
@@ -243,7 +239,7 @@ def test_idle_sessions_expire_from_the_data_directory_and_free_the_quota(
         assert not list(data.glob("tenants/*/sessions/*"))  # key directories (archives) gone with them
         # The quota is free again: a new conversation of A is stored.
         assert not refused(conversation(proxy_url, "key-a", "third")[0])
-        settled(app)
+        settle(app)
         assert len(session_dirs(data)) == 1
         assert (metric(metrics_text(proxy_url), "ctxfold_sessions_expired") or 0) >= 2
 
@@ -263,7 +259,7 @@ def test_a_session_in_use_outlives_its_idle_time_in_the_data_directory(
             resp = ask(proxy_url, messages, "key-a")
             assert not resp.headers.get_list(WARNING_HEADER)
             messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
-            settled(app)
+            settle(app)
             first_dir = first_dir or session_dirs(tmp_path / "app0")
             assert session_dirs(tmp_path / "app0") == first_dir  # the same session all along
             time.sleep(0.3)
@@ -279,14 +275,14 @@ def test_idle_sessions_expire_from_redis_with_their_archive_and_free_the_quota(
         assert refused(conversation(apps[1][1], "key-a", "second")[0])  # the other replica counts it too
         conversation(apps[1][1], None, "anon")
         for app, _ in apps:
-            settled(app)
+            settle(app)
         assert sorted(stored_sessions(redis_server).values()) == [1, 1]
         # Every key of a session (and the account's) goes: wait until only leases could be left.
         wait_for("Redis to expire the sessions", lambda: not stored_sessions(redis_server))
         # The quota is free again, on either replica.
         assert not refused(conversation(apps[1][1], "key-a", "third")[0])
         for app, _ in apps:
-            settled(app)
+            settle(app)
         assert list(stored_sessions(redis_server).values()) == [1]
         # Once every session expired, the sweep takes the listing and the accounts out too.
         wait_for("the sweep to clear the store", lambda: not [

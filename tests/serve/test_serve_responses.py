@@ -20,7 +20,7 @@ from ctxfold.compaction.config import CompactConfig
 from ctxfold.serve import ProxyApp
 from ctxfold.serve.responses import RESPONSES
 from ctxfold.serve.testing import ScriptedUpstream
-from helpers.proxy_helpers import metric, start_proxy
+from helpers.proxy_helpers import metric, settle, start_proxy
 from helpers.sdk_clients import openai_client
 
 openai = pytest.importorskip("openai")
@@ -65,16 +65,6 @@ def tool_turn(turn: int, output_chars: int = 1200) -> list[dict[str, Any]]:
             {"type": "function_call_output", "call_id": f"call_{turn}", "output": f"output {turn} " + "x" * output_chars}]
 
 
-def settled(app: ProxyApp, answers: int) -> None:
-    """Wait until the loaded sessions hold ``answers`` assistant messages in all: an answer is recorded
-    after the client has it."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        if sum(m.role.value == "assistant" for s in app.sessions.loaded() for m in s.compactor.originals) >= answers:
-            return
-        time.sleep(0.01)
-
-
 def as_input(output: list[Any]) -> list[dict[str, Any]]:
     """An answer's output items as the client sends them back."""
     return [item.model_dump(exclude_none=True) for item in output]
@@ -93,7 +83,7 @@ def test_json_and_stream_answers_come_back(pair: tuple[ScriptedUpstream, ProxyAp
     with c.responses.stream(model="m", input="hello again") as s:
         final = s.get_final_response()
     assert final.output_text == "echo: hello again"
-    settled(app, 3)
+    settle(app)
     assert len(app.sessions.loaded()) == 3  # three conversations, each recorded with its answer
     for session in app.sessions.loaded():
         assert [m.role.value for m in session.compactor.originals] == ["user", "assistant"]
@@ -125,9 +115,10 @@ def test_a_tool_round_trip_continues_one_session(pair: tuple[ScriptedUpstream, P
     history: list[dict[str, Any]] = [{"role": "user", "content": "list files"}]
     r = c.responses.create(model="m", tools=TOOLS, input=history, extra_body={"x_replay_answer": call})
     assert r.output[1].type == "function_call" and r.output[1].arguments == '{"cmd": "ls"}'
+    settle(app)
     history += as_input(r.output) + [{"type": "function_call_output", "call_id": "call_0", "output": "a.txt"}]
     c.responses.create(model="m", tools=TOOLS, input=history)
-    settled(app, 2)
+    settle(app)
     assert len(app.sessions.loaded()) == 1
     originals = app.sessions.loaded()[0].compactor.originals
     assert [m.role.value for m in originals] == ["user", "assistant", "tool", "assistant"]
@@ -208,7 +199,7 @@ def test_usage_calibrates_the_estimate(upstream: tuple[ScriptedUpstream, str], t
             history += tool_turn(turn, output_chars=600)
             raw = c.responses.with_raw_response.create(model="m", tools=TOOLS, input=history)
             history += as_input(raw.parse().output)
-        settled(app, 4)
+            settle(app)
         session = app.sessions.loaded()[0]
         answer = session.compactor.originals[-1]
         assert answer.usage is not None and answer.usage.prompt_tokens == up.prompt_tokens_seen[-1]
@@ -278,6 +269,12 @@ def test_errors_come_back_in_openais_shape(pair: tuple[ScriptedUpstream, ProxyAp
     assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == "input"
     r = httpx.post(f"{url}/v1/responses", json={"model": "m", "input": [{"type": "function_call", "name": "x"}]})
     assert r.status_code == 400 and "input[0]" in r.json()["error"]["message"]
+    # A text part whose text is not a string is the client's mistake: a 400 that names it, not a forward.
+    sent = len(up.received)
+    r = httpx.post(f"{url}/v1/responses", json={"model": "m", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": 5}]}]})
+    assert r.status_code == 400 and "content[0].text must be a string" in r.json()["error"]["message"]
+    assert len(up.received) == sent
 
 
 def test_a_dead_upstream_and_a_cut_stream(upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:

@@ -30,21 +30,13 @@ from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.session import Session
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, is_summary_request
-from helpers.proxy_helpers import chat, metric, post, start_proxy
+from helpers.proxy_helpers import chat, metric, post, settle, start_proxy
 from helpers.subprocess_env import can_mount, ctxfold_env
 
 # Spelled out, not imported: the tests must run (and fail) on a proxy that has none of this.
 WARNING_HEADER = "X-Ctxfold-Warning"
 QUARANTINE_FILE = "QUARANTINED"
 TENANT_KEY_FILE = "tenant.key"
-
-
-def settle(app: ProxyApp, timeout_s: float = 10.0) -> None:
-    """Wait until the proxy has recorded the answers it sent (after the client has them)."""
-    deadline = time.monotonic() + timeout_s
-    while app.sessions.num_locked:
-        assert time.monotonic() < deadline, "a conversation stayed locked"
-        time.sleep(0.01)
 
 
 def eventually(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:

@@ -297,6 +297,10 @@ class ProxyApp:
             return count_tokens_body(parsed, self.compactors.count_view)
         except BadRequest as e:
             return ANTHROPIC.error(e.status, e.message, code=e.code, param=e.param)
+        except Exception as e:  # a bug costs this request, in the dialect's own error shape
+            log.exception("internal error while counting a request's tokens")
+            return ANTHROPIC.error(500, f"internal error in ctxfold serve ({type(e).__name__}: {e})",
+                                   kind="server_error", code="internal_error")
 
     # -- a chat completion (or an Anthropic message, or a response) -----------------------------------------
     async def messages(self, request: web.Request) -> web.StreamResponse:

@@ -56,7 +56,9 @@ def _content(raw: Any, where: str) -> Content:
         if not isinstance(part, dict):
             raise FormatError(f"{where}: content[{k}] must be an object, got {type(part).__name__}")
         text = part.get("text")
-        if part.get("type") in TEXT_PARTS and isinstance(text, str):
+        if part.get("type") in TEXT_PARTS:
+            if not isinstance(text, str):
+                raise FormatError(f"{where}: content[{k}].text must be a string, got {type(text).__name__}")
             out.append(ContentPart(type="text", text=text))
         else:
             out.append(ContentPart(type=str(part.get("type", "")), data=part))
