@@ -47,8 +47,9 @@ benchmark does not grade ctxfold's trail with its own extraction):
   Bash, shell, ...). Key: the command's first line, stripped, cut to 200 characters.
 - ``user identifier``: identifiers in the user's messages: paths (a ``/`` or a file extension), names
   with an underscore or inner capitals, calls ``name()``, issue numbers ``#123``, codes of capitals and
-  digits (``ZFA04Y``); the first :data:`IDENTIFIERS_PROBED` distinct ones.
-- ``open task``: the first sentence of the first user message with 15 characters or more, cut to 200.
+  digits (``ZFA04Y``); the first :data:`IDENTIFIERS_PROBED` distinct ones of 3 characters or more.
+- ``open task``: the first sentence (ended by ``.``, ``!`` or ``?`` and a space, or a line end) of the first
+  user message with 15 characters or more, cut to 200.
 
 Each probe counts once per point; a figure is the share of all probes of a kind, every point of every
 conversation together.
@@ -105,14 +106,14 @@ class Probe:
 
 # ---- probe extraction --------------------------------------------------------------------------------
 
-_ERROR = re.compile(r"Traceback \(most recent call last\)|\bError\b|\berror:|Exception\b|\bFAILED\b|"
+_ERROR = re.compile(r"Traceback \(most recent call last\)|\w*Error\b|\berror:|\w*Exception\b|\bFAILED\b|"
                     r"command not found|exit(?:ed with)? (?:code|status) [1-9]")
 _REDIRECT = re.compile(r"(?<![0-9&])>>?\s*([^\s;&|<>]+)")
-_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?[^\n]*\n(.*?)\n\1\b", re.S)
+_HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?[^\n]*\n(.*?)\n\1\b", re.DOTALL)
 _IDENT = re.compile(r"(?:[\w.-]*/[\w./-]*\w|\b[\w-]+\.(?:py|js|ts|go|rs|c|h|cpp|hpp|java|md|txt|json|yaml|yml|"
                     r"toml|cfg|ini|sh|rb|php|html|css)\b|\b[A-Za-z]\w*_\w+\b|\b[a-z]+[A-Z]\w*\b|"
                     r"\b[A-Z][a-z]+[A-Z]\w*\b|\b\w+\(\)|#\d+\b|\b(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}\b)")
-_SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n")  # a dot inside a path or a version ends nothing
 
 
 def _args(arguments: str) -> dict[str, Any]:
@@ -230,7 +231,7 @@ def user_identifiers(messages: Sequence[Message]) -> list[str]:
     for m in messages:
         if m.role is Role.USER and not m.summary:
             for ident in _IDENT.findall(m.text):
-                if len(ident) >= 4:
+                if len(ident) >= 3:
                     seen.setdefault(ident, None)
     return list(seen)[:IDENTIFIERS_PROBED]
 
@@ -239,7 +240,7 @@ def open_task(messages: Sequence[Message]) -> str | None:
     first = next((m for m in messages if m.role is Role.USER and not m.summary and m.text.strip()), None)
     if first is None:
         return None
-    return next((s.strip()[:200] for s in _SENTENCE.findall(first.text) if len(s.strip()) >= 15), None)
+    return next((s.strip()[:200] for s in _SENTENCE_END.split(first.text) if len(s.strip()) >= 15), None)
 
 
 def build_probes(messages: Sequence[Message]) -> list[Probe]:
