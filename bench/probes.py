@@ -38,9 +38,10 @@ benchmark does not grade ctxfold's trail with its own extraction):
 - ``last change to file`` (artifact trail): for each changed file whose last change added text (a new
   string, a file's text, a heredoc), its distinctive line: the longest line of the added text, stripped,
   cut to 120 characters; none when no line has 6 characters or more.
-- ``last error``: the last tool output that looks like an error (flagged as one, or holding a traceback,
-  ``Error``/``error:``/``Exception``, ``FAILED``, ``command not found``, or a non-zero exit code). Key:
-  its last line that matches, stripped, cut to 200 characters.
+- ``last error``: the last tool output that looks like an error: flagged as one, or with a line that starts
+  (after indentation and pytest's ``E``) with a traceback header, ``...Error``/``...Exception``, ``error:``,
+  ``fatal:``, ``FAILED`` or ``make: ***``, or that says ``command not found`` or a non-zero exit code.
+  Key: its last line that matches, stripped, cut to 200 characters (else its first line).
 - ``error fixed``: when a later call of the same tool returned an output that is not an error, its
   distinctive line (as above); no probe when the error stands (nothing exact to look for).
 - ``command run``: the last :data:`COMMANDS_PROBED` shell commands (tools named bash, execute_bash,
@@ -64,7 +65,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,8 @@ READ_LIMIT_CHARS = 10_000
 CONDITIONS = ["ctxfold", "ctxfold + recall", "verbatim tail", "observation masking"]
 KINDS = ["file changed", "last change to file", "last error", "error fixed", "command run",
          "user identifier", "open task"]
-TRAIL_KINDS = frozenset({"file changed", "last change to file"})
+TRAIL_KINDS_ORDER = ["file changed", "last change to file"]
+TRAIL_KINDS = frozenset(TRAIL_KINDS_ORDER)
 SHELL_TOOLS = frozenset({"bash", "execute_bash", "shell", "run", "terminal", "execute_command", "run_command",
                          "exec", "local_shell"})
 EDITOR_WRITES = frozenset({"create", "str_replace", "insert", "write", "edit", "append"})
@@ -106,8 +108,10 @@ class Probe:
 
 # ---- probe extraction --------------------------------------------------------------------------------
 
-_ERROR = re.compile(r"Traceback \(most recent call last\)|\w*Error\b|\berror:|\w*Exception\b|\bFAILED\b|"
-                    r"command not found|exit(?:ed with)? (?:code|status) [1-9]")
+# Error lines start with the error (after indentation and pytest's "E"); a line of source code that
+# merely names one (``raise ValueError(``, a file listing) does not count.
+_ERROR = re.compile(r"^\s*(?:E\s+)?(?:Traceback \(most recent call last\)|\w*(?:Error|Exception)\b|error:|fatal:|"
+                    r"FAILED\b|make: \*\*\*)|command not found|exit(?:ed with)? (?:code|status) [1-9]", re.MULTILINE)
 _REDIRECT = re.compile(r"(?<![0-9&])>>?\s*([^\s;&|<>]+)")
 _HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)['\"]?[^\n]*\n(.*?)\n\1\b", re.DOTALL)
 _IDENT = re.compile(r"(?:[\w.-]*/[\w./-]*\w|\b[\w-]+\.(?:py|js|ts|go|rs|c|h|cpp|hpp|java|md|txt|json|yaml|yml|"
@@ -345,31 +349,47 @@ def _tally() -> Tally:
     return defaultdict(lambda: defaultdict(lambda: [0, 0]))
 
 
-def probe_point(originals: list[Message], view: list[Message], store: Any, counter: Counter, tally: Tally) -> None:
+@dataclass(slots=True)
+class Results:
+    """What the probes of one window found, every conversation together."""
+
+    every: Tally = field(default_factory=_tally)  # every compaction point
+    summarized: Tally = field(default_factory=_tally)  # points whose view holds a summary ctxfold wrote
+    points: int = 0
+    summary_points: int = 0
+    fill: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # baseline: kept / budget
+    unrecalled: list[str] = field(default_factory=list)  # keys neither ctxfold's view nor recall found
+
+
+def probe_point(originals: list[Message], view: list[Message], store: Any, counter: Counter,
+                results: Results) -> None:
     """Ask every probe of ``originals`` of the three views at one compaction point."""
     probes = build_probes(originals)
+    summarized = any(m.summary for m in view)
+    results.points += 1
+    results.summary_points += summarized
     if not probes:
         return
     budget = int(counter.counts(view).sum())
-    counts = counter.counts(originals)
-    masked_msgs = masked(originals)
-    texts = {
-        "ctxfold": view_text(view),
-        "verbatim tail": view_text(tail_cut(originals, counts, budget)),
-        "observation masking": view_text(tail_cut(masked_msgs, counter.counts(masked_msgs), budget)),
-    }
+    views = {"ctxfold": view,
+             "verbatim tail": tail_cut(originals, counter.counts(originals), budget),
+             "observation masking": tail_cut(masked_msgs := masked(originals), counter.counts(masked_msgs), budget)}
+    for cond in ("verbatim tail", "observation masking"):
+        results.fill[cond].append(int(counter.counts(views[cond]).sum()) / budget)
+    texts = {cond: view_text(v) for cond, v in views.items()}
     for p in probes:
-        for cond, text in texts.items():
-            hit = p.key in text
-            tally[cond][p.kind][0] += hit
-            tally[cond][p.kind][1] += 1
-            if cond == "ctxfold":
-                tally["ctxfold + recall"][p.kind][0] += hit or recalled(store, p.key)
-                tally["ctxfold + recall"][p.kind][1] += 1
+        hits = {cond: p.key in text for cond, text in texts.items()}
+        hits["ctxfold + recall"] = hits["ctxfold"] or recalled(store, p.key)
+        if not hits["ctxfold + recall"]:
+            results.unrecalled.append(p.key)
+        for tally in (results.every, results.summarized) if summarized else (results.every,):
+            for cond, hit in hits.items():
+                tally[cond][p.kind][0] += hit
+                tally[cond][p.kind][1] += 1
 
 
-def run_conversation(conv: Conversation, context_tokens: int, counter: Counter, tally: Tally) -> int:
-    """Replay ``conv`` at ``context_tokens`` and probe each compaction point; the number of points."""
+def run_conversation(conv: Conversation, context_tokens: int, counter: Counter, results: Results) -> None:
+    """Replay ``conv`` at ``context_tokens`` and probe each compaction point into ``results``."""
     from ctxfold.cli._common import with_auto_reserve
     from ctxfold.compaction.compactor import Compactor
     from ctxfold.compaction.config import CompactConfig
@@ -381,7 +401,6 @@ def run_conversation(conv: Conversation, context_tokens: int, counter: Counter, 
     config = with_auto_reserve(CompactConfig(context_tokens=context_tokens), conv, exact)
     made: list[Compactor] = []
     seen = [0]
-    points = [0]
 
     def make(*args: Any, **kwargs: Any) -> Compactor:
         made.append(Compactor(*args, **kwargs))
@@ -392,28 +411,31 @@ def run_conversation(conv: Conversation, context_tokens: int, counter: Counter, 
         new = c.events[seen[0]:]
         seen[0] = len(c.events)
         if any(e.applied for e in new):
-            points[0] += 1
-            probe_point(list(c.originals), list(c.view), c.store, counter, tally)
+            probe_point(list(c.originals), list(c.view), c.store, counter, results)
 
     replay_conversation(conv, config=config, make_compactor=make, on_request=on_request, counter=exact,
                         template=get_template("deepseek-v4"))
-    return points[0]
 
 
 def _fmt(answered: int, asked: int) -> str:
     return f"{100 * answered / asked:.1f}% ({answered}/{asked})" if asked else "-"
 
 
-def table_rows(results: dict[int, Tally]) -> list[list[Any]]:
+def table_rows(tallies: dict[int, Tally], kinds: Sequence[str]) -> list[list[Any]]:
     rows: list[list[Any]] = []
-    for ctx, tally in results.items():
+    for ctx, tally in tallies.items():
         for cond in CONDITIONS:
-            kinds = tally.get(cond, {})
-            alls = [sum(v[i] for v in kinds.values()) for i in (0, 1)]
-            trail = [sum(v[i] for k, v in kinds.items() if k in TRAIL_KINDS) for i in (0, 1)]
-            rows.append([f"{ctx:,}", cond, _fmt(*alls), _fmt(*trail),
-                         *(_fmt(*kinds.get(k, [0, 0])) for k in KINDS)])
+            by_kind = tally.get(cond, {})
+            alls = [sum(v[i] for k, v in by_kind.items() if k in kinds) for i in (0, 1)]
+            trail = [sum(v[i] for k, v in by_kind.items() if k in TRAIL_KINDS) for i in (0, 1)]
+            rows.append([f"{ctx:,}", cond, _fmt(*alls), _fmt(*trail), *(_fmt(*by_kind.get(k, [0, 0])) for k in kinds)])
     return rows
+
+
+def _escaped(key: str) -> bool:
+    """Whether a history dump (JSON lines) writes ``key`` otherwise than as it is: a quote, a backslash,
+    a tab or a control character is escaped there."""
+    return json.dumps(key, ensure_ascii=False)[1:-1] != key
 
 
 def section_probes(convs: Sequence[Conversation], windows: Sequence[int] = WINDOWS,
@@ -424,32 +446,53 @@ def section_probes(convs: Sequence[Conversation], windows: Sequence[int] = WINDO
     except ImportError as exc:
         return {"title": title, "status": f"an optional package is missing: {exc}"}
     t0 = time.perf_counter()
-    results: dict[int, Tally] = {}
-    points: dict[int, int] = {}
+    results: dict[int, Results] = {}
     for ctx in windows:
-        results[ctx] = _tally()
-        points[ctx] = sum(run_conversation(c, ctx, counter, results[ctx]) for c in convs)
+        results[ctx] = r = Results()
+        for c in convs:
+            run_conversation(c, ctx, counter, r)
         if progress:
-            progress(f"{ctx:,}: {points[ctx]} compaction points, {time.perf_counter() - t0:.0f} s so far")
+            progress(f"{ctx:,}: {r.points} compaction points, {time.perf_counter() - t0:.0f} s so far")
     seconds = time.perf_counter() - t0
+    headers = ["window", "condition", "all probes", "artifact trail", *KINDS]
+    fills = {cond: [f for r in results.values() for f in r.fill[cond]] for cond in ("verbatim tail",
+                                                                                      "observation masking")}
+    lost = [k for r in results.values() for k in r.unrecalled]
     return {
         "title": title,
         "status": "ok",
         "intro": (
             f"{len(convs)} conversations of the traces folder replayed at each window; at every compaction "
-            f"point ({', '.join(f'{points[c]} at {c:,}' for c in windows)}), probes built from the messages "
+            "point (" + ", ".join(f"{r.points} at {c:,}, {r.summary_points} of them after a summary"
+                                  for c, r in results.items()) + "), probes built from the messages "
             "before it are looked up, as exact text, in ctxfold's view, in the view plus one archive search and "
             "one read, in the newest messages that fit the same token count (verbatim tail), and in observation "
             f"masking (tool outputs older than the newest {MASK_KEEP_OUTPUTS} replaced by a placeholder, then "
-            "cut to the same count). Artifact trail: the files changed and the last change to each, the "
-            "columns after \"all\". Extraction rules: the module docstring of `bench/probes.py`; share of "
-            f"probes answered (answered/asked). Run time: {seconds:.0f} s on one core."
+            "cut to the same count). Share of probes answered (answered/asked); extraction rules: the module "
+            "docstring of `bench/probes.py`. Artifact trail: the files changed and the last change to each. "
+            f"Run time: {seconds:.0f} s on one core."
         ),
-        "tables": [{"headers": ["window", "condition", "all probes", "artifact trail", *KINDS],
-                    "rows": table_rows(results)}],
-        "figures": {str(c): {cond: {k: list(v) for k, v in t[cond].items()} for cond in CONDITIONS}
-                    for c, t in results.items()},
-        "points": {str(c): n for c, n in points.items()},
+        "tables": [
+            {"title": "Every compaction point", "headers": headers,
+             "rows": table_rows({c: r.every for c, r in results.items()}, KINDS)},
+            {"title": "Artifact trail alone", "headers": headers[:2] + ["artifact trail", *TRAIL_KINDS_ORDER],
+             "rows": [row[:2] + row[3:4] + row[4:6] for row in table_rows({c: r.every for c, r in results.items()},
+                                                                           TRAIL_KINDS_ORDER)]},
+            {"title": "Points after a summary (ctxfold's view holds one; at the others it holds every message, "
+                      "some outputs archived)", "headers": headers,
+             "rows": table_rows({c: r.summarized for c, r in results.items()}, KINDS)},
+        ],
+        "notes": [
+            "Budget use of the baselines (tokens kept / ctxfold's view), median over points: "
+            + ", ".join(f"{cond} {100 * float(np.median(f)):.1f}%" for cond, f in fills.items() if f) + ".",
+            (f"Probes neither ctxfold's view nor recall answered: {len(lost)}; {sum(map(_escaped, lost))} of "
+             "them hold a quote or a backslash, which a history dump (JSON lines) writes escaped, so a literal "
+             "search for the text as the agent wrote it misses it."),
+        ],
+        "figures": {str(c): {scope: {cond: {k: list(v) for k, v in t[cond].items()} for cond in CONDITIONS}
+                             for scope, t in (("every", r.every), ("after_summary", r.summarized))}
+                    for c, r in results.items()},
+        "points": {str(c): {"every": r.points, "after_summary": r.summary_points} for c, r in results.items()},
         "seconds": round(seconds, 1),
     }
 

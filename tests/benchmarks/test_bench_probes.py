@@ -80,19 +80,29 @@ def test_a_shell_heredoc_is_a_change(probes: ModuleType) -> None:
 
 def test_a_probe_is_answered_only_where_its_key_is(probes: ModuleType) -> None:
     msgs = conversation()
-    tally = probes._tally()
+    results = probes.Results()
     store = ArchiveStore(MemoryBackend())
     # The view keeps the user's message and the last two steps; the edit went to the archive.
     edit_text = probes.view_text(msgs[1:3])
     store.put(edit_text)
     view = [msgs[0], Message(Role.USER, make_marker(store.put(edit_text), edit_text, 0), id="m"), *msgs[5:]]
-    probes.probe_point(msgs, view, store, probes.Counter(), tally)
+    probes.probe_point(msgs, view, store, probes.Counter(), results)
+    tally = results.every
     assert tally["ctxfold"]["last change to file"] == [0, 1]  # not in the view
     assert tally["ctxfold + recall"]["last change to file"] == [1, 1]  # one search, one read
     assert tally["ctxfold"]["open task"] == [1, 1]
     assert tally["ctxfold"]["last error"] == [1, 1]
     # The tail of the same size drops the user's message first.
     assert tally["verbatim tail"]["open task"] == [0, 1]
+    assert results.points == 1 and results.summary_points == 0 and not results.summarized
+    assert 0 < results.fill["verbatim tail"][0] <= 1  # never over ctxfold's size
+
+
+def test_an_error_is_a_line_that_starts_with_one(probes: ModuleType) -> None:
+    listing = result(1, "212\t    raise KeyError(fmt.format(tag))\n213\t    return value")
+    assert not probes._looks_error(listing)  # source code that names an error is not one
+    assert probes._looks_error(result(2, "collected 1 item\nE   KeyError: 'port'"))
+    assert probes._looks_error(result(3, "make: *** [Makefile:192: build] Error 2"))
 
 
 def test_recall_needs_the_exact_key(probes: ModuleType) -> None:
