@@ -424,6 +424,8 @@ def _fmt(answered: int, asked: int) -> str:
 def table_rows(tallies: dict[int, Tally], kinds: Sequence[str]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for ctx, tally in tallies.items():
+        if not any(n for v in tally.get("ctxfold", {}).values() for n in v[1:]):
+            continue  # no point of this scope at this window
         for cond in CONDITIONS:
             by_kind = tally.get(cond, {})
             alls = [sum(v[i] for k, v in by_kind.items() if k in kinds) for i in (0, 1)]
