@@ -13,6 +13,9 @@ Sections (each reports "not available" with the reason when a part is missing fr
    generated adversarial text), for each built-in calibration beside chars/4; the default count on
    every DeepSeek request beside the exact count and DeepSeek's recorded usage.
 3. Tokens prefilled again per compaction: ``ctxfold replay`` of every trace at 8k/16k/32k.
+4. Probes (``bench/probes.py``): at every compaction point of those replays, what ctxfold's view answers
+   (alone, and with one archive search and one read) beside a verbatim tail and observation masking of
+   the same size; the artifact-trail probes apart.
 """
 
 from __future__ import annotations
@@ -541,12 +544,22 @@ def _per_request_ms(total: dict[str, Any]) -> str:
     return f"{1000 * seconds / requests:.2f} ms"
 
 
+# ---- 4. probes -----------------------------------------------------------------------------------------
+
+
+def section_probes(traces_dir: Path) -> Section:
+    import probes
+
+    return probes.section_probes(real_conversations(traces_dir))
+
+
 def compute(traces_dir: Path) -> dict[str, Any]:
     sections: list[Section] = []
     for fn, title in (
         (section_tail, "Tail selection: budget use and orphans"),
         (section_estimator, "Estimator error against the exact tokenizer"),
         (section_prefill, "Tokens prefilled again per compaction (replay of the traces)"),
+        (section_probes, "Probes: what a compacted view still answers"),
     ):
         try:
             sections.append(fn(traces_dir))
