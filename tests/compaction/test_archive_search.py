@@ -256,6 +256,27 @@ def test_history_dumps_are_searched_and_the_summary_says_so(tmp_path: Path) -> N
     assert ids_of(got)[0] in summary  # the dump the summary points to
 
 
+def test_a_literal_with_quotes_backslashes_or_line_breaks_is_found_in_a_history_dump(tmp_path: Path) -> None:
+    """A history dump stores its messages as JSON lines: what the agent wrote as ``print("hi")`` is
+    there as ``print(\\"hi\\")``. A literal search finds it as the agent wrote it (it found nothing)."""
+    c = Compactor(Conversation([], id="t", system="You are terse."),
+                  config=CompactConfig.preset("both", context_tokens=100_000, major={"enabled": False},
+                                              minor={"enabled": False}, soft={"enabled": False}),
+                  counter=load_counter("deepseek-v4"), template=get_template("deepseek-v4"),
+                  session_dir=tmp_path / "session", durable=False)
+    written = ['print("done")', "C:\\build\\out.log", "first line\nsecond line"]
+    for k, text in enumerate([*written, "carry on", "carry on", "carry on"]):
+        c.append(Message(Role.USER, f"step {k}: {text}", id=f"u{k}"))
+        c.before_request()
+        c.append(Message(Role.ASSISTANT, f"noted step {k}. " * 40, id=f"a{k}"))
+    assert c.compact_now().applied
+    for text in written:
+        got = page(c.store, text)
+        assert got.num_matching == 1 and got.hits[0].kind == "history dump", text
+        at = got.hits[0].shown[0][0]  # the offset read_archive takes: the stored form starts there
+        assert c.store.get(got.hits[0].archive_id)[at:].startswith(json.dumps(text)[1:-1])
+
+
 # -- the library's tool definitions and answer helper ------------------------------------------------------
 
 def test_tool_definitions_in_both_shapes() -> None:

@@ -176,7 +176,10 @@ def search(store: ArchiveStore, query: str, *, regex: bool = False, case_sensiti
         return pattern
     try:
         num_texts = store.search_index.sync(store)
-        rows = store.search_index.rows(None if regex else query)
+        if regex:
+            rows = store.search_index.rows(None)
+        else:  # texts that hold either form, in id order
+            rows = sorted(dict(r for form in literal_forms(query) for r in store.search_index.rows(form)).items())
     except (ArchiveError, OSError) as e:
         return f"Error: the archive could not be searched ({e}). Retrying will not help; work without it."
     deadline = time.monotonic() + budget_s
@@ -201,10 +204,18 @@ def search(store: ArchiveStore, query: str, *, regex: bool = False, case_sensiti
                         end if end < len(ranked) else None)
 
 
+def literal_forms(query: str) -> tuple[str, ...]:
+    """A literal query as the agent wrote it, and as a history dump holds it: the dump is JSON lines, so
+    quotes, backslashes and line breaks in its messages are escaped (``print("hi")`` is stored as
+    ``print(\\"hi\\")``)."""
+    escaped = json.dumps(query, ensure_ascii=False)[1:-1]
+    return (query,) if escaped == query else (query, escaped)
+
+
 def _compile(query: str, regex: bool, case_sensitive: bool) -> Any:
     """The compiled pattern, or an error string."""
     if not regex:
-        return re.compile(re.escape(query), 0 if case_sensitive else re.IGNORECASE)
+        return re.compile("|".join(map(re.escape, literal_forms(query))), 0 if case_sensitive else re.IGNORECASE)
     try:
         import regex as regex_module
     except ImportError:
