@@ -25,7 +25,8 @@ string inside them decoded (so a multi-line argument is searched as written, not
 recall (ctxfold only; the baselines have no archive), a probe the view misses may still be answered by one
 ``search`` of the archive with the key as a literal query, then one ``read_archive`` of the best hit from
 2,000 characters before its first match (10,000 characters): answered when the key occurs in what the
-read returned.
+read returned, as written or as a history dump's JSON lines write it (quotes and backslashes escaped, twice
+in a tool call's arguments: ``ctxfold.compaction.archive.search.literal_forms``).
 
 The probes, and the rules that build them (written here, apart from ``ctxfold.compaction.trail``, so the
 benchmark does not grade ctxfold's trail with its own extraction):
@@ -76,6 +77,7 @@ import numpy as np
 
 import synth
 from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.compaction.archive.search import literal_forms
 
 WINDOWS = [8_192, 16_384, 32_768]
 MASK_KEEP_OUTPUTS = 10  # the study's best observation window kept the last 10 turns' outputs
@@ -337,7 +339,9 @@ def recalled(store: Any, key: str) -> bool:
     at = hit.shown[0][0] if hit.shown else 0
     page = read_archive(store, {"id": hit.archive_id, "offset": max(0, at - READ_BEFORE_CHARS),
                                 "limit": READ_LIMIT_CHARS})
-    return key in page
+    # A history dump is JSON lines: the key is there as JSON writes it (quotes and backslashes escaped;
+    # twice in a tool call's arguments), as the view's tool arguments are searched decoded.
+    return any(form in page for form in literal_forms(key))
 
 
 # ---- the run -----------------------------------------------------------------------------------------

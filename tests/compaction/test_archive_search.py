@@ -265,11 +265,15 @@ def test_a_literal_with_quotes_backslashes_or_line_breaks_is_found_in_a_history_
                   counter=load_counter("deepseek-v4"), template=get_template("deepseek-v4"),
                   session_dir=tmp_path / "session", durable=False)
     written = ['print("done")', "C:\\build\\out.log", "first line\nsecond line"]
+    command = 'grep -n "DECL(pattern);" src/parser.c'  # in a tool call's JSON arguments: escaped twice
     for k, text in enumerate([*written, "carry on", "carry on", "carry on"]):
         c.append(Message(Role.USER, f"step {k}: {text}", id=f"u{k}"))
         c.before_request()
-        c.append(Message(Role.ASSISTANT, f"noted step {k}. " * 40, id=f"a{k}"))
+        call = ToolCall(id=f"c{k}", name="bash", arguments=json.dumps({"command": command}))
+        c.append(Message(Role.ASSISTANT, f"noted step {k}. " * 40, id=f"a{k}", tool_calls=(call,)))
+        c.append_tool_result(Message(Role.TOOL, "no match", id=f"t{k}", tool_call_id=f"c{k}", name="bash"))
     assert c.compact_now().applied
+    assert page(c.store, command).num_matching == 1
     for text in written:
         got = page(c.store, text)
         assert got.num_matching == 1 and got.hits[0].kind == "history dump", text

@@ -206,10 +206,11 @@ def search(store: ArchiveStore, query: str, *, regex: bool = False, case_sensiti
 
 def literal_forms(query: str) -> tuple[str, ...]:
     """A literal query as the agent wrote it, and as a history dump holds it: the dump is JSON lines, so
-    quotes, backslashes and line breaks in its messages are escaped (``print("hi")`` is stored as
-    ``print(\\"hi\\")``)."""
-    escaped = json.dumps(query, ensure_ascii=False)[1:-1]
-    return (query,) if escaped == query else (query, escaped)
+    quotes, backslashes and line breaks in its messages are escaped once (``print("hi")`` is stored as
+    ``print(\\"hi\\")``), and in a tool call's arguments, a JSON text inside the line, twice."""
+    once = json.dumps(query, ensure_ascii=False)[1:-1]
+    twice = json.dumps(once, ensure_ascii=False)[1:-1]
+    return tuple(dict.fromkeys((query, once, twice)))
 
 
 def _compile(query: str, regex: bool, case_sensitive: bool) -> Any:
