@@ -11,12 +11,18 @@ generation prompt). Counting the next request costs only the messages that chang
   last one (by identity, then equality), re-renders from there (and the one message before, whose
   framing can depend on what follows it), and rewrites the ledger's tail.
 
+The template renders through one :class:`ctxfold.tokens.templates.session.RenderSession` per accounting,
+whichever kind it is (a preset, a model's own Jinja template): the accounting asks it for the segments of
+the messages from the first changed one on, and of the one before (the text run a new segment continues),
+and never tells the kinds apart.
+
 Segment counts add up to the count of the whole rendered prompt exactly: where two segments meet
 without a control token between them (two tool results in one run), the second one's count is
 taken as count(run so far + its text) - count(run so far), so a token that spans the seam is
 counted once.
 
-Memory per message: the ledger's 28 bytes, one cache entry, and one reference in the message list.
+Memory per message: the ledger's 28 bytes, one cache entry, and one reference in the message list (and,
+under a Jinja template, its segment, which the session keeps).
 Thread safety: none; one accountant per conversation, used by its owner.
 """
 
@@ -139,9 +145,9 @@ class RequestAccounting:
     With a model's own Jinja template (:class:`ctxfold.tokens.templates.jinja_loading.JinjaChatTemplate`) the
     segments are derived from renders of a few messages around the changed ones; the derivation is
     checked against a whole render as the conversation doubles in length, and a template it does
-    not hold for is rendered whole from then on (``renderer.separable`` False, with a warning).
-    A template that refuses the conversation raises
-    :class:`ctxfold.tokens.templates.jinja.TemplateRenderError`.
+    not hold for is rendered whole from then on (``renderer.separable`` False, with a warning), every
+    message derived again (:mod:`ctxfold.tokens.templates.jinja_session`). A template that refuses the
+    conversation raises :class:`ctxfold.tokens.templates.jinja.TemplateRenderError`.
     """
 
     def __init__(
