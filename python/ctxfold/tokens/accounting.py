@@ -11,19 +11,25 @@ generation prompt). Counting the next request costs only the messages that chang
   last one (by identity, then equality), re-renders from there (and the one message before, whose
   framing can depend on what follows it), and rewrites the ledger's tail.
 
+The template renders through one :class:`ctxfold.tokens.templates.session.RenderSession` per accounting,
+whichever kind it is (a preset, a model's own Jinja template): the accounting asks it for the segments of
+the messages from the first changed one on, and of the one before (the text run a new segment continues),
+and never tells the kinds apart.
+
 Segment counts add up to the count of the whole rendered prompt exactly: where two segments meet
 without a control token between them (two tool results in one run), the second one's count is
 taken as count(run so far + its text) - count(run so far), so a token that spans the seam is
 counted once.
 
-Memory per message: the ledger's 28 bytes, one cache entry, and one reference in the message list.
+Memory per message: the ledger's 28 bytes, one cache entry, and one reference in the message list (and,
+under a Jinja template, its segment, which the session keeps).
 Thread safety: none; one accountant per conversation, used by its owner.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,15 +42,13 @@ from ctxfold.tokens.counting import TokenCounter
 from ctxfold.tokens.templates import (
     ChatTemplate,
     Reasoning,
-    Renderer,
     RenderOptions,
     Segment,
     get_template,
     last_user_index,
-    segment_text,
 )
-from ctxfold.tokens.templates.jinja import JinjaRenderer, TemplateRenderError, renderer_for
 from ctxfold.tokens.templates.jinja_loading import JinjaChatTemplate
+from ctxfold.tokens.templates.session import ConversationRenderer, Rendering, render_session
 
 _KEY_MASK = (1 << 64) - 1
 
@@ -69,17 +73,6 @@ def default_template(counter: TokenCounter) -> ChatTemplate | JinjaChatTemplate:
     """
     name = getattr(counter, "template", "")
     return get_template(name) if isinstance(name, str) and name else PLAIN
-
-
-def _special_extra_tokens(counter: TokenCounter, specials: Mapping[int, str]) -> dict[int, int]:
-    """The template's control tokens that the counter's vocabulary lacks (a template paired with another
-    model's tokenizer): the model reads their text as text, so each costs its text's tokens, not one.
-    Id -> tokens beyond the one a control token is counted as; empty where every one is in the
-    vocabulary, or where the counter cannot say (the estimate, tiktoken)."""
-    token_id = getattr(counter, "token_id", None)
-    if token_id is None or not counter.exact:
-        return {}
-    return {i: counter.count(text) - 1 for i, text in specials.items() if token_id(text) is None and counter.count(text) > 1}
 
 
 # How far back a result's call is looked for. Calls and results sit a few messages apart; the bound
@@ -146,20 +139,15 @@ class _Pending:
     join_tail: str | None  # the run this segment's first text continues; its count is subtracted
 
 
-# A model's own (Jinja) template is checked against a whole render of the request when the conversation
-# reaches this many messages, then at twice as many, and so on: O(1) amortized per message.
-_FIRST_CHECK_MESSAGES = 4
-
-
 class RequestAccounting:
     """Token accounting of one conversation's requests under one counter and chat template.
 
     With a model's own Jinja template (:class:`ctxfold.tokens.templates.jinja_loading.JinjaChatTemplate`) the
     segments are derived from renders of a few messages around the changed ones; the derivation is
     checked against a whole render as the conversation doubles in length, and a template it does
-    not hold for is rendered whole from then on (``renderer.separable`` False, with a warning).
-    A template that refuses the conversation raises
-    :class:`ctxfold.tokens.templates.jinja.TemplateRenderError`.
+    not hold for is rendered whole from then on (``renderer.separable`` False, with a warning), every
+    message derived again (:mod:`ctxfold.tokens.templates.jinja_session`). A template that refuses the
+    conversation raises :class:`ctxfold.tokens.templates.jinja.TemplateRenderError`.
     """
 
     def __init__(
@@ -172,30 +160,19 @@ class RequestAccounting:
         self.counter = counter
         chosen = template if template is not None else default_template(counter)
         self.options = options if options is not None else RenderOptions()
-        self._opts = self.options.resolved(())  # with thinking decided for the current messages
-        self.renderer: Renderer | JinjaRenderer
-        self._jinja: JinjaRenderer | None = None
-        if isinstance(chosen, JinjaChatTemplate):
-            self._jinja = self.renderer = renderer_for(chosen, counter)
-            self.template: ChatTemplate | JinjaChatTemplate = self._jinja.template
-        else:
-            self.template = chosen
-            self.renderer = Renderer(chosen)
+        self._session = render_session(chosen, counter, self.options)
+        self.template: ChatTemplate | JinjaChatTemplate = self._session.template
+        self.renderer: ConversationRenderer = self._session.renderer
         # Whether the template refuses two user messages in a row: a rewrite then frames its summary
         # as a user/assistant pair (ctxfold's presets accept any order).
-        self.alternates_roles = self._jinja is not None and self._jinja.alternates_roles
-        # A preset's control tokens may be another model's; a Jinja template's come from its own tokenizer.
-        self._special_extra = {} if self._jinja is not None else _special_extra_tokens(counter, self.renderer.specials)
-        self._segs: list[Segment] = []  # Jinja: every message's segment, as last derived
-        self._jinja_suffix: Segment = ()
-        self._next_check = _FIRST_CHECK_MESSAGES
+        self.alternates_roles = self._session.alternates_roles
+        self._special_extra = self._session.special_extra
         self._rederiving = False
         self.ledger = _core.Ledger()
         self._messages: list[Message] = []
         self._last_user = -1
         self._system: str | None = None
         self._tools: tuple[ToolSpec, ...] = ()
-        self._keep_all = False
         self._prefix: Segment = ()
         self.prefix_tokens = 0
         self.suffix_tokens = 0
@@ -207,46 +184,20 @@ class RequestAccounting:
     def _set_header(self, system: str | None, tools: Sequence[ToolSpec]) -> None:
         specs = tuple(t for t in tools if isinstance(t, ToolSpec))
         self._system, self._tools = system, specs
-        self._keep_all = self.renderer.keeps_all_reasoning(bool(specs))
-        if self._jinja is not None:
+        if self._session.set_header(system, specs):
             # A Jinja template may fold the header into the first messages (Gemma's system prompt, Llama's
-            # tools): every message is derived again.
-            self._messages, self._segs = [], []
+            # tools); a preset's reasoning rules may change with the tools: every message renders again.
+            self._messages = []
             self._last_user = -1
             self.ledger.truncate(0)
-            prefix, _, suffix = self._jinja_segments([], 0)
-            self._prefix, self._jinja_suffix = prefix, suffix
-        else:
-            assert isinstance(self.renderer, Renderer)
-            self._prefix = self.renderer.prefix(system, specs)
+        self._prefix = self._session.prefix
         self.prefix_tokens = self._count_segments([self._prefix], [None])[0]
-
-    def _jinja_segments(self, msgs: Sequence[Message], start: int, system: str | None = None,
-                        tools: Sequence[ToolSpec] | None = None) -> tuple[Segment, list[Segment], Segment]:
-        """Prefix, segments of messages ``start``.., and suffix under the Jinja template. An empty
-        conversation that the template refuses (one that needs a user turn) is an empty request."""
-        assert self._jinja is not None
-        r = self._jinja
-        sys_, tls = (self._system, self._tools) if tools is None else (system, tools)
-        if not msgs:
-            try:
-                prefix, _, suffix = r.segments(sys_, tls, msgs, 0)
-            except TemplateRenderError:
-                return (), [], ()
-            return r.split(prefix), [], r.split(suffix)
-        prefix, texts, suffix = r.segments(sys_, tls, msgs, start)
-        return r.split(prefix), [r.split(t) for t in texts], r.split(suffix)
 
     def reset(self, header: Conversation, messages: Sequence[Message] | None = None) -> int:
         """Sets the system prompt and tools from ``header`` and syncs to ``messages`` (default: the
         header's own messages). Returns the request's total tokens."""
         if header.system != self._system or tuple(header.tools) != self._tools:
-            keep_all = self._keep_all
-            self._set_header(header.system, header.tools)  # a Jinja template: every message re-derived
-            if keep_all != self._keep_all:  # reasoning rules changed: every message re-renders
-                self._messages = []
-                self._last_user = -1
-                self.ledger.truncate(0)
+            self._set_header(header.system, header.tools)
         return self.sync(header.messages if messages is None else messages)
 
     # -- figures ------------------------------------------------------------------------------------
@@ -290,18 +241,9 @@ class RequestAccounting:
             if self._messages[i] is message:
                 return self.ledger.num_tokens_at(i)
         msgs = [*self._messages, message]
-        last_user = last_user_index(msgs)
-        saved = self._opts
-        if self.options.thinking is None and message.reasoning and not saved.thinking:
-            self._opts = RenderOptions(thinking=True)  # auto mode: this message would turn it on
-        known: dict[int, Segment] = {}
-        if self._jinja is not None:
-            known[len(msgs) - 1] = self._jinja_segments(msgs, len(msgs) - 1)[1][0]
-        try:
-            seg = self._render(msgs, len(msgs) - 1, last_user, known)
-            tail = self._tail_before(msgs, len(msgs) - 1, known, last_user) if _leading_text(seg) else None
-        finally:
-            self._opts = saved
+        r = self._session.render_appended(msgs, last_user_index(msgs))
+        seg = r.segment(len(msgs) - 1)
+        tail = self._tail_before(r, len(msgs) - 1, self._prefix) if _leading_text(seg) else None
         return self._count_segments([seg], [tail])[0]
 
     # -- updates ------------------------------------------------------------------------------------
@@ -344,17 +286,12 @@ class RequestAccounting:
         else:
             last_user = last_user_index(new)
         start = self._rerender_start(new, d, last_user)
-        segs = self._ledger_from(new, start, last_user)
+        self._ledger_from(new, start, last_user)
         self._messages = new
         self._last_user = last_user
-        if self._jinja is not None:
-            self._segs[start:] = segs
         self._update_suffix()
-        if self._jinja is not None and (not self._jinja.separable or len(new) >= self._next_check):
-            # Not separable: every request is checked (the messages before the changed ones may render
-            # differently now), and derived again from the start where they do.
-            self._next_check = 2 * len(new)
-            self._check_jinja()
+        if not self._rederiving and not self._session.settled(new):
+            self._rederive()
         return self.total_tokens
 
     def _rerender_start(self, new: Sequence[Message], d: int, last_user: int) -> int:
@@ -362,41 +299,31 @@ class RequestAccounting:
         ``last_user`` the new last user turn; switches the auto thinking mode where it flips."""
         old = self._messages
         start = max(d - 1, 0)  # the previous message's framing can depend on what follows it
-        opts = self._opts
-        if self.options.thinking is None and self._jinja is None:
-            # Auto thinking mode: on once any message carries reasoning; a flip re-renders everything.
-            if d == len(old):
-                thinking = bool(opts.thinking) or any(m.reasoning for m in new[d:])
-            else:
-                thinking = any(m.reasoning for m in new)
-            if thinking != opts.thinking:
-                self._opts = RenderOptions(thinking=thinking)
-                start = 0
+        if self._session.rethink(new, d, d == len(old)):  # auto thinking mode flipped: every message again
+            start = 0
         if last_user != self._last_user:
             # Thinking markers and kept reasoning depend on where the last user turn is: every
             # message from the earlier of the two positions on may render differently (from the
             # start when there was no user message). A Jinja template says whether it does (probed).
             turn = max(min(self._last_user, last_user), 0)
-            if self._jinja is None or self._jinja.rerenders_turn(new[turn:d]):
+            if self._session.rerenders_turn(new[turn:d]):
                 start = min(start, turn)
         return start
 
-    def _ledger_from(self, new: Sequence[Message], start: int, last_user: int) -> list[Segment]:
+    def _ledger_from(self, new: Sequence[Message], start: int, last_user: int) -> None:
         """Renders and counts messages ``start``.. of ``new`` and puts them in the ledger in place of
-        those it had from ``start`` on (a Jinja template's prefix too, when ``start`` is 0); their segments."""
-        rendered: dict[int, Segment] = {}
-        if self._jinja is not None:
-            prefix, derived, self._jinja_suffix = self._jinja_segments(new, start)
-            rendered.update(zip(range(start, len(new)), derived, strict=True))
-            if start == 0 and prefix != self._prefix:
-                self._prefix = prefix
-                self.prefix_tokens = self._count_segments([prefix], [None])[0]
+        those it had from ``start`` on (the prefix too, when ``start`` is 0 and a Jinja template derived
+        another one)."""
+        r = self._session.render(new, start, last_user)
+        if start == 0 and r.prefix != self._prefix:
+            self._prefix = r.prefix
+            self.prefix_tokens = self._count_segments([r.prefix], [None])[0]
         segs: list[Segment] = []
         tails: list[str | None] = []
         for i in range(start, len(new)):
-            seg = self._render(new, i, last_user, rendered)
+            seg = r.segment(i)
             segs.append(seg)
-            tails.append(self._tail_before(new, i, rendered, last_user) if _leading_text(seg) else None)
+            tails.append(self._tail_before(r, i, self._prefix) if _leading_text(seg) else None)
         counts = self._count_segments(segs, tails)
         group_start = np.empty(len(segs), dtype=np.int64)
         flags = np.empty(len(segs), dtype=np.uint32)
@@ -408,30 +335,16 @@ class RequestAccounting:
             keys[k] = segment_key(segs[k], tails[k])
         self.ledger.truncate(start)
         self.ledger.append_batch(keys, np.asarray(counts, dtype=np.int64), flags, group_start)
-        return segs
 
     def request_text(self) -> str:
         """The whole request as this accounting has it rendered (control tokens as their text). O(request)."""
-        if self._jinja is not None:
-            segs = (self._prefix, *self._segs, self._jinja_suffix)
-            return "".join(segment_text(s, self._jinja.specials) for s in segs)
-        assert isinstance(self.renderer, Renderer)
-        view = Conversation(messages=list(self._messages), system=self._system, tools=self._tools)
-        return self.renderer.render(view, self._opts).text()
+        return self._session.request_text(self._messages)
 
-    def _check_jinja(self) -> None:
-        """Compares the derived segments with a whole render; where they differ, the template is not
-        separable: it is rendered whole from now on and every message is derived again."""
-        assert self._jinja is not None
-        r = self._jinja
-        if not self._messages or self._rederiving:
-            return
-        want = r.render_text(Conversation(messages=self._messages, system=self._system, tools=self._tools))
-        if self.request_text() == want:
-            return
-        r.mark_not_separable(f"derived segments differ from the whole render of {len(self._messages)} messages")
+    def _rederive(self) -> None:
+        """Renders every message again, the session's segments having failed its check (a Jinja template
+        that is not separable after all: it is rendered whole from now on)."""
         msgs = self._messages
-        self._messages, self._segs, self._last_user = [], [], -1
+        self._messages, self._last_user = [], -1
         self.ledger.truncate(0)
         self._rederiving = True  # from the start, cut on whole renders: the segments add up by construction
         try:
@@ -443,52 +356,20 @@ class RequestAccounting:
         """Total tokens of the request ``header`` + ``messages`` would make, without changing this
         accountant (counts it learns are cached)."""
         msgs = list(messages)
-        last_user = last_user_index(msgs)
-        keep_all = self.renderer.keeps_all_reasoning(bool(header.tools))
-        rendered: dict[int, Segment] = {}
-        jinja_suffix: Segment = ()
-        if self._jinja is not None:
-            prefix, derived, jinja_suffix = self._jinja_segments(msgs, 0, header.system, tuple(header.tools))
-            rendered.update(enumerate(derived))
-        else:
-            assert isinstance(self.renderer, Renderer)
-            prefix = self.renderer.prefix(header.system, header.tools)
-        segs: list[Segment] = [prefix]
+        r = self._session.request(header.system, header.tools, msgs)
+        segs: list[Segment] = [r.prefix]
         tails: list[str | None] = [None]
-        saved = self._keep_all, self._tools, self._opts
-        self._keep_all, self._tools = keep_all, tuple(header.tools)
-        self._opts = self.options.resolved(msgs)
-        try:
-            for i in range(len(msgs)):
-                seg = self._render(msgs, i, last_user, rendered)
-                segs.append(seg)
-                tails.append(self._tail_before(msgs, i, rendered, last_user, prefix) if _leading_text(seg) else None)
-            segs.append(jinja_suffix if self._jinja is not None else self._suffix_of(msgs, last_user, keep_all))
-            tails.append(None)
-        finally:
-            self._keep_all, self._tools, self._opts = saved
+        for i in range(len(msgs)):
+            seg = r.segment(i)
+            segs.append(seg)
+            tails.append(self._tail_before(r, i, r.prefix) if _leading_text(seg) else None)
+        segs.append(r.suffix())
+        tails.append(None)
         return int(sum(self._count_segments(segs, tails)))
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _render(self, msgs: Sequence[Message], i: int, last_user: int, rendered: dict[int, Segment]) -> Segment:
-        seg = rendered.get(i)
-        if seg is None:
-            if isinstance(self.renderer, JinjaRenderer):
-                # Before the first changed message: the segment derived when it was new.
-                return self._segs[i]
-            assert isinstance(self.renderer, Renderer)
-            seg = self.renderer.message(msgs, i, last_user=last_user, keep_all_reasoning=self._keep_all,
-                                        opts=self._opts, tools=self._tools)
-            rendered[i] = seg
-        return seg
-
-    def _suffix_of(self, msgs: Sequence[Message], last_user: int, keep_all: bool) -> Segment:
-        assert isinstance(self.renderer, Renderer)
-        return self.renderer.suffix(msgs, last_user=last_user, keep_all_reasoning=keep_all, opts=self._opts)
-
-    def _tail_before(self, msgs: Sequence[Message], i: int, rendered: dict[int, Segment], last_user: int,
-                     prefix: Segment | None = None) -> str | None:
+    def _tail_before(self, r: Rendering, i: int, prefix: Segment) -> str | None:
         """The text run that segment ``i`` continues: the text after the last control token before it.
 
         None for a template without control tokens (plain texts): there every message is counted on
@@ -502,7 +383,7 @@ class RequestAccounting:
         runs: list[str] = []
         j = i - 1
         while j >= -1:
-            seg = (self._prefix if prefix is None else prefix) if j < 0 else self._render(msgs, j, last_user, rendered)
+            seg = prefix if j < 0 else r.segment(j)
             run, closed = _trailing_run(seg)
             runs.append(run)
             if closed:
@@ -512,10 +393,7 @@ class RequestAccounting:
         return tail or None
 
     def _update_suffix(self) -> None:
-        if self._jinja is not None:
-            suffix = self._jinja_suffix
-        else:
-            suffix = self._suffix_of(self._messages, self._last_user, self._keep_all)
+        suffix = self._session.suffix(self._messages, self._last_user)
         self.suffix_tokens = self._count_segments([suffix], [None])[0]
 
     def _count_segments(self, segs: Sequence[Segment], tails: Sequence[str | None]) -> list[int]:

@@ -2,7 +2,9 @@
 Jinja template (:mod:`ctxfold.tokens.templates.jinja`), found by name with :func:`get_template`.
 
 This module sits above both kinds: the presets know nothing of Jinja, and the Jinja renderer builds on
-the presets' request types, so neither imports the other's resolver.
+the presets' request types, so neither imports the other's resolver. Incremental rendering goes through one
+protocol, :class:`ctxfold.tokens.templates.session.RenderSession`, that both kinds implement
+(:mod:`ctxfold.tokens.templates.preset_session`, :mod:`ctxfold.tokens.templates.jinja_session`).
 """
 
 from __future__ import annotations

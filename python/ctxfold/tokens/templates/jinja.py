@@ -26,8 +26,9 @@ run, reasoning is dropped before the last user turn). Index parity is kept acros
 
 That a template can be cut this way is checked, never assumed: on probe conversations when it is
 loaded (which also tells whether a new user turn re-renders the turn before it: Qwen3's does when
-that turn has reasoning), and by :class:`ctxfold.tokens.accounting.RequestAccounting` against a whole render
-each time the conversation doubles in length. A template that fails (:attr:`JinjaRenderer.separable`
+that turn has reasoning), and by the accounting's render session
+(:class:`ctxfold.tokens.templates.jinja_session.JinjaSession`) against a whole render each time the
+conversation doubles in length. A template that fails (:attr:`JinjaRenderer.separable`
 False) is cut on whole renders instead (O(messages) per message), with a logged warning, and checked
 on every request.
 """
