@@ -37,6 +37,9 @@ from helpers.gemma_gguf import (
     summary_request_ids,
 )
 
+# A real model: minutes on a busy 2-core machine (the prefix test alone took 4), so the slow tier.
+pytestmark = pytest.mark.slow
+
 N_CTX = 1024
 MAX_MESSAGE_CHARS = 600  # demo tool outputs cut to this, so a window holds several turns
 # Against a cold prefill split where the live batches were: measured 0 (bit-identical). The margin is for a
