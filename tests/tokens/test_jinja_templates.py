@@ -234,6 +234,19 @@ def test_a_template_that_is_not_separable_is_rendered_whole_and_says_so(
         assert acc.request_text() == text
 
 
+def test_a_new_header_counts_the_generation_prompt_again_with_no_messages(counter: HFTokenizerCounter) -> None:
+    """The generation prompt may depend on the header: a new system prompt with no messages yet counts
+    it again (the count kept the old header's)."""
+    source = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% if messages and messages[0].role == 'system' %}"
+              "{{ messages[0].content }}{% endif %}{% endif %}")
+    acc = RequestAccounting(counter, JinjaChatTemplate(name="header-in-the-prompt", source=source))
+    acc.reset(Conversation(messages=[]))
+    for system in ("a system prompt that the generation prompt repeats word for word", None, "short"):
+        view = Conversation(messages=[], system=system)
+        assert acc.reset(view) == counter.count(acc.renderer.render_text(view)), system
+
+
 def test_a_template_that_passes_the_probes_but_not_a_long_conversation_falls_back(
         counter: HFTokenizerCounter, caplog: pytest.LogCaptureFixture) -> None:
     """A template that changes its header past 20 messages passes the load-time probes; the check as the

@@ -177,7 +177,6 @@ class RequestAccounting:
         self.prefix_tokens = 0
         self.suffix_tokens = 0
         self._set_header(None, ())
-        self._update_suffix()
 
     # -- header (system prompt and tools) -----------------------------------------------------------
 
@@ -192,6 +191,7 @@ class RequestAccounting:
             self.ledger.truncate(0)
         self._prefix = self._session.prefix
         self.prefix_tokens = self._count_segments([self._prefix], [None])[0]
+        self._update_suffix()  # the generation prompt may follow the header (a sync with no change does not)
 
     def reset(self, header: Conversation, messages: Sequence[Message] | None = None) -> int:
         """Sets the system prompt and tools from ``header`` and syncs to ``messages`` (default: the
