@@ -239,7 +239,10 @@ def test_turn_by_turn_through_the_ledger(benchmark: Any, long_conversation: Conv
     assert total == count_once(long_conversation)
     grown, once = paired_best(lambda: count_turn_by_turn(long_conversation), lambda: count_once(long_conversation))
     benchmark.extra_info["ratio_to_once"] = grown / once
-    assert grown <= 1.5 * once, f"turn by turn {grown:.3f} s vs once {once:.3f} s"
+    # Appending is incremental: 300 appends cost a few times one count of all 300 (4.6 here, 0.28 ms an
+    # append: rendering the message and its predecessor, since the exact counter got fast), where
+    # recounting every request from scratch grows with the square (count_naive). The bound catches that.
+    assert grown <= 8 * once, f"turn by turn {grown:.3f} s vs once {once:.3f} s"
 
 
 def test_count_once(benchmark: Any, long_conversation: Conversation) -> None:

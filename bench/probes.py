@@ -491,9 +491,9 @@ def section_probes(convs: Sequence[Conversation], windows: Sequence[int] = WINDO
         "notes": [
             "Budget use of the baselines (tokens kept / ctxfold's view), median over points: "
             + ", ".join(f"{cond} {100 * float(np.median(f)):.1f}%" for cond, f in fills.items() if f) + ".",
-            (f"Probes neither ctxfold's view nor recall answered: {len(lost)}; {sum(map(_escaped, lost))} of "
-             "them hold a quote or a backslash, which a history dump (JSON lines) writes escaped, so a literal "
-             "search for the text as the agent wrote it misses it."),
+            (f"Probes neither ctxfold's view nor recall answered: {len(lost)}"
+             + (f"; {sum(map(_escaped, lost))} of them hold a quote or a backslash (which a history dump's JSON "
+                "lines write escaped)." if lost else ".")),
         ],
         "figures": {str(c): {scope: {cond: {k: list(v) for k, v in t[cond].items()} for cond in CONDITIONS}
                              for scope, t in (("every", r.every), ("after_summary", r.summarized))}
