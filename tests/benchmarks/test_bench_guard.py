@@ -14,7 +14,6 @@ runs the suite, and the real docs/benchmarks.md is checked to be untouched after
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -26,6 +25,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from helpers.bench_modules import bench_module
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
@@ -42,18 +43,8 @@ def _digest(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def run() -> Iterator[ModuleType]:
-    """bench/run.py as a module (it puts bench/ on sys.path to import report; undone afterwards)."""
-    path, had_report = list(sys.path), "report" in sys.modules
-    spec = importlib.util.spec_from_file_location("bench_run_under_test", BENCH / "run.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    sys.path[:] = path
-    if not had_report:  # bench's `report` must not answer a later `import report`
-        sys.modules.pop("report", None)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with bench_module("run.py") as module:
+        yield module
 
 
 @pytest.fixture(autouse=True)

@@ -3,36 +3,23 @@ and that a probe is answered exactly when its key text is in the view (or, with 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from ctxfold.chat.messages import Message, Role, ToolCall
 from ctxfold.compaction.archive import ArchiveStore, MemoryBackend, make_marker
+from helpers.bench_modules import bench_module
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 NEW_LINE = "    return load_yaml(path) or DEFAULT_CONFIG"
 
 
 @pytest.fixture(scope="module")
 def probes() -> Iterator[ModuleType]:
-    """bench/probes.py as a module (it puts bench/ on sys.path for synth; undone afterwards)."""
-    path, before = list(sys.path), set(sys.modules)
-    spec = importlib.util.spec_from_file_location("bench_probes_under_test", BENCH / "probes.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    sys.path[:] = path
-    yield module
-    for name in set(sys.modules) - before:
-        if name in {"synth", spec.name}:  # bench's modules must not answer a later import of the same name
-            sys.modules.pop(name, None)
+    with bench_module("probes.py") as module:
+        yield module
 
 
 def call(i: int, name: str, **arguments: object) -> Message:
