@@ -65,7 +65,7 @@ def big_text(conv: int, req: int) -> str:
         size += len(line)
     return "".join(out)
 PHASES = ("sequential", "paced", "traces", "saturated")
-API_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+API_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 # Replayed requests stop at this body size: about 75k tokens, well under the proxy's 128k window.
 TRACE_BODY_LIMIT_BYTES = 300_000
 
@@ -156,6 +156,10 @@ def next_request(st: dict[str, Any], stream: bool) -> tuple[str, dict[str, Any],
             body = {"model": "bench", "instructions": st["messages"][0]["content"], "input": st["messages"][1:],
                     "stream": stream}
             return tag, body, f"echo: {tag} "
+        if st["api"] == "messages":
+            body = {"model": "bench", "system": st["messages"][0]["content"], "messages": st["messages"][1:],
+                    "max_tokens": 256, "stream": stream}
+            return tag, body, f"echo: {tag} "
         return tag, {"model": "bench", "messages": st["messages"], "stream": stream}, f"echo: {tag} "
     script = scripts[st["script"] % len(scripts)]
     if st["req"] == len(script.answers):  # the recording is over: the next one, as a new conversation
@@ -184,7 +188,14 @@ def _text(content: Any) -> str:
 
 
 def answer_of(raw: bytes, stream: bool, api: str = "chat") -> tuple[str, tuple[str, ...]]:
-    """The text and tool-call ids of a chat completion (or a response), JSON or event stream."""
+    """The text and tool-call ids of a chat completion (or a response, or a message), JSON or event stream."""
+    if api == "messages":
+        if not stream:
+            blocks = json.loads(raw)["content"]
+            return ("".join(b.get("text", "") for b in blocks if b["type"] == "text"),
+                    tuple(b["id"] for b in blocks if b["type"] == "tool_use"))
+        events = [json.loads(line.split("data: ", 1)[1]) for line in raw.decode().split("\n\n") if "data: {" in line]
+        return "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta"), ()
     if api == "responses":
         if not stream:
             items = json.loads(raw)["output"]
@@ -413,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", type=lambda v: v.split(","), default=list(PHASES), metavar="NAMES",
                     help=f"comma-separated, of {','.join(PHASES)} (default: all)")
     ap.add_argument("--api", choices=tuple(API_PATHS), default="chat",
-                    help="the API the synthetic phases speak (default chat: /v1/chat/completions)")
+                    help="the API the synthetic phases speak (default chat: /v1/chat/completions; responses, messages)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="also write the result there")
     ap.add_argument("--tokenizer", metavar="SPEC", help="the proxy's --tokenizer (default: the proxy's default)")
     ap.add_argument("--big-kb", type=int, default=0, help="kB of fresh tool-like text in every --big-every-th request")

@@ -40,6 +40,7 @@ async def serve(upstream: str, host: str, port: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/responses", completions)
+    app.router.add_post("/v1/messages", completions)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
