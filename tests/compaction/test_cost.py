@@ -135,6 +135,7 @@ def test_bad_price_text(spec: str, fragment: str) -> None:
     (("--price", "input=3,cachd=0.3,output=15"), "--price input=3,cachd=0.3,output=15: unknown price 'cachd'"),
     (("--price", "input=three,output=15"), "--price input=three,output=15: input='three' is not a number"),
     (("--prices", "/no/such/prices.json"), "--prices /no/such/prices.json: cannot read the price file"),
+    (("--prices", ""), "--prices '': an empty path; give a JSON or TOML price file"),
     (("--price", "input=1,output=1", "--prices", "x.json"), "give --prices FILE or --price"),
 ])
 def test_bad_price_flag_is_one_line_naming_the_flag(argv: tuple[str, ...], fragment: str,

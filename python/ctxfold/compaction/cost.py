@@ -121,6 +121,8 @@ class PriceTable:
     def load(cls, path: str | Path) -> PriceTable:
         """From a JSON or TOML file holding the mapping of :meth:`from_mapping` (TOML: top level or a
         ``[prices]`` table)."""
+        if not str(path).strip():  # Path("") is the current directory: say what is wrong instead
+            raise ConfigError(f"{str(path)!r}: an empty path; give a JSON or TOML price file")
         p = Path(path)
         try:
             raw = p.read_bytes()
