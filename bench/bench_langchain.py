@@ -116,12 +116,13 @@ def openai_tools(specs: Iterable[ToolSpec]) -> list[dict[str, Any]]:
 class Judge:
     """Counts every request of both middlewares the same way (one counter, one template)."""
 
-    def __init__(self, conv: Conversation, window_tokens: int, reserve_tokens: int, recall: ToolSpec) -> None:
+    def __init__(self, conv: Conversation, window_tokens: int, reserve_tokens: int,
+                 recall: Sequence[ToolSpec]) -> None:
         self.window_tokens = window_tokens
         self.reserve_tokens = reserve_tokens
         self.accounting = RequestAccounting(load_counter(COUNTER), None)
         self.headers = {False: Conversation([], system=conv.system, tools=conv.tools),
-                        True: Conversation([], system=conv.system, tools=(*conv.tools, recall))}
+                        True: Conversation([], system=conv.system, tools=(*conv.tools, *recall))}
 
     def tokens(self, who: str, messages: Sequence[BaseMessage]) -> tuple[int, list[Message]]:
         view = [to_ctxfold(m, i) for i, m in enumerate(messages)]
@@ -142,7 +143,7 @@ def play(conv: Conversation, window_tokens: int, ours: Row, theirs: Sequence[Row
     mw = CtxfoldMiddleware(config=config, counter=counter, summarizer=SummaryModel())
     system = SystemMessage(conv.system) if conv.system else None
     tools = openai_tools(conv.tools)
-    judge = Judge(conv, window_tokens, reserve, tool_spec(mw.recall_tool))
+    judge = Judge(conv, window_tokens, reserve, [tool_spec(t) for t in mw.recall_tools])
     header_tokens = judge.tokens("", [])[0]  # system prompt and tools, by the judge's counter
 
     def same_count(messages: Iterable[Any]) -> int:

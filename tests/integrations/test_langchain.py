@@ -1,7 +1,7 @@
 """The LangChain middleware in a real ``create_agent`` loop (no network: a scripted agent model, a
 deterministic summary model): it compacts under a small window, sends nothing over it, never orphans a
-tool result, answers the recall tool, gives the model the same messages sync and async, and resumes
-from its session directory after a restart. Then, on the shared traces, beside SummarizationMiddleware."""
+tool result, answers the recall tools (search_archive, read_archive), gives the model the same messages
+sync and async, and resumes from its session directory after a restart. Then, on the shared traces, beside SummarizationMiddleware."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,6 +67,51 @@ def recall_first_marker() -> Any:
     return turn
 
 
+RecallCall = Callable[[str, int, BaseMessage], tuple[str, dict[str, Any]]]  # (marker id, round, last message)
+
+
+def after_first_marker(rounds: int, calls: list[RecallCall]) -> list[Any]:
+    """Turns that run the shell until the model is shown an archived output (the round whose result it
+    was and the marker's id noted), then make ``calls`` one by one, each given the message before it
+    (the answer to the previous one), then answer."""
+    seen: list[tuple[str, int]] = []
+
+    def turn(k: int) -> Any:
+        def answer(messages: list[BaseMessage]) -> AIMessage:
+            if not seen:
+                marker = next((m for m in messages if isinstance(m, ToolMessage)
+                               and m.text.startswith(MARKER_PREFIX)), None)
+                if marker is None:
+                    return run_shell(k)
+                archive_id = re.search(r"id=([0-9a-f]{64})", marker.text).group(1)  # type: ignore[union-attr]
+                seen.append((archive_id, int(marker.tool_call_id.removeprefix("c"))))
+            if not calls:
+                return AIMessage(content="done", id=f"fin{k}")
+            name, args = calls.pop(0)(*seen[0], messages[-1])
+            return AIMessage(content="", id=f"a{k}", tool_calls=[{"id": f"c{k}", "name": name, "args": args}])
+        return answer
+    return [turn(k) for k in range(rounds)]
+
+
+def search_last_line(archive_id: str, k: int, last: BaseMessage) -> tuple[str, dict[str, Any]]:
+    return "search_archive", {"query": f"make test-{k}: line 24 of the output"}
+
+
+def read_at_the_hit(archive_id: str, k: int, last: BaseMessage) -> tuple[str, dict[str, Any]]:
+    """read_archive at the first match the search answer gives for the archived output."""
+    hit = re.search(rf"^\d+\. id={archive_id} .*\n   at (\d+): ", last.text, re.MULTILINE)
+    assert hit is not None, last.text
+    return "read_archive", {"id": archive_id, "offset": int(hit.group(1)), "limit": 200}
+
+
+def answers(state: dict[str, Any], name: str) -> list[ToolMessage]:
+    """The tool results answering the calls of ``name``, in order."""
+    ids = [str(c["id"]) for m in state["messages"] if isinstance(m, AIMessage) for c in m.tool_calls
+           if c["name"] == name]
+    by_id = {m.tool_call_id: m for m in state["messages"] if isinstance(m, ToolMessage)}
+    return [by_id[i] for i in ids]
+
+
 def script(rounds: int, *, recall: bool = False, start: int = 0) -> list[Any]:
     """One user turn: ``rounds`` tool rounds, then an answer (ids numbered from ``start``)."""
     make = recall_first_marker() if recall else run_shell
@@ -94,7 +140,7 @@ def test_compacts_within_the_window_without_orphans() -> None:
     c = mw.compactor("t1")
     assert c is not None and len(c.originals) == 1 + 16 * 2  # the state before the last call, in order
     accounting = RequestAccounting(mw.counter, None)
-    header = Conversation([], system=SYSTEM, tools=(tool_spec(shell), tool_spec(mw.recall_tool)))
+    header = Conversation([], system=SYSTEM, tools=(tool_spec(shell), *map(tool_spec, mw.recall_tools)))
     reserve = mw.config.reply_reserve()
     for seen in model.seen:
         view = [to_ctxfold(m, i) for i, m in enumerate(seen[1:])]  # the system message is the header's
@@ -102,15 +148,15 @@ def test_compacts_within_the_window_without_orphans() -> None:
         assert count_orphans(view) == 0
     assert any(m.additional_kwargs.get("lc_source") == "ctxfold" and "Task state:" in m.text
                for m in model.seen[-1]), "the summary model's summary is in the view"
-    # read_archive is registered with the agent, offered once something was archived.
-    assert model.bound[0] == ["shell"] and "read_archive" in model.bound[-1]
+    # The recall tools are registered with the agent, offered once something was archived.
+    assert model.bound[0] == ["shell"] and {"read_archive", "search_archive"} <= set(model.bound[-1])
 
 
-def test_the_recall_tool_is_counted_even_without_other_tools() -> None:
+def test_the_recall_tools_are_counted_even_without_other_tools() -> None:
     mw = middleware()
     mw.compact_messages([HumanMessage("hi", id="u0")], thread_id="t")  # an agent with no tools of its own
     c = mw.compactor("t")
-    assert c is not None and [t.name for t in c.header.tools] == ["read_archive"]
+    assert c is not None and [t.name for t in c.header.tools] == ["read_archive", "search_archive"]
 
 
 def test_recall_tool_answers_an_archived_output() -> None:
@@ -125,6 +171,41 @@ def test_recall_tool_answers_an_archived_output() -> None:
                                                      arguments=json.dumps(call["args"])))
     assert answer.text == expected.text and answer.status == "success"
     assert "make test-" in answer.text and answer.text.startswith("[read_archive id=")
+
+
+@pytest.mark.parametrize("run", ["sync", "async"])
+def test_search_finds_an_archived_output_and_read_archive_reads_it_back(run: str) -> None:
+    model, mw = ScriptedModel(script=after_first_marker(14, [search_last_line, read_at_the_hit])), middleware()
+    graph = agent(model, mw)
+    state = graph.invoke(turn("fix the failing test", 0), CONFIG) if run == "sync" else \
+        asyncio.run(graph.ainvoke(turn("fix the failing test", 0), CONFIG))
+    [found], [read] = answers(state, "search_archive"), answers(state, "read_archive")
+    query = next(c["args"]["query"] for m in state["messages"] if isinstance(m, AIMessage) for c in m.tool_calls
+                 if c["name"] == "search_archive")
+    assert found.status == "success" and found.text.startswith(f"[search_archive {json.dumps(query)} (literal")
+    # Read back from where the search said the text lies, in the archived output it named.
+    header, _, text = read.text.partition("\n")
+    assert read.status == "success" and header.startswith("[read_archive id=")
+    assert f"id={header.split('id=')[1].split()[0]} tool output" in found.text
+    assert text.startswith(query)
+    assert "search_archive" in model.bound[-1]
+
+
+def test_a_search_with_no_match_and_a_bad_regex_are_answers_the_model_reads() -> None:
+    def nothing(archive_id: str, k: int, last: BaseMessage) -> tuple[str, dict[str, Any]]:
+        return "search_archive", {"query": "no-such-text-in-any-output"}
+
+    def bad_regex(archive_id: str, k: int, last: BaseMessage) -> tuple[str, dict[str, Any]]:
+        return "search_archive", {"query": "line (\\d+", "regex": True}
+
+    model, mw = ScriptedModel(script=after_first_marker(14, [nothing, bad_regex])), middleware()
+    state = agent(model, mw).invoke(turn("fix the failing test", 0), CONFIG)
+    none, bad = answers(state, "search_archive")
+    assert none.status == "success" and ": 0 matching texts of " in none.text and "no hits" in none.text
+    # Without the regex package (the search extra) a regular expression is refused, as plainly.
+    assert bad.status == "error" and ("is not a valid regular expression" in bad.text if
+                                      importlib.util.find_spec("regex") else "not installed" in bad.text)
+    assert state["messages"][-1].text == "done"  # the agent went on after both
 
 
 def test_recall_tool_mistakes_are_tool_errors() -> None:

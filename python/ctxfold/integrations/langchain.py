@@ -11,8 +11,9 @@ conversation's :class:`~ctxfold.compaction.compactor.Compactor` (tool results th
 hard trigger applies), runs ``before_request`` and sends the model the compacted view: the summary as a
 ``HumanMessage``, archived outputs as ``ToolMessage`` s holding the marker, every tool call with its results.
 The asynchronous hook drives the same steps through :class:`~ctxfold.compaction.compactor.AsyncCompactor` (the
-summarizer awaited on the loop). The model reads archived outputs back with the ``read_archive`` tool
-(:attr:`CtxfoldMiddleware.tools`, so ``create_agent`` registers it), offered once there is something to read.
+summarizer awaited on the loop). The model finds archived text with the ``search_archive`` tool and reads
+it back with ``read_archive`` (:attr:`CtxfoldMiddleware.tools`, so ``create_agent`` registers both), offered
+once there is something to find.
 
 **The request, not the state.** ``SummarizationMiddleware`` rewrites the graph state (``RemoveMessage`` of
 every message, then the summary and the kept tail): the originals are gone from the agent, and what the
@@ -45,7 +46,7 @@ import logging
 import re
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from hashlib import sha256
 from pathlib import Path
@@ -72,14 +73,14 @@ from langchain_core.messages import (
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, ToolException
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import Field
 
 from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec, Usage, as_parts
 from ctxfold.compaction.archive import (
     READ_ARCHIVE,
+    SEARCH_ARCHIVE,
     ArchiveStore,
-    answer_read_archive,
-    read_archive_tool_openai,
+    answer_recall_call,
+    recall_tools_openai,
 )
 from ctxfold.compaction.archive.marker import MARKER_PREFIX
 from ctxfold.compaction.compactor import AsyncCompactor, CompactionEvent, Compactor
@@ -95,7 +96,8 @@ log = logging.getLogger("ctxfold.langchain")
 
 DEFAULT_THREAD = "default"  # the key of a conversation run without a thread_id
 SOURCE = "ctxfold"  # additional_kwargs["lc_source"] of the messages ctxfold writes (LangChain's own: "summarization")
-_RECALL_SPEC = read_archive_tool_openai()["function"]
+# The recall tools' OpenAI function definitions by name: ctxfold's own schemas, as the proxy offers them.
+_RECALL_SPECS: Mapping[str, Mapping[str, Any]] = {t["function"]["name"]: t["function"] for t in recall_tools_openai()}
 # Summary calls are internal: LangGraph does not stream their tokens to the agent's caller.
 _SUMMARY_CONFIG: RunnableConfig = {"metadata": {"lc_source": SOURCE}, "tags": ["nostream"]}
 
@@ -224,24 +226,31 @@ class ChatModelSummarizer:
         return await self._async.asummarize(request, on_token=on_token, cancel=cancel, timeout_s=timeout_s)
 
 
-# -- the recall tool ----------------------------------------------------------------------------------------
+# -- the recall tools ---------------------------------------------------------------------------------------
 
-class ReadArchiveTool(BaseTool):
-    """``read_archive`` as a LangChain tool: ctxfold's schema, answered by ``answer_read_archive`` over the
-    archive of the conversation (thread) that calls it. A mistake in the arguments is a tool error the
-    model reads (``status="error"``), never an exception in the agent loop."""
+class RecallTool(BaseTool):
+    """One of ctxfold's recall tools, ``read_archive`` or ``search_archive``, as a LangChain tool: ctxfold's
+    schema, answered by ``answer_recall_call`` over the archive of the conversation (thread) that calls it.
+    A mistake in the arguments (a bad id, a bad regular expression) is a tool error the model reads
+    (``status="error"``), never an exception in the agent loop. An async agent runs it in a worker thread
+    (LangChain's default for a tool without ``_arun``); the archive's search index is thread-safe."""
 
-    name: str = READ_ARCHIVE
-    description: str = str(_RECALL_SPEC["description"])
-    args_schema: Any = Field(default_factory=lambda: dict(_RECALL_SPEC["parameters"]))
     handle_tool_error: bool = True
     store_for: Any = None  # (thread key) -> ArchiveStore | None: the middleware's conversations
+
+    def __init__(self, name: str, *, store_for: Callable[[str], ArchiveStore | None] | None = None) -> None:
+        spec = _RECALL_SPECS.get(name)
+        if spec is None:
+            raise ValueError(f"{name!r} is not a recall tool; ctxfold's are {READ_ARCHIVE!r} and {SEARCH_ARCHIVE!r}")
+        super().__init__(name=name, description=str(spec["description"]), args_schema=dict(spec["parameters"]),
+                         store_for=store_for)
 
     def _run(self, *args: Any, config: RunnableConfig, **arguments: Any) -> str:  # config: LangChain passes it
         store = self.store_for(thread_key(config)) if self.store_for is not None else None
         if store is None:
-            raise ToolException("Error: nothing was archived in this conversation; there is nothing to read.")
-        answer = answer_read_archive(store, ToolCall(id="", name=READ_ARCHIVE, arguments=json.dumps(arguments)))
+            raise ToolException("Error: nothing was archived in this conversation; there is nothing to "
+                                f"{'search' if self.name == SEARCH_ARCHIVE else 'read'}.")
+        answer = answer_recall_call(store, ToolCall(id="", name=self.name, arguments=json.dumps(arguments)))
         if answer.is_error:
             raise ToolException(answer.text)
         return answer.text
@@ -274,7 +283,7 @@ class _Thread:
     compactor: Compactor
     driver: AsyncCompactor
     call_ids: set[str]  # ids of every tool call in the originals: a new result must answer one
-    recall: bool  # there is something to read back: read_archive is offered
+    recall: bool  # there is something to find and read back: the recall tools are offered
     warned: set[str] = field(default_factory=set)  # reasons already logged for this thread
     # The LangChain form of each message ctxfold wrote into the view (summary, markers), by id() of the
     # ctxfold message (kept alive beside it): converted once, not at every call.
@@ -327,8 +336,10 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         self._threads: dict[str, _Thread] = {}
         self._lock = threading.Lock()
         self._tool_specs: tuple[tuple[int, ...], tuple[ToolSpec, ...]] | None = None  # see _specs
-        self.recall_tool = ReadArchiveTool(store_for=self._store_for)
-        self.tools = [self.recall_tool]
+        # Registered with the agent through self.tools; _request offers them only once there is something to find.
+        self.recall_tools = tuple(RecallTool(name, store_for=self._store_for) for name in _RECALL_SPECS)
+        self._recall_ids = frozenset(map(id, self.recall_tools))  # identity: tools compare by value
+        self.tools = list(self.recall_tools)
 
     def compactor(self, thread_id: str = DEFAULT_THREAD) -> Compactor | None:
         """The compactor of a thread, once it has made a model call in this process."""
@@ -356,8 +367,8 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
     def _request(self, request: ModelRequest[Any], messages: list[BaseMessage]) -> ModelRequest[Any]:
         t = self._threads.get(_request_thread(request))
         tools = request.tools
-        if t is None or not t.recall:  # registered with the agent, offered once there is something to read
-            tools = [x for x in tools if x is not self.recall_tool]
+        if t is None or not t.recall:  # registered with the agent, offered once there is something to find
+            tools = [x for x in tools if id(x) not in self._recall_ids]
         return request.override(messages=cast("list[AnyMessage]", messages), tools=tools)
 
     # -- the transformation, without a graph -----------------------------------------------------------------
@@ -417,12 +428,12 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         return _Plan(t, new)
 
     def _specs(self, tools: Sequence[BaseTool | dict[str, Any]]) -> tuple[ToolSpec, ...]:
-        """The tools the requests count: those offered, and read_archive always (it may be offered at any
-        call, so the window keeps room for it). Converted again only when the list changes."""
+        """The tools the requests count: those offered, and the recall tools always (they may be offered at
+        any call, so the window keeps room for them). Converted again only when the list changes."""
         ids = tuple(map(id, tools))
         if self._tool_specs is None or ids != self._tool_specs[0]:
-            specs = tuple(tool_spec(x) for x in tools if x is not self.recall_tool)
-            self._tool_specs = (ids, (*specs, tool_spec(self.recall_tool)))
+            specs = tuple(tool_spec(x) for x in tools if id(x) not in self._recall_ids)
+            self._tool_specs = (ids, (*specs, *map(tool_spec, self.recall_tools)))
         return self._tool_specs[1]
 
     def _open(self, key: str, messages: Sequence[BaseMessage], system: str | None, specs: tuple[ToolSpec, ...],
