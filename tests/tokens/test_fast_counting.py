@@ -1,7 +1,8 @@
 """The fast exact counter (fastokens) gives the reference tokenizer's counts, or stands aside saying why.
 
 The reference is the tokenizer's own library (Hugging Face ``tokenizers``, tiktoken), loaded here with
-the fast path off. Every message of every shared trace is checked in test_counting.py (the slow tier);
+the fast path off; for Mistral's tekken, whose tiktoken Encoding ctxfold builds itself, mistral-common's
+Tekkenizer too. Every message of every shared trace is checked in test_counting.py (the slow tier);
 here: generated texts of the shapes where pre-tokenizers differ, every shared request as rendered, the
 guard that keeps a disagreeing fast counter out, and the default counter.
 """
@@ -29,10 +30,11 @@ from ctxfold.tokens.counting import (
     load_counter,
 )
 from ctxfold.tokens.templates import get_template
+from helpers.tekken_reference import reference_count
 
 pytest.importorskip("fastokens", reason="the fast exact counter is in the tokenizers extra")
 
-BPE_TOKENIZERS = ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base"]
+BPE_TOKENIZERS = ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken"]
 
 
 @functools.cache
@@ -41,7 +43,7 @@ def _pair(name: str) -> tuple[TokenCounter, TokenCounter]:
     if isinstance(fast, HFTokenizerCounter):
         return fast, HFTokenizerCounter(fast.path, fast=False)
     assert isinstance(fast, TiktokenCounter)
-    return fast, TiktokenCounter(name, fast=False)
+    return fast, TiktokenCounter(fast.name, fast=False)
 
 
 @pytest.mark.parametrize("name", BPE_TOKENIZERS)
@@ -61,6 +63,7 @@ _PIECES = st.sampled_from([
     "😀", "👍🏽", "🏳️‍🌈", "∑∫", "→",
     "def", "f(x)", "{'k': [1, 2]}", "->", "::", "/*", "*/", "#!", "==", "!==", "...",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<｜User｜>", "<｜Assistant｜>", "<s>", "</s>", "[INST]",
+    "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[IMG_BREAK]", "<unk>", "<SPECIAL_42>",
     "Hello", "WORLD", "camelCase", "snake_case", "ALLCAPS", "x",
 ])
 _TEXTS = st.one_of(
@@ -77,6 +80,8 @@ _TEXTS = st.one_of(
 def test_fast_counts_equal_the_reference_on_generated_text(name: str, texts: list[str]) -> None:
     fast, ref = _pair(name)
     want = [ref.count(t) for t in texts]
+    if name == "tekken":  # ctxfold built this reference from the JSON: mistral-common's own must agree
+        assert [reference_count(fast.name, t) for t in texts] == want
     assert [fast.count(t) for t in texts] == want
     assert fast.count_batch(texts).tolist() == want
 
@@ -135,3 +140,19 @@ def test_without_the_fast_counter_the_default_is_the_estimate_and_says_so(
     assert isinstance(counter, EstimateCounter) and not counter.exact
     assert "counting qwen3 tokens with its estimate" in caplog.text
     assert "the fast exact counter is not installed; pip install 'ctxfold[tokenizers]'" in caplog.text
+
+
+def test_the_tekken_ranks_file_is_written_once_and_a_corrupt_one_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fastokens reads tekken's ranks from a .tiktoken file ctxfold writes into its cache, named by content:
+    both shipped releases share one file, and a damaged file is written again, not trusted."""
+    monkeypatch.setenv("CTXFOLD_CACHE_DIR", str(tmp_path))
+    first = TiktokenCounter("tekken-240911")
+    assert first.backend == "fastokens"
+    files = list((tmp_path / "tiktoken").iterdir())
+    assert [f.name.startswith("tekken-") and f.suffix == ".tiktoken" for f in files] == [True]
+    files[0].write_bytes(b"garbage")
+    again = TiktokenCounter("tekken-240718")
+    assert again.backend == "fastokens" and list((tmp_path / "tiktoken").iterdir()) == files
+    assert again.count("[TOOL_CALLS] 1234") == reference_count("tekken-240718", "[TOOL_CALLS] 1234")

