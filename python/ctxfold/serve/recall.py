@@ -20,9 +20,8 @@ from ctxfold.compaction.archive import (
     ArchiveStore,
     answer_recall_call,
 )
-from ctxfold.compaction.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
+from ctxfold.compaction.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS, given_id
 from ctxfold.compaction.archive.search import MAX_ANSWER_CHARS
-from ctxfold.compaction.archive.store import is_valid_id
 from ctxfold.compaction.store.buffer import BufferedArchive
 from ctxfold.serve.metrics import ProxyMetrics
 
@@ -115,10 +114,11 @@ async def fetch_for(store: ArchiveStore, call: ToolCall) -> None:
         await backend.fetch(name for name in await backend.relist() if name.removesuffix(".txt") not in indexed)
         return
     try:
-        archive_id = json.loads(call.arguments).get("id")
+        raw_id = json.loads(call.arguments).get("id")
     except (ValueError, AttributeError):
         return  # the tool answers the malformed call itself, reading nothing
-    if is_valid_id(archive_id):
+    archive_id = given_id(raw_id) if isinstance(raw_id, str) else None
+    if archive_id is not None:
         await backend.fetch([f"{archive_id}.txt"])
 
 
