@@ -53,16 +53,6 @@ def openai_calls(message: dict[str, Any]) -> list[ToolCall]:
     return out
 
 
-async def answer_recall(store: ArchiveStore, body: dict[str, Any], message: dict[str, Any], left: list[int], *,
-                        max_chars: int, metrics: ProxyMetrics) -> dict[str, Any]:
-    """The request again, with the model's read_archive calls and their answers appended (chat
-    completions' shape; :func:`recall_results` for any)."""
-    results = await recall_results(store, openai_calls(message), left, max_chars=max_chars, metrics=metrics)
-    out = dict(body)
-    out["messages"] = list(body["messages"]) + [message] + [to_wire(r) for r in results]
-    return out
-
-
 async def recall_results(store: ArchiveStore, calls: list[ToolCall], left: list[int], *, max_chars: int,
                          metrics: ProxyMetrics) -> list[Message]:
     """The answers to the model's recall ``calls``, one tool message each. ``left`` (one number,
