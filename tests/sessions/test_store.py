@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import pytest
 
 from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.compaction.archive import ArchiveStore, content_id
+from ctxfold.compaction.archive import READ_ARCHIVE, ArchiveStore, answer_recall_call, content_id
 from ctxfold.compaction.compactor import Compactor
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.session import Session
@@ -38,6 +38,7 @@ from ctxfold.compaction.store import (
 from ctxfold.compaction.store.buffer import BufferedArchive
 from ctxfold.compaction.store.redis_store import RedisStore, durability_problem
 from ctxfold.errors import ArchiveError
+from ctxfold.serve.recall import fetch_for
 from ctxfold.tokens.counting import TokenCounter, load_counter
 from ctxfold.tokens.templates import get_template
 from helpers.redis_server import RedisServer
@@ -404,6 +405,28 @@ def test_a_stored_archive_is_read_in_a_worker_thread_from_what_the_loop_fetched(
         assert archive.ids() == [aid]  # the one fetched: the other is listed once the loop asks the store
         assert await backend.relist() == sorted([f"{aid}.txt", f"{other}.txt"])
         assert archive.ids() == sorted([aid, other])
+
+    with_store(store_url, body)
+
+
+def test_a_read_fetches_the_id_as_the_tool_reads_it(store_url: str) -> None:
+    """read_archive forgives an id copied with its 'id=', in capitals or with spaces: the loop fetches
+    that same id for the worker, or the read says the id is unknown."""
+    text = "an archived output " * 20
+
+    async def body(store: Store) -> None:
+        aid = content_id(text)
+        await store.put_blob(SID, f"archive/{aid}.txt", text.encode())
+
+        async def fetch(name: str) -> bytes:
+            return await store.get_blob(SID, name)
+
+        archive = ArchiveStore(BufferedLog(SID, fetch=fetch).archive_backend())
+        for given in (f"id={aid}", f" {aid.upper()} "):
+            call = ToolCall(id="c", name=READ_ARCHIVE, arguments=json.dumps({"id": given}))
+            await fetch_for(archive, call)
+            answer = await asyncio.to_thread(answer_recall_call, archive, call)
+            assert not answer.is_error and answer.text.endswith(text), (given, answer.text)
 
     with_store(store_url, body)
 

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ctxfold.chat import formats
-from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
 from ctxfold.core.ledger import SegmentFlag, message_flags
 from ctxfold.tokens.accounting import PLAIN, RequestAccounting
 from ctxfold.tokens.counting import Text, load_counter
-from ctxfold.tokens.templates import CHATML_QWEN3, DEEPSEEK_V32, Renderer, RenderOptions
+from ctxfold.tokens.templates import CHATML_QWEN3, DEEPSEEK_V32, Renderer, RenderOptions, get_template
 from helpers.deepseek_traces import MINI_SWE_AGENT_BASH
 
 
@@ -204,6 +204,21 @@ def test_incremental_equals_from_scratch(traces_dir: Path, ops: list[tuple[str, 
         expected = fresh.reset(Conversation(messages=list(msgs), system=swe.system))
         assert acc.total_tokens == expected
         assert acc.tokens().tolist() == fresh.tokens().tolist()
+
+
+def test_new_tools_render_again_where_the_template_writes_them_into_a_message() -> None:
+    """Mistral v7 writes the tools block before the last user message, not in the prefix: new tools
+    change that message's segment, and the count follows them."""
+    counter = load_counter("chars4")
+    template = get_template("mistral-v7")
+    msgs = [Message(role=Role.USER, content="list the files"), Message(role=Role.ASSISTANT, content="ok"),
+            Message(role=Role.USER, content="and now the tests")]
+    acc = RequestAccounting(counter, template)
+    for tools in [(), (ToolSpec(name="ls", description="lists", parameters={"type": "object"}),),
+                  (ToolSpec(name="grep", description="finds text in files " * 10, parameters={"type": "object"}),),
+                  ()]:
+        view = Conversation(messages=msgs, system="be brief", tools=tools)
+        assert acc.reset(view) == RequestAccounting(counter, template).reset(view), tools
 
 
 def test_plain_template_counts_texts_only() -> None:

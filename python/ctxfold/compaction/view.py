@@ -105,11 +105,8 @@ class ViewState:
 
     def mark_seen(self, num_originals: int) -> None:
         """The model has seen the first ``num_originals`` originals and none after them."""
-        self.first_unseen = None
-        for i, origin in enumerate(self.origins):
-            if origin >= num_originals:
-                self.first_unseen = self.view[i]
-                return
+        self.first_unseen = None  # stays so where the view shows no original from there on
+        self.mark_unseen(num_originals)
 
     def at_turn_start(self) -> bool:
         return any(m.is_user_turn for m in self.view[self.unseen_start():])

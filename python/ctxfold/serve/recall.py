@@ -20,9 +20,8 @@ from ctxfold.compaction.archive import (
     ArchiveStore,
     answer_recall_call,
 )
-from ctxfold.compaction.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS
+from ctxfold.compaction.archive.recall import DEFAULT_LIMIT_CHARS, MAX_LIMIT_CHARS, given_id
 from ctxfold.compaction.archive.search import MAX_ANSWER_CHARS
-from ctxfold.compaction.archive.store import is_valid_id
 from ctxfold.compaction.store.buffer import BufferedArchive
 from ctxfold.serve.metrics import ProxyMetrics
 
@@ -51,16 +50,6 @@ def openai_calls(message: dict[str, Any]) -> list[ToolCall]:
         fn = call.get("function") or {}
         out.append(ToolCall(id=str(call.get("id", "")), name=str(fn.get("name", "")),
                             arguments=str(fn.get("arguments", ""))))
-    return out
-
-
-async def answer_recall(store: ArchiveStore, body: dict[str, Any], message: dict[str, Any], left: list[int], *,
-                        max_chars: int, metrics: ProxyMetrics) -> dict[str, Any]:
-    """The request again, with the model's read_archive calls and their answers appended (chat
-    completions' shape; :func:`recall_results` for any)."""
-    results = await recall_results(store, openai_calls(message), left, max_chars=max_chars, metrics=metrics)
-    out = dict(body)
-    out["messages"] = list(body["messages"]) + [message] + [to_wire(r) for r in results]
     return out
 
 
@@ -115,10 +104,11 @@ async def fetch_for(store: ArchiveStore, call: ToolCall) -> None:
         await backend.fetch(name for name in await backend.relist() if name.removesuffix(".txt") not in indexed)
         return
     try:
-        archive_id = json.loads(call.arguments).get("id")
+        raw_id = json.loads(call.arguments).get("id")
     except (ValueError, AttributeError):
         return  # the tool answers the malformed call itself, reading nothing
-    if is_valid_id(archive_id):
+    archive_id = given_id(raw_id) if isinstance(raw_id, str) else None
+    if archive_id is not None:
         await backend.fetch([f"{archive_id}.txt"])
 
 

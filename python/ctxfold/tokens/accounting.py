@@ -185,7 +185,8 @@ class RequestAccounting:
         self._system, self._tools = system, specs
         if self._session.set_header(system, specs):
             # A Jinja template may fold the header into the first messages (Gemma's system prompt, Llama's
-            # tools); a preset's reasoning rules may change with the tools: every message renders again.
+            # tools); a preset's reasoning rules may change with the tools, or its tools be written into the
+            # last user message: every message renders again.
             self._messages = []
             self._last_user = -1
             self.ledger.truncate(0)

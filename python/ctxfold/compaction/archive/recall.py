@@ -115,6 +115,13 @@ class ArchiveSlice:
         )
 
 
+def given_id(raw: str) -> str | None:
+    """The archive id a read_archive call names in ``raw``, forgiving spaces, capitals and the 'id=' copied
+    with it from a marker; None when it names none."""
+    archive_id = raw.strip().lower().removeprefix("id=")
+    return archive_id if is_valid_id(archive_id) else None
+
+
 def read_slice(store: ArchiveStore, arguments: Mapping[str, Any]) -> ArchiveSlice | str:
     """The slice the arguments ask for, or an error string for the model."""
     unknown = sorted(set(arguments) - {"id", "offset", "limit"})
@@ -126,9 +133,8 @@ def read_slice(store: ArchiveStore, arguments: Mapping[str, Any]) -> ArchiveSlic
             f"Error: id must be a string (the 64 hex characters after 'id=' in the archive marker), "
             f"got {type(raw_id).__name__}."
         )
-    archive_id = raw_id.strip().lower()
-    archive_id = archive_id.removeprefix("id=")
-    if not is_valid_id(archive_id):
+    archive_id = given_id(raw_id)
+    if archive_id is None:
         shown = raw_id if len(raw_id) <= 80 else raw_id[:77] + "..."
         return (
             f"Error: {shown!r} is not an archive id. Pass only the 64 hex characters after 'id=' in the "

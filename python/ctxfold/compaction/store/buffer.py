@@ -128,7 +128,7 @@ class BufferedLog:
     def archive_backend(self) -> BufferedArchive:
         """An archive backend (:class:`ctxfold.compaction.archive.store.Backend`) for this session's compactor:
         writes join the pending batch as ``archive/<sha256>.txt`` blobs; reads come from them, else
-        from ``fetch``."""
+        from what the event loop fetched with ``fetch`` before (:meth:`BufferedArchive.fetch`)."""
         return BufferedArchive(self)
 
     def _add(self, events: list[Event]) -> None:

@@ -77,7 +77,9 @@ class PresetSession:
 
     def set_header(self, system: str | None, tools: Sequence[ToolSpec]) -> bool:
         keep_all = self.renderer.keeps_all_reasoning(bool(tools))
-        changed = keep_all != self._keep_all  # reasoning rules changed: every message renders again
+        # Every message renders again where the reasoning rules changed, or where the template writes the
+        # tools into the last user message (Mistral v7) and they changed.
+        changed = keep_all != self._keep_all or (self.template.tools_with_last_user and tuple(tools) != self._tools)
         self._system, self._tools, self._keep_all = system, tuple(tools), keep_all
         self.prefix = self.renderer.prefix(system, tools)
         return changed
