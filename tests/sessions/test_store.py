@@ -15,7 +15,13 @@ from typing import Any, TypeVar
 import pytest
 
 from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.compaction.archive import READ_ARCHIVE, ArchiveStore, answer_recall_call, content_id
+from ctxfold.compaction.archive import (
+    READ_ARCHIVE,
+    SEARCH_ARCHIVE,
+    ArchiveStore,
+    answer_recall_call,
+    content_id,
+)
 from ctxfold.compaction.compactor import Compactor
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.session import Session
@@ -427,6 +433,55 @@ def test_a_read_fetches_the_id_as_the_tool_reads_it(store_url: str) -> None:
             await fetch_for(archive, call)
             answer = await asyncio.to_thread(answer_recall_call, archive, call)
             assert not answer.is_error and answer.text.endswith(text), (given, answer.text)
+
+    with_store(store_url, body)
+
+
+def test_a_search_fetches_every_text_between_turns_of_the_loop_and_skips_the_unreadable(store_url: str) -> None:
+    """A conversation's first search reads each archived text the index lacks, on the event loop: other
+    conversations' callbacks run between two reads. A text the index left out as unreadable (its bytes
+    do not match its id) is not fetched again by the next search, where it would wait in memory for good."""
+    texts = [f"archived output number {i} " * 30 for i in range(6)]
+    corrupt = "an output whose bytes changed " * 10
+
+    async def body(store: Store) -> None:
+        for t in texts:
+            await store.put_blob(SID, f"archive/{content_id(t)}.txt", t.encode())
+        bad = content_id(corrupt)
+        await store.put_blob(SID, f"archive/{bad}.txt", b"not what its id says")
+        fetched: list[str] = []
+
+        async def fetch(name: str) -> bytes:
+            fetched.append(name)
+            return await store.get_blob(SID, name)
+
+        async def names() -> list[str]:
+            return await store.blob_names(SID)
+
+        archive = ArchiveStore(BufferedLog(SID, fetch=fetch, list_blobs=names).archive_backend())
+        turns = 0
+        stop = asyncio.Event()
+
+        async def other_conversation() -> None:
+            nonlocal turns
+            while not stop.is_set():
+                turns += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(other_conversation())
+        await asyncio.sleep(0)
+        call = ToolCall(id="c", name=SEARCH_ARCHIVE, arguments=json.dumps({"query": "number 3"}))
+        before = turns
+        await fetch_for(archive, call)
+        assert turns - before >= len(texts)  # the loop turned between the reads
+        stop.set()
+        await other
+        answer = await asyncio.to_thread(answer_recall_call, archive, call)
+        assert not answer.is_error and "number 3" in answer.text
+        assert bad in archive.search_index.unreadable
+        fetched.clear()
+        await fetch_for(archive, call)
+        assert fetched == []  # every text indexed or known to be unreadable: nothing read again
 
     with_store(store_url, body)
 

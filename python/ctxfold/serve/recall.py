@@ -100,8 +100,10 @@ async def fetch_for(store: ArchiveStore, call: ToolCall) -> None:
     if not isinstance(backend, BufferedArchive):
         return
     if call.name == SEARCH_ARCHIVE:
-        indexed = store.search_index.indexed_ids()
-        await backend.fetch(name for name in await backend.relist() if name.removesuffix(".txt") not in indexed)
+        # Not what the index holds, nor what it left out as unreadable: it never reads those again, and a
+        # fetched text waits in memory until it is read.
+        skip = store.search_index.indexed_ids() | store.search_index.unreadable
+        await backend.fetch(name for name in await backend.relist() if name.removesuffix(".txt") not in skip)
         return
     try:
         raw_id = json.loads(call.arguments).get("id")

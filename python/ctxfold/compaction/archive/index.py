@@ -53,7 +53,9 @@ class ArchiveIndex:
         self._ids: set[str] | None = None  # the ids indexed, once read
         self._fts = True  # FTS5 with the trigram tokenizer is there (else a plain table: see _connection)
         self.rebuilds = 0  # times the index was found unreadable and made again
-        self.unreadable: set[str] = set()  # archive ids that could not be read (left out, said in answers)
+        # Archive ids that could not be read (left out, said in answers). Replaced, never changed in place:
+        # the event loop reads it while a worker thread may be syncing.
+        self.unreadable: frozenset[str] = frozenset()
 
     def close(self) -> None:
         with self._lock:
@@ -154,7 +156,7 @@ class ArchiveIndex:
                     continue  # listed, then gone (expired) before it was read
                 except (ArchiveError, IntegrityError) as e:
                     log.warning("archived text %s left out of the search index: %s", aid, e)
-                    self.unreadable.add(aid)
+                    self.unreadable = self.unreadable | {aid}
                     continue
                 db.execute("INSERT INTO docs (id, text) VALUES (?, ?)", (aid, _sqlite_text(text)))
             db.execute("COMMIT")

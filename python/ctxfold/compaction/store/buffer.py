@@ -27,6 +27,7 @@ compactor's memory is ahead of the store: the caller drops the compactor and loa
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -171,6 +172,10 @@ class BufferedArchive:
             except OSError as e:
                 self._unreadable[name] = str(e)
                 continue
+            finally:
+                # A search's first fetch reads every archived text: the other conversations' callbacks
+                # run between two reads, not after the last.
+                await asyncio.sleep(0)
             self._known.add(name)
 
     async def relist(self) -> list[str]:
@@ -190,9 +195,11 @@ class BufferedArchive:
         return name in self._known or f"archive/{name}" in self.log._blobs
 
     def read_bytes(self, name: str) -> bytes:
-        blob = f"archive/{name}"
-        if blob in self.log._blobs:
-            return self.log._blobs[blob]
+        # One lookup, not a test then a read: the event loop may take the pending batch between two
+        # steps of a reader in a worker thread.
+        pending = self.log._blobs.get(f"archive/{name}")
+        if pending is not None:
+            return pending
         data = self._fetched.pop(name, None)
         if data is not None:
             return data

@@ -51,6 +51,9 @@ from ctxfold.compaction.store.base import (
 )
 
 QUARANTINE_FILE = "QUARANTINED"  # in a session directory set aside: why
+# Blobs up to this size are read on the event loop (about 30 us from the page cache), larger ones in a
+# worker thread.
+LOOP_READ_MAX_BYTES = 256 * 1024
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -101,10 +104,13 @@ class LocalStore:
         return sorted(s for s in out if s.startswith(prefix))
 
     async def get_blob(self, session_id: str, name: str) -> bytes:
-        # On the event loop: a local read of one archived output is about as quick as a thread hop.
+        # A small file on the event loop: its read is about as quick as a thread hop. A large one in a
+        # worker thread: a read of megabytes would hold every other conversation for milliseconds.
         path = self._blob_path(session_id, name)
         try:
-            return path.read_bytes()
+            if path.stat().st_size <= LOOP_READ_MAX_BYTES:
+                return path.read_bytes()
+            return await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
             raise
         except OSError as e:
