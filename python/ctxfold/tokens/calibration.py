@@ -68,12 +68,12 @@ __all__ = [
     "BOUND_PERCENTILE",
     "CORPUS_SUFFIXES",
     "DEFAULT_TEMPLATES",
+    "FIXED_COEFFICIENTS",
     "MAX_WINDOW_TOKENS",
     "MIN_GROUPS_TO_HOLD_OUT",
     "MIN_WINDOW_TOKENS",
     "UNDER_WEIGHT_ADVERSARIAL",
     "UNDER_WEIGHT_TRACES",
-    "FIXED_COEFFICIENTS",
     "ErrorStats",
     "TextGroup",
     "adversarial_groups",
@@ -189,10 +189,6 @@ MAX_WINDOW_TOKENS = 200_000  # the largest
 # where the bound is hardest to meet, and on the real traces, where an over-count wastes window.
 UNDER_WEIGHT_ADVERSARIAL = 100.0
 UNDER_WEIGHT_TRACES = 3.0
-# Rounds of step 2b: a class of text still under the bound after a fit has its under-weight raised
-# this many times over, and the fit is run again (see calibrate).
-REWEIGHT_ROUNDS = 6
-REWEIGHT_FACTOR = 3.0
 BOUND_PERCENTILE = 99.9  # the percentile at which the under-count must be within the allowance
 # Coefficients the fit does not touch: a byte the tokenizer spells alone is one token.
 FIXED_COEFFICIENTS = {"fallback_bytes": 1.0}
@@ -348,41 +344,17 @@ def _worst_fraction(under: npt.NDArray[np.int64], exact: npt.NDArray[np.int64]) 
     return float(np.percentile(under / allowance_tokens(exact), BOUND_PERCENTILE))
 
 
-def worst_by_class(est: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], groups: Sequence[TextGroup]
-                   ) -> dict[str, float]:
-    """Per class of text (``TextGroup.kind``), the BOUND_PERCENTILE under-count as a share of the
-    allowance, of its texts and of its requests (running sums within a group), whichever is worse.
-    ``est`` and ``tokens`` are int64[total texts], the texts of ``groups`` in order."""
-    starts = np.cumsum([0, *(len(g.texts) for g in groups)])
-    out: dict[str, float] = {}
-    for kind in dict.fromkeys(g.kind for g in groups):
-        idx = [i for i, g in enumerate(groups) if g.kind == kind]
-        sel = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in idx])
-        sizes = [len(groups[i].texts) for i in idx]
-        e, t = est[sel], tokens[sel]
-        out[kind] = max(_worst_fraction(t - e, t),
-                        _worst_fraction(_request_sums(t, sizes) - _request_sums(e, sizes), _request_sums(t, sizes)))
-    return out
-
-
 def safety_margin(features: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64],
                   coefficients: npt.NDArray[np.float64], group_sizes: Sequence[int], *,
-                  target: float = 0.5, fixed: npt.NDArray[np.bool_] | None = None,
-                  classes: Sequence[str] | None = None) -> float:
+                  target: float = 0.5, fixed: npt.NDArray[np.bool_] | None = None) -> float:
     """Step 3: the smallest factor >= 1 (to 0.1%) that brings the BOUND_PERCENTILE under-count of
     every text and every request (running sums of ``group_sizes``) within ``target`` of the allowance.
-    ``classes`` (str[len(group_sizes)], the class of each group), when given, holds each class of text
-    to it on its own, so that a small class cannot hide under the percentile of a large one.
     Coefficients where ``fixed`` (bool[NUM_FEATURES]) is set are not scaled."""
     keep = np.zeros(len(coefficients), dtype=bool) if fixed is None else fixed
 
-    groups = [TextGroup(str(i), ("",) * n, kind) for i, (n, kind) in
-              enumerate(zip(group_sizes, classes or ["all"] * len(group_sizes), strict=True))]
 
     def worst(factor: float) -> float:
         est = predict(features, np.where(keep, coefficients, coefficients * factor), nbytes)
-        if classes is not None:
-            return max(worst_by_class(est, tokens, groups).values())
         return max(_worst_fraction(tokens - est, tokens),
                    _worst_fraction(_request_sums(tokens, group_sizes) - _request_sums(est, group_sizes),
                                    _request_sums(tokens, group_sizes)))
@@ -509,16 +481,12 @@ def calibrate(
     floors = coefficient_floors(counter, fallback.fallback_ranges)
     tokens = np.asarray(counter.count_batch(train_texts), dtype=np.int64)
     nbytes = np.fromiter((len(t.encode("utf-8")) for t in train_texts), dtype=np.int64, count=len(train_texts))
-    kinds = np.array([g.kind for g in train for _ in g.texts])
-    class_weight = {k: UNDER_WEIGHT_TRACES if k == "traces" else UNDER_WEIGHT_ADVERSARIAL for k in set(kinds)}
-    class_weight["anchors"] = UNDER_WEIGHT_ANCHORS
+    class_weight = {"traces": UNDER_WEIGHT_TRACES, "anchors": UNDER_WEIGHT_ANCHORS}
+    under_weights = np.array([class_weight.get(g.kind, UNDER_WEIGHT_ADVERSARIAL) for g in train for _ in g.texts])
     fixed = _fixed_mask()
     coef = _fixed_values()
-    for _ in range(REWEIGHT_ROUNDS):
-        under_weights = np.array([class_weight[k] for k in kinds])
-        coef[~fixed] = fit_upper_coefficients(features[:, ~fixed], tokens, under_weights, ridge=ridge,
-                                              offset=features[:, fixed] @ coef[fixed], floors=floors[~fixed])
-        break
+    coef[~fixed] = fit_upper_coefficients(features[:, ~fixed], tokens, under_weights, ridge=ridge,
+                                          offset=features[:, fixed] @ coef[fixed], floors=floors[~fixed])
     margin = safety_margin(features, tokens, nbytes, coef, [len(g.texts) for g in train], fixed=fixed)
     coef = np.where(fixed, coef, coef * margin)
     provisional = Calibration(tokenizer=tokenizer or counter.name, coefficients=tuple(float(c) for c in coef),
@@ -543,9 +511,10 @@ def calibrate(
         num_texts=len(train_texts),
         method=f"upper bound: an expectile fit by weighted ridge least squares (weights 1/sqrt(tokens+8), "
         f"ridge {ridge:g}; under-counts weigh {UNDER_WEIGHT_TRACES:g}x on traces, "
-        f"{UNDER_WEIGHT_ADVERSARIAL:g}x on adversarial text, {REWEIGHT_FACTOR:g}x more for each round in which a "
-        f"class stays under; coefficients >= 0), then every coefficient times {margin:.3f} "
-        f"(the margin that brings each class of fitting texts' p{BOUND_PERCENTILE:g} under-count within half of "
+        f"{UNDER_WEIGHT_ADVERSARIAL:g}x on adversarial text, {UNDER_WEIGHT_ANCHORS:g}x on {len(ANCHOR_TEXTS)} repeated "
+        f"whitespace units; coefficients >= 0, the 2-byte, 3-byte and CJK ones at least what the costliest "
+        f"character the vocabulary holds costs), then every coefficient times {margin:.3f} "
+        f"(the margin that brings the fitting texts' p{BOUND_PERCENTILE:g} under-count within half of "
         f"{ALLOWANCE_FRACTION:.0%} of a {MIN_WINDOW_TOKENS:,}..{MAX_WINDOW_TOKENS:,}-token window), but "
         f"{', '.join(FIXED_COEFFICIENTS)} fixed at 1 token a byte, for the {len(fallback.fallback_ranges)} ranges "
         f"of basic-plane characters the tokenizer spells byte by byte; measured on "
