@@ -169,7 +169,7 @@ def test_short_whitespace_units_are_bounded(text: str) -> None:
 @pytest.mark.parametrize("seed,num_chars", [
     (195, 473), (195, 2489), (1184, 393),
     # Still a gap: 1191 counted against 1232, 0.04 tokens past the allowance.
-    pytest.param(93, 2074, marks=pytest.mark.xfail(strict=True, reason="known gap: short repeated consonant-vowel "
+    pytest.param(93, 2074, marks=pytest.mark.xfail(strict=True, reason="known gap: some repeated random letter "
                                                                         "units ('wjl...') are still counted low")),
 ])
 def test_repeated_random_letter_units_are_bounded(seed: int, num_chars: int) -> None:
