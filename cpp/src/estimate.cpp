@@ -12,12 +12,17 @@ namespace ctxfold {
 namespace {
 
 constexpr int kLongRun = 12;  // letters after this many in one run count as kLongRunLetters
+// Vowels, bit (c - 'a') for lower-case c; y is one, or "system" and "rhythm" would be clusters.
+constexpr uint32_t kVowels = (1u << ('a' - 'a')) | (1u << ('e' - 'a')) | (1u << ('i' - 'a')) | (1u << ('o' - 'a')) |
+                             (1u << ('u' - 'a')) | (1u << ('y' - 'a'));
 
 // Byte classes for the ASCII range; bytes >= 0x80 are handled by the UTF-8 branch.
 // Multi-byte characters are split by their length: a rare character costs up to one token per byte,
 // so the longer ones need the larger coefficient.
 enum Class : uint8_t {
-  kClsLetter, kClsDigit, kClsPunct, kClsSpace, kClsNewline, kClsMulti2, kClsMulti3, kClsMulti4, kClsCjk, kClsNone
+  kClsLetter, kClsDigit, kClsPunct, kClsSpace, kClsNewline, kClsMulti2, kClsMulti3, kClsMulti4, kClsCjk,
+  kClsFallback,  // a character the tokenizer's vocabulary lacks (the fallback bits)
+  kClsNone
 };
 
 constexpr std::array<uint8_t, 128> MakeAsciiTable() {
@@ -63,6 +68,11 @@ struct ScanState {
   int64_t glued_letter_runs = 0;
   int64_t long_run_letters = 0;
   int64_t letter_run_len = 0;  // length of the current run of letters, capped at kLongRun
+  int64_t consonant_clusters = 0;
+  int64_t consonant_run_len = 0;  // length of the current run of consonants, capped at 2
+  int64_t space_newlines = 0;
+  int64_t fallback_bytes = 0;
+  const uint64_t* fallback_bits = nullptr;  // null: no character is known to be spelled byte by byte
   int64_t tabs = 0;
   uint8_t prev = kClsNone;    // class of the previous character
   bool prev_lower = false;    // the previous character is a lower-case ASCII letter
@@ -85,11 +95,15 @@ inline size_t ScanOne(const uint8_t* p, size_t i, size_t n, ScanState& st) noexc
     } else {
       st.letter_run_len = 0;
     }
+    const bool consonant = cls == kClsLetter && ((kVowels >> ((b | 0x20) - 'a')) & 1u) == 0;
+    st.consonant_clusters += consonant && st.consonant_run_len >= 2;
+    st.consonant_run_len = consonant ? std::min<int64_t>(st.consonant_run_len + 1, 2) : 0;
     st.case_switches += cls == kClsLetter && !lower && st.prev_lower;
     st.prev_lower = lower;
   } else {
     st.prev_lower = false;
     st.letter_run_len = 0;
+    st.consonant_run_len = 0;
     len = SequenceLength(b);
     uint32_t cp = 0;
     bool valid = len > 1 && i + len <= n;
@@ -102,9 +116,15 @@ inline size_t ScanOne(const uint8_t* p, size_t i, size_t n, ScanState& st) noexc
       }
     }
     if (!valid) len = 1;
-    cls = valid && IsCjk(cp) ? kClsCjk : len == 4 ? kClsMulti4 : len == 3 ? kClsMulti3 : kClsMulti2;
+    if (valid && len < 4 && st.fallback_bits != nullptr && ((st.fallback_bits[cp >> 6] >> (cp & 63)) & 1u) != 0) {
+      cls = kClsFallback;
+      st.fallback_bytes += static_cast<int64_t>(len);
+    } else {
+      cls = valid && IsCjk(cp) ? kClsCjk : len == 4 ? kClsMulti4 : len == 3 ? kClsMulti3 : kClsMulti2;
+    }
   }
   ++st.cnt[cls];
+  st.space_newlines += cls == kClsNewline && st.space_run_len >= 2;
   st.glued_letter_runs += cls == kClsLetter && st.prev == kClsPunct;
   if (cls == kClsSpace) {
     if (++st.space_run_len == 2) ++st.multi_space_runs;
@@ -128,7 +148,7 @@ inline size_t ScanOne(const uint8_t* p, size_t i, size_t n, ScanState& st) noexc
 // several cycles a byte); masks keep everything in registers. Returns false, touching nothing,
 // when the block holds a non-ASCII byte (the caller then goes byte by byte).
 CTXFOLD_ALWAYS_INLINE inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st) noexcept {
-  uint64_t letter = 0, digit = 0, space = 0, newline = 0, high = 0, tab = 0, lowbit = 0, control = 0;
+  uint64_t letter = 0, digit = 0, space = 0, newline = 0, high = 0, tab = 0, lowbit = 0, control = 0, vowel = 0;
   for (int k = 0; k < 4; ++k) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k));
     const __m128i y = _mm_or_si128(x, _mm_set1_epi8(0x20));  // ASCII lower case
@@ -137,7 +157,12 @@ CTXFOLD_ALWAYS_INLINE inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st
     const __m128i t = _mm_cmpeq_epi8(x, _mm_set1_epi8('\t'));
     const __m128i s = _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8(' ')), t);
     const __m128i nl = _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('\n')), _mm_cmpeq_epi8(x, _mm_set1_epi8('\r')));
+    const __m128i v = _mm_or_si128(
+        _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(y, _mm_set1_epi8('a')), _mm_cmpeq_epi8(y, _mm_set1_epi8('e'))),
+                     _mm_or_si128(_mm_cmpeq_epi8(y, _mm_set1_epi8('i')), _mm_cmpeq_epi8(y, _mm_set1_epi8('o')))),
+        _mm_or_si128(_mm_cmpeq_epi8(y, _mm_set1_epi8('u')), _mm_cmpeq_epi8(y, _mm_set1_epi8('y'))));
     const int shift = 16 * k;
+    vowel |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(v))) << shift;
     high |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(x))) << shift;
     letter |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(l))) << shift;
     digit |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(d))) << shift;
@@ -177,6 +202,16 @@ CTXFOLD_ALWAYS_INLINE inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st
     st.long_run_letters += std::popcount(r13);
     st.letter_run_len = ~letter == 0 ? kLongRun : std::min<int64_t>(std::countl_one(letter), kLongRun);
   }
+  {
+    // Consonants after two consonants, the bytes before the block entering through the run length
+    // as for spaces below.
+    const uint64_t cons = letter & ~vowel;
+    const int64_t r = st.consonant_run_len;
+    const uint64_t prev1 = (cons << 1) | (r >= 1 ? 1u : 0u);
+    const uint64_t prev2 = (cons << 2) | (r >= 2 ? 3u : (r == 1 ? 2u : 0u));
+    st.consonant_clusters += std::popcount(cons & prev1 & prev2);
+    st.consonant_run_len = (cons >> 63) ? ((cons >> 62) == 3 ? 2 : 1) : 0;
+  }
   st.case_switches += std::popcount(upper & ((lower << 1) | (st.prev_lower ? 1u : 0u)));
   st.prev_lower = (lower >> 63) != 0;
   control &= ~(space | newline);
@@ -198,6 +233,7 @@ CTXFOLD_ALWAYS_INLINE inline bool ScanAsciiBlock(const uint8_t* p, ScanState& st
   const uint64_t prev1 = (space << 1) | (st.prev == kClsSpace ? 1u : 0u);
   const uint64_t prev2 = (space << 2) | (st.space_run_len >= 2 ? 3u : (st.space_run_len == 1 ? 2u : 0u));
   st.multi_space_runs += std::popcount(space & prev1 & ~prev2);
+  st.space_newlines += std::popcount(newline & prev1 & prev2);
   // Only "0, 1, or at least 2" matters for the next multi-space test.
   st.space_run_len = (space >> 63) ? ((space >> 62) == 3 ? 2 : 1) : 0;
   st.prev = last;
@@ -237,10 +273,11 @@ bool HasPopcnt() noexcept {
 
 }  // namespace
 
-void AccumulateFeatures(std::string_view text, Features& out) noexcept {
+void AccumulateFeatures(std::string_view text, Features& out, const uint64_t* fallback_bits) noexcept {
   const auto* p = reinterpret_cast<const uint8_t*>(text.data());
   const size_t n = text.size();
   ScanState st;
+  st.fallback_bits = fallback_bits;
 #if defined(__GNUC__) && defined(__x86_64__)
   if (HasPopcnt()) {
     ScanPopcnt(p, n, st);
@@ -264,6 +301,9 @@ void AccumulateFeatures(std::string_view text, Features& out) noexcept {
   out[kCaseSwitches] += st.case_switches;
   out[kGluedLetterRuns] += st.glued_letter_runs;
   out[kLongRunLetters] += st.long_run_letters;
+  out[kConsonantClusters] += st.consonant_clusters;
+  out[kSpaceNewlines] += st.space_newlines;
+  out[kFallbackBytes] += st.fallback_bytes;
   out[kOther2Chars] += st.cnt[kClsMulti2];
   out[kOther3Chars] += st.cnt[kClsMulti3];
   out[kOther4Chars] += st.cnt[kClsMulti4];
@@ -271,9 +311,9 @@ void AccumulateFeatures(std::string_view text, Features& out) noexcept {
   out[kTexts] += 1;
 }
 
-int64_t EstimateTokens(std::string_view text, const Coefficients& coef) noexcept {
+int64_t EstimateTokens(std::string_view text, const Coefficients& coef, const uint64_t* fallback_bits) noexcept {
   Features f{};
-  AccumulateFeatures(text, f);
+  AccumulateFeatures(text, f, fallback_bits);
   double sum = 0.0;
   for (int k = 0; k < kNumFeatures; ++k) sum += coef[static_cast<size_t>(k)] * static_cast<double>(f[static_cast<size_t>(k)]);
   if (text.empty()) return 0;  // an empty text has no tokens whatever the intercept says
@@ -283,20 +323,21 @@ int64_t EstimateTokens(std::string_view text, const Coefficients& coef) noexcept
 }
 
 void EstimateBatch(std::string_view data, std::span<const int64_t> offsets, const Coefficients& coef,
-                   std::span<int64_t> out_tokens) noexcept {
+                   std::span<int64_t> out_tokens, const uint64_t* fallback_bits) noexcept {
   for (size_t i = 0; i + 1 < offsets.size(); ++i) {
     const auto begin = static_cast<size_t>(offsets[i]);
     const auto end = static_cast<size_t>(offsets[i + 1]);
-    out_tokens[i] = EstimateTokens(data.substr(begin, end - begin), coef);
+    out_tokens[i] = EstimateTokens(data.substr(begin, end - begin), coef, fallback_bits);
   }
 }
 
-void FeatureBatch(std::string_view data, std::span<const int64_t> offsets, std::span<int64_t> out_rows) noexcept {
+void FeatureBatch(std::string_view data, std::span<const int64_t> offsets, std::span<int64_t> out_rows,
+                  const uint64_t* fallback_bits) noexcept {
   for (size_t i = 0; i + 1 < offsets.size(); ++i) {
     const auto begin = static_cast<size_t>(offsets[i]);
     const auto end = static_cast<size_t>(offsets[i + 1]);
     Features f{};
-    AccumulateFeatures(data.substr(begin, end - begin), f);
+    AccumulateFeatures(data.substr(begin, end - begin), f, fallback_bits);
     for (size_t k = 0; k < kNumFeatures; ++k) out_rows[i * kNumFeatures + k] = f[k];
   }
 }

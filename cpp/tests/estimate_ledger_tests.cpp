@@ -1,5 +1,6 @@
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "check.hpp"
 #include "ctxfold/estimate.hpp"
@@ -130,4 +131,24 @@ CTXFOLD_TEST(ledger_totals_and_truncate) {
   l.RememberCount(42, 7);
   CHECK(l.CachedCount(42) == 7);
   CHECK(l.CachedCount(43) == -1);
+}
+
+CTXFOLD_TEST(features_fallback_clusters_and_space_newlines) {
+  std::vector<uint64_t> bits(kFallbackWords, 0);
+  bits[0x9FC0 >> 6] |= uint64_t{1} << (0x9FC0 & 63);
+  const std::string text = "strength  \n \n\xE9\xBF\x80\xE4\xB8\xAD";  // ..., U+9FC0 (listed), U+4E2D (not)
+  Features f{};
+  AccumulateFeatures(text, f, bits.data());
+  CHECK(f[kConsonantClusters] == 3);  // s-t-r: r; n-g-t-h: t, h
+  CHECK(f[kSpaceNewlines] == 1);      // only the break after two spaces
+  CHECK(f[kFallbackBytes] == 3);
+  CHECK(f[kCjkChars] == 1);
+  Features g{};
+  AccumulateFeatures(text, g);  // no bits: U+9FC0 is a CJK character like any other
+  CHECK(g[kFallbackBytes] == 0 && g[kCjkChars] == 2);
+  // The block path carries the consonant run and the space run across a block boundary.
+  Features h{};
+  AccumulateFeatures(std::string(62, 'a') + "bcd" + std::string(62, ' ') + "\n", h);
+  CHECK(h[kConsonantClusters] == 1);
+  CHECK(h[kSpaceNewlines] == 1);
 }

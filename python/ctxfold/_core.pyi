@@ -10,10 +10,19 @@ __version__: Final[str]
 # --- estimate ---------------------------------------------------------------------------------
 NUM_FEATURES: Final[int]
 FEATURE_NAMES: Final[tuple[str, ...]]
+FALLBACK_WORDS: Final[int]
 
-def estimate_tokens(text: str | bytes, coefficients: npt.NDArray[np.float64]) -> int: ...
-def estimate_batch(texts: list[str] | list[bytes] | list[str | bytes], coefficients: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]: ...
-def feature_rows(texts: list[str] | list[bytes] | list[str | bytes]) -> npt.NDArray[np.int64]: ...
+def estimate_tokens(
+    text: str | bytes, coefficients: npt.NDArray[np.float64], fallback_bits: npt.NDArray[np.uint64] | None = None
+) -> int: ...
+def estimate_batch(
+    texts: list[str] | list[bytes] | list[str | bytes],
+    coefficients: npt.NDArray[np.float64],
+    fallback_bits: npt.NDArray[np.uint64] | None = None,
+) -> npt.NDArray[np.int64]: ...
+def feature_rows(
+    texts: list[str] | list[bytes] | list[str | bytes], fallback_bits: npt.NDArray[np.uint64] | None = None
+) -> npt.NDArray[np.int64]: ...
 
 # --- ledger -----------------------------------------------------------------------------------
 class Ledger:

@@ -32,13 +32,14 @@ from ctxfold.tokens.counting import (
 )
 
 
-def reference_features(data: bytes) -> list[int]:
-    """Plain-Python AccumulateFeatures: classes per character, runs, runs of 2+ spaces, tabs, case."""
-    letter, digit, punct, space, newline, multi2, multi3, multi4, cjk = range(9)
-    cnt = [0] * 9
-    runs = [0] * 9
-    multi_space = tabs = upper = switches = glued = long_letters = 0
-    letter_run = 0
+def reference_features(data: bytes, fallback: frozenset[int] = frozenset()) -> list[int]:
+    """Plain-Python AccumulateFeatures: classes per character, runs, runs of 2+ spaces, tabs, case,
+    consonant clusters, line breaks after 2+ spaces, and the bytes of the ``fallback`` code points."""
+    letter, digit, punct, space, newline, multi2, multi3, multi4, cjk, fallback_cls = range(10)
+    cnt = [0] * 10
+    runs = [0] * 10
+    multi_space = tabs = upper = switches = glued = long_letters = clusters = space_newlines = fallback_bytes = 0
+    letter_run = consonant_run = 0
     prev = -1
     prev_lower = False
     space_run = 0
@@ -63,11 +64,18 @@ def reference_features(data: bytes) -> list[int]:
                 is_cjk = (0x2E80 <= cp <= 0x9FFF or 0xAC00 <= cp <= 0xD7AF or 0xF900 <= cp <= 0xFAFF
                           or 0xFF00 <= cp <= 0xFFEF)
                 cls = cjk if is_cjk else {2: multi2, 3: multi3, 4: multi4}[size]
+                if size < 4 and cp in fallback:
+                    cls = fallback_cls
+                    fallback_bytes += size
             else:
                 size, cls = 1, multi2
         prev_lower = lower
         long_letters += cls == letter and letter_run >= 12
         letter_run = letter_run + 1 if cls == letter else 0
+        consonant = cls == letter and chr(b).lower() not in "aeiouy"
+        clusters += consonant and consonant_run >= 2
+        consonant_run = consonant_run + 1 if consonant else 0
+        space_newlines += cls == newline and space_run >= 2
         cnt[cls] += 1
         glued += cls == letter and prev == punct
         if cls == space:
@@ -78,11 +86,12 @@ def reference_features(data: bytes) -> list[int]:
         runs[cls] += cls != prev
         prev = cls
         i += size
-    return [cnt[letter], runs[letter], upper, switches, glued, long_letters, cnt[digit], runs[digit], cnt[punct], runs[punct],
-            cnt[space], multi_space, tabs, cnt[newline], cnt[multi2], cnt[multi3], cnt[multi4], cnt[cjk], 1]
+    return [cnt[letter], runs[letter], upper, switches, glued, long_letters, clusters, cnt[digit], runs[digit], cnt[punct],
+            runs[punct], cnt[space], multi_space, tabs, cnt[newline], space_newlines, cnt[multi2], cnt[multi3], cnt[multi4],
+            cnt[cjk], fallback_bytes, 1]
 
 
-_PIECES = [b"a", b"Zq", b"aB", b"/x", b"\x00", b"\x7f", b"\x1b[", b"7", b"42", b" ", b"  ", b"\t", b"\n", b"\r\n", b"!", b"{}", b"\xc3\xa9", b"\xe4\xb8\xad",
+_PIECES = [b"a", b"Zq", b"aB", b"/x", b"str", b"Y", b"e", b"  \n", b"\xe9\xbf\x80", b"\xc4\x80", b"\x00", b"\x7f", b"\x1b[", b"7", b"42", b" ", b"  ", b"\t", b"\n", b"\r\n", b"!", b"{}", b"\xc3\xa9", b"\xe4\xb8\xad",
            b"\xf0\x9f\x98\x80", b"\xff", b"\xe4", b"\x80", b"\xed\xa0\x80"]
 
 
@@ -92,6 +101,10 @@ def test_features_match_the_python_reference(pieces: list[bytes]) -> None:
     # Up to ~900 bytes: texts cross the 64-byte block path's boundaries in every way.
     data = b"".join(pieces)
     assert _core.feature_rows([data])[0].tolist() == reference_features(data)
+    # U+9FC0 and U+0100 spelled byte by byte, and U+4E2D (in _PIECES too) not.
+    cal = Calibration(tokenizer="t", coefficients=(0.0,) * _core.NUM_FEATURES,
+                      fallback_ranges=((0x100, 0x100), (0x9FC0, 0x9FC0)))
+    assert _core.feature_rows([data], cal.fallback_bits())[0].tolist() == reference_features(data, frozenset({0x100, 0x9FC0}))
 
 
 def test_features_match_the_reference_on_real_text(traces_dir: Path) -> None:

@@ -8,6 +8,10 @@ a request overflow the window, so it is fitted as an upper bound: its under-coun
 on generated adversarial text (:func:`adversarial_text`). A count above the truth wastes window,
 so the over-count is measured and reported too.
 
+Before the fit, :func:`fallback_ranges` asks the exact tokenizer which characters of the basic plane
+it spells byte by byte; the estimator counts their UTF-8 bytes (feature ``fallback_bytes``, its
+coefficient fixed at 1, :data:`FIXED_COEFFICIENTS`), as no class's average can.
+
 The fit has three steps:
 
 1. weighted least squares with a small ridge term (below), the best estimate in the mean;
@@ -16,7 +20,7 @@ The fit has three steps:
    :data:`UNDER_WEIGHT_TRACES` on real text), which moves every coefficient toward the top of its
    class's range (a random 4-byte character costs up to 4 tokens, a common emoji 1); coefficients
    are kept >= 0;
-3. a safety margin: every coefficient times the smallest factor that brings the under-count of the
+3. a safety margin: every fitted coefficient times the smallest factor that brings the under-count of the
    fitting texts, and of every request of the fitting conversations, within half the allowance at
    the 99.9th percentile (the other half is for texts the fit never saw).
 
@@ -64,6 +68,7 @@ __all__ = [
     "BOUND_PERCENTILE",
     "CORPUS_SUFFIXES",
     "DEFAULT_TEMPLATES",
+    "FIXED_COEFFICIENTS",
     "MAX_WINDOW_TOKENS",
     "MIN_GROUPS_TO_HOLD_OUT",
     "MIN_WINDOW_TOKENS",
@@ -79,6 +84,7 @@ __all__ = [
     "conversation_texts",
     "corpus_files",
     "exact_counts",
+    "fallback_ranges",
     "fit_coefficients",
     "fit_upper_coefficients",
     "is_held_out",
@@ -181,9 +187,77 @@ MIN_WINDOW_TOKENS = 4_096  # the smallest window the allowance is checked for
 MAX_WINDOW_TOKENS = 200_000  # the largest
 # How much more an under-count weighs than an over-count in the expectile fit: on adversarial text,
 # where the bound is hardest to meet, and on the real traces, where an over-count wastes window.
-UNDER_WEIGHT_ADVERSARIAL = 30.0
+UNDER_WEIGHT_ADVERSARIAL = 100.0
 UNDER_WEIGHT_TRACES = 3.0
 BOUND_PERCENTILE = 99.9  # the percentile at which the under-count must be within the allowance
+# Coefficients the fit does not touch: a byte the tokenizer spells alone is one token.
+FIXED_COEFFICIENTS = {"fallback_bytes": 1.0}
+
+
+def fallback_ranges(counter: TokenCounter) -> tuple[tuple[int, int], ...]:
+    """The characters of U+0080..U+FFFF that ``counter`` spells a token a byte, as inclusive ranges.
+
+    A character counts when three of it in a row cost at least two times its UTF-8 bytes more than
+    one alone: measured on a run, not on the character alone, so that a tokenizer that adds a token
+    to every text (a SentencePiece word-start mark) or merges the character with itself is judged
+    by what a run of it costs.
+    """
+    cps, run_cost = _run_costs(counter)
+    nbytes = np.array([1 + (cp >= 0x80) + (cp >= 0x800) for cp in cps], dtype=np.int64)
+    out: list[tuple[int, int]] = []
+    for cp, lacks in zip(cps, run_cost >= nbytes, strict=True):
+        if not lacks:
+            continue
+        if out and out[-1][1] == cp - 1:
+            out[-1] = (out[-1][0], cp)
+        else:
+            out.append((cp, cp))
+    return tuple(out)
+
+
+def _run_costs(counter: TokenCounter) -> tuple[list[int], npt.NDArray[np.float64]]:
+    """Each code point of U+0080..U+FFFF (no surrogates) and its cost a character within a run of it:
+    (tokens of three - tokens of one) / 2."""
+    cps = [cp for cp in range(0x80, 0x10000) if not 0xD800 <= cp <= 0xDFFF]
+    one = np.asarray(counter.count_batch([chr(cp) for cp in cps]), dtype=np.float64)
+    three = np.asarray(counter.count_batch([chr(cp) * 3 for cp in cps]), dtype=np.float64)
+    return cps, (three - one) / 2
+
+
+def coefficient_floors(counter: TokenCounter, fallback: Sequence[tuple[int, int]]) -> npt.NDArray[np.float64]:
+    """The least each coefficient may be (float64[NUM_FEATURES]), measured on ``counter``: what a
+    class's costliest character the vocabulary holds costs in a run of it, for the 2-byte, 3-byte and
+    CJK classes; the rest 0. The generated text the fit sees draws too few characters of one script
+    to hold the bound on the script that costs the most."""
+    lacking = np.zeros(0x10000, dtype=bool)
+    for lo, hi in fallback:
+        lacking[lo : hi + 1] = True
+    cps, run_cost = _run_costs(counter)
+    cp = np.array(cps)
+    held = ~lacking[cp]
+    cjk = (((cp >= 0x2E80) & (cp <= 0x9FFF)) | ((cp >= 0xAC00) & (cp <= 0xD7AF)) | ((cp >= 0xF900) & (cp <= 0xFAFF))
+           | ((cp >= 0xFF00) & (cp <= 0xFFEF)))
+    floors = np.zeros(_core.NUM_FEATURES)
+    names = list(_core.FEATURE_NAMES)
+    for name, sel in (("other2_chars", held & (cp < 0x800)), ("other3_chars", held & (cp >= 0x800) & ~cjk),
+                      ("cjk_chars", held & cjk)):
+        floors[names.index(name)] = float(run_cost[sel].max()) if sel.any() else 0.0
+    return floors
+
+
+# Short units of whitespace with a line break, each repeated (blank lines that keep their
+# indentation): texts the fit must hold the bound on, weighted as UNDER_WEIGHT_ANCHORS.
+ANCHOR_TEXTS = tuple(unit * 256 for n in range(17) for unit in
+                     (" " * n + "\n", "\t" * min(n, 4) + "\n", " " * n + "\n \n", "\n" + " " * n + "\n"))
+UNDER_WEIGHT_ANCHORS = 300.0
+
+
+def _fixed_mask() -> npt.NDArray[np.bool_]:
+    return np.array([name in FIXED_COEFFICIENTS for name in _core.FEATURE_NAMES])
+
+
+def _fixed_values() -> npt.NDArray[np.float64]:
+    return np.array([FIXED_COEFFICIENTS.get(name, 0.0) for name in _core.FEATURE_NAMES])
 
 
 def allowance_tokens(exact_tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -216,37 +290,41 @@ def _weighted_ridge(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64], w: n
 
 def fit_upper_coefficients(
     features: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], under_weights: npt.NDArray[np.float64], *,
-    ridge: float = 1e-3, iterations: int = 40,
+    ridge: float = 1e-3, iterations: int = 40, offset: npt.NDArray[np.float64] | None = None,
+    floors: npt.NDArray[np.float64] | None = None,
 ) -> npt.NDArray[np.float64]:
     """Step 2 of the fit (see the module docstring): an expectile fit in which text i's under-count
     weighs ``under_weights[i]`` times its over-count, every coefficient >= 0 (a negative one would
     let more of some text lower the count, which adversarial text exploits).
 
-    features int64[n, NUM_FEATURES], tokens int64[n], under_weights float64[n] -> float64[NUM_FEATURES].
-    The base weights are 1/sqrt(tokens + 8): between relative error (1/tokens) and absolute error, as
-    a request's count is a sum in which long texts weigh most.
+    features int64[n, k], tokens int64[n], under_weights float64[n] -> float64[k]; ``offset``
+    float64[n], the part of each count known without the fit (fixed coefficients), is taken off the
+    tokens first; ``floors`` float64[k] (default 0) are the least each coefficient may be. The base weights are 1/sqrt(tokens + 8): between relative error (1/tokens) and
+    absolute error, as a request's count is a sum in which long texts weigh most.
     """
     x = features.astype(np.float64)
-    y = tokens.astype(np.float64)
-    base = 1.0 / np.sqrt(y + 8.0)
+    base = 1.0 / np.sqrt(tokens.astype(np.float64) + 8.0)
+    y = tokens.astype(np.float64) - (0.0 if offset is None else offset)
+    floor = np.zeros(x.shape[1]) if floors is None else np.asarray(floors, dtype=np.float64)
     active = np.ones(x.shape[1], dtype=bool)
-    coef = np.zeros(x.shape[1])
-    for _ in range(x.shape[1]):  # active set: a coefficient that goes negative is fixed at 0, the rest refitted
-        coef = np.zeros(x.shape[1])
-        coef[active] = _weighted_ridge(x[:, active], y, base, ridge)
+    coef = floor.copy()
+    for _ in range(x.shape[1]):  # active set: a coefficient that goes under its floor is fixed there, the rest refitted
+        coef = np.where(active, 0.0, floor)
+        rest = y - x[:, ~active] @ floor[~active]
+        coef[active] = _weighted_ridge(x[:, active], rest, base, ridge)
         for _ in range(iterations):
             under = y > x @ coef
-            new = np.zeros_like(coef)
-            new[active] = _weighted_ridge(x[:, active], y, base * np.where(under, under_weights, 1.0), ridge)
+            new = coef.copy()
+            new[active] = _weighted_ridge(x[:, active], rest, base * np.where(under, under_weights, 1.0), ridge)
             done = np.allclose(new, coef, rtol=1e-6, atol=1e-9)
             coef = new
             if done:
                 break
-        negative = active & (coef < 0)
-        if not negative.any():
+        low = active & (coef < floor)
+        if not low.any():
             break
-        active &= ~negative
-    return np.maximum(coef, 0.0)
+        active &= ~low
+    return np.maximum(coef, floor)
 
 
 def _request_sums(values: npt.NDArray[np.int64], group_sizes: Sequence[int]) -> npt.NDArray[np.int64]:
@@ -268,12 +346,15 @@ def _worst_fraction(under: npt.NDArray[np.int64], exact: npt.NDArray[np.int64]) 
 
 def safety_margin(features: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64],
                   coefficients: npt.NDArray[np.float64], group_sizes: Sequence[int], *,
-                  target: float = 0.5) -> float:
+                  target: float = 0.5, fixed: npt.NDArray[np.bool_] | None = None) -> float:
     """Step 3: the smallest factor >= 1 (to 0.1%) that brings the BOUND_PERCENTILE under-count of
-    every text and every request (running sums of ``group_sizes``) within ``target`` of the allowance."""
+    every text and every request (running sums of ``group_sizes``) within ``target`` of the allowance.
+    Coefficients where ``fixed`` (bool[NUM_FEATURES]) is set are not scaled."""
+    keep = np.zeros(len(coefficients), dtype=bool) if fixed is None else fixed
+
 
     def worst(factor: float) -> float:
-        est = predict(features, coefficients * factor, nbytes)
+        est = predict(features, np.where(keep, coefficients, coefficients * factor), nbytes)
         return max(_worst_fraction(tokens - est, tokens),
                    _worst_fraction(_request_sums(tokens, group_sizes) - _request_sums(est, group_sizes),
                                    _request_sums(tokens, group_sizes)))
@@ -388,20 +469,28 @@ def calibrate(
                         f"{held_out_fraction:.0%} held out")
     if adversarial_seed is not None:
         # More texts to fit on than to measure on: the rare worst cases of a class must be seen.
-        train = [*train, *adversarial_groups(adversarial_seed, texts_per_class=128)]
+        train = [*train, *adversarial_groups(adversarial_seed, texts_per_class=128),
+                 *(TextGroup(f"anchor/{i}", (t,), "anchors") for i, t in enumerate(ANCHOR_TEXTS))]
         test = [*test, *adversarial_groups(adversarial_seed + 1)]
     train_texts = [t for g in train for t in g.texts]
     if not train_texts:
         raise ValueError("the corpus has no text to fit on")
-    features = _core.feature_rows(train_texts)
+    fallback = Calibration(tokenizer=tokenizer or counter.name, coefficients=(0.0,) * _core.NUM_FEATURES,
+                           fallback_ranges=fallback_ranges(counter))
+    features = _core.feature_rows(train_texts, fallback.fallback_bits())
+    floors = coefficient_floors(counter, fallback.fallback_ranges)
     tokens = np.asarray(counter.count_batch(train_texts), dtype=np.int64)
     nbytes = np.fromiter((len(t.encode("utf-8")) for t in train_texts), dtype=np.int64, count=len(train_texts))
-    kinds = [g.kind for g in train for _ in g.texts]
-    under_weights = np.array([UNDER_WEIGHT_TRACES if k == "traces" else UNDER_WEIGHT_ADVERSARIAL for k in kinds])
-    coef = fit_upper_coefficients(features, tokens, under_weights, ridge=ridge)
-    margin = safety_margin(features, tokens, nbytes, coef, [len(g.texts) for g in train])
-    coef = coef * margin
-    provisional = Calibration(tokenizer=tokenizer or counter.name, coefficients=tuple(float(c) for c in coef))
+    class_weight = {"traces": UNDER_WEIGHT_TRACES, "anchors": UNDER_WEIGHT_ANCHORS}
+    under_weights = np.array([class_weight.get(g.kind, UNDER_WEIGHT_ADVERSARIAL) for g in train for _ in g.texts])
+    fixed = _fixed_mask()
+    coef = _fixed_values()
+    coef[~fixed] = fit_upper_coefficients(features[:, ~fixed], tokens, under_weights, ridge=ridge,
+                                          offset=features[:, fixed] @ coef[fixed], floors=floors[~fixed])
+    margin = safety_margin(features, tokens, nbytes, coef, [len(g.texts) for g in train], fixed=fixed)
+    coef = np.where(fixed, coef, coef * margin)
+    provisional = Calibration(tokenizer=tokenizer or counter.name, coefficients=tuple(float(c) for c in coef),
+                              fallback_ranges=fallback.fallback_ranges)
     exact = exact_counts(counter, test)
     real = [i for i, g in enumerate(test) if g.kind == "traces"]
     real_groups = [test[i] for i in real]
@@ -415,15 +504,20 @@ def calibrate(
     return Calibration(
         tokenizer=tokenizer or counter.name,
         coefficients=provisional.coefficients,
+        fallback_ranges=provisional.fallback_ranges,
         template=template,
         corpus=corpus + ("" if adversarial_seed is None else
                          f"; adversarial text, seed {adversarial_seed}: {len(ADVERSARIAL_CLASSES)} classes"),
         num_texts=len(train_texts),
         method=f"upper bound: an expectile fit by weighted ridge least squares (weights 1/sqrt(tokens+8), "
         f"ridge {ridge:g}; under-counts weigh {UNDER_WEIGHT_TRACES:g}x on traces, "
-        f"{UNDER_WEIGHT_ADVERSARIAL:g}x on adversarial text; coefficients >= 0), then every coefficient times {margin:.3f} "
+        f"{UNDER_WEIGHT_ADVERSARIAL:g}x on adversarial text, {UNDER_WEIGHT_ANCHORS:g}x on {len(ANCHOR_TEXTS)} repeated "
+        f"whitespace units; coefficients >= 0, the 2-byte, 3-byte and CJK ones at least what the costliest "
+        f"character the vocabulary holds costs), then every coefficient times {margin:.3f} "
         f"(the margin that brings the fitting texts' p{BOUND_PERCENTILE:g} under-count within half of "
-        f"{ALLOWANCE_FRACTION:.0%} of a {MIN_WINDOW_TOKENS:,}..{MAX_WINDOW_TOKENS:,}-token window); measured on "
+        f"{ALLOWANCE_FRACTION:.0%} of a {MIN_WINDOW_TOKENS:,}..{MAX_WINDOW_TOKENS:,}-token window), but "
+        f"{', '.join(FIXED_COEFFICIENTS)} fixed at 1 token a byte, for the {len(fallback.fallback_ranges)} ranges "
+        f"of basic-plane characters the tokenizer spells byte by byte; measured on "
         f"{evaluated_on}"
         + ("" if adversarial_seed is None else f", and on adversarial text of seed {adversarial_seed + 1}"),
         error=error,

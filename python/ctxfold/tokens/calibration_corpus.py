@@ -224,9 +224,14 @@ def adversarial_text(kind: str, num_chars: int, rng: random.Random) -> str:
     # Texts of one UTF-8 length as well as mixed ones: a mix lets an under-count on one length
     # hide behind an over-count on another.
     lengths = [_SCALAR_RANGES, *((r,) for r in _SCALAR_RANGES)][rng.randrange(4)]
+    # Or the 128 code points of one block, as text of one script is: a tokenizer holds some scripts
+    # whole and lacks others, which characters drawn from everywhere average out.
+    script = None
+    if kind == "random_unicode" and rng.random() < 0.5:
+        script = ord(_random_scalar(rng, lengths)) & ~127  # never a surrogate block: the scalar is none
     while size < num_chars:
         if kind == "random_unicode":
-            piece = _random_scalar(rng, lengths)
+            piece = _random_scalar(rng, lengths) if script is None else chr(rng.randint(script, script + 127))
         elif kind == "emoji":
             piece = _emoji(rng)
         elif kind == "cjk":
@@ -247,9 +252,17 @@ def adversarial_text(kind: str, num_chars: int, rng: random.Random) -> str:
             unit = "".join(rng.choice(alphabet) for _ in range(rng.choice([rng.randint(1, 4), rng.randint(1, 40)])))
             piece = unit * rng.randint(1, 60) + rng.choice(["", " ", "\n", "_", "."])
         elif kind == "whitespace_runs":
-            mixed = rng.random() < 0.5  # spaces with tabs and newlines, or one long run of spaces
-            n = rng.choice([rng.randint(1, 300), rng.randint(300, 8000)])
-            piece = "".join(rng.choice(" \t\n") if mixed and rng.random() < 0.3 else " " for _ in range(n))
+            r = rng.random()
+            if r < 0.3:
+                # A short unit ending in a line break, repeated (blank lines that keep their
+                # indentation, a space and a newline alternating): a token for the spaces and one
+                # for the break, where one long run costs a token per dozen spaces.
+                unit = "".join(rng.choice(" \t\n") if rng.random() < 0.2 else " " for _ in range(rng.randint(0, 16)))
+                piece = (unit + "\n") * rng.randint(1, 600)
+            else:
+                mixed = r < 0.65  # spaces with tabs and newlines, or one long run of spaces
+                n = rng.choice([rng.randint(1, 300), rng.randint(300, 8000)])
+                piece = "".join(rng.choice(" \t\n") if mixed and rng.random() < 0.3 else " " for _ in range(n))
             piece += _word(rng)
         else:
             raise ValueError(f"unknown class of text {kind!r}; classes: {', '.join(ADVERSARIAL_CLASSES)}")

@@ -2,6 +2,9 @@
 
 A :class:`Calibration` holds the estimator's coefficients for one tokenizer and how they were
 obtained (:mod:`ctxfold.tokens.calibration` fits them); the built-in ones ship in ``ctxfold/tokens/calibrations``.
+It also holds the characters of the basic plane the tokenizer's vocabulary lacks, which it spells a
+token a byte: the estimator counts their UTF-8 bytes (feature ``fallback_bytes``) instead of a class's
+average, which is what keeps a run of one such character from being counted low.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class Calibration:
     # Under- and over-count figures per counter ("estimate", "chars4") and class of text ("traces",
     # the adversarial classes): see ctxfold.tokens.calibration.bound_stats.
     bounds: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # Inclusive code point ranges (U+0080..U+FFFF) of the characters the tokenizer spells byte by byte
+    # (see ctxfold.tokens.calibration.fallback_ranges), sorted and disjoint.
+    fallback_ranges: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         names = tuple(_core.FEATURE_NAMES)
@@ -54,6 +60,25 @@ class Calibration:
                 f"calibration for {self.tokenizer!r}: expected {len(names)} finite coefficients, "
                 f"got {list(self.coefficients)}"
             )
+        last = 0x7F
+        for lo, hi in self.fallback_ranges:
+            if not last < lo <= hi <= 0xFFFF:
+                raise TokenizerError(
+                    f"calibration for {self.tokenizer!r}: fallback characters must be sorted, disjoint ranges within "
+                    f"U+0080..U+FFFF; got U+{lo:04X}..U+{hi:04X} after U+{last:04X}; re-run `ctxfold calibrate`"
+                )
+            last = hi
+
+    def fallback_bits(self) -> npt.NDArray[np.uint64] | None:
+        """The fallback ranges as the core's bit set, uint64[_core.FALLBACK_WORDS]; None when there are none."""
+        if not self.fallback_ranges:
+            return None
+        flags = np.zeros(_core.FALLBACK_WORDS * 64, dtype=bool)
+        for lo, hi in self.fallback_ranges:
+            flags[lo : hi + 1] = True
+        # Bit (cp & 63) of word cp >> 6: little-endian bit order within each little-endian word.
+        packed = np.packbits(flags, bitorder="little")
+        return np.ascontiguousarray(packed.view("<u8").astype(np.uint64))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +92,9 @@ class Calibration:
             "error": self.error,
             "template": self.template,
             "bounds": self.bounds,
+            # Compact and readable: hex code points, a range as LO-HI, separated by spaces.
+            "fallback_chars": " ".join(f"{lo:04X}" if lo == hi else f"{lo:04X}-{hi:04X}"
+                                       for lo, hi in self.fallback_ranges),
         }
 
     @classmethod
@@ -86,6 +114,7 @@ class Calibration:
                 bounds={str(c): {str(k): {str(n): float(v) for n, v in dict(figs).items()}
                                  for k, figs in dict(kinds).items()}
                         for c, kinds in dict(data.get("bounds", {})).items()},
+                fallback_ranges=_parse_ranges(str(data.get("fallback_chars", ""))),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TokenizerError(f"{source}: malformed calibration ({exc!r}); re-run `ctxfold calibrate`") from None
@@ -106,6 +135,15 @@ class Calibration:
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, p)
+
+
+def _parse_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """"0800-0815 0817" -> ((0x800, 0x815), (0x817, 0x817)); ValueError on anything else."""
+    out: list[tuple[int, int]] = []
+    for item in text.split():
+        lo, _, hi = item.partition("-")
+        out.append((int(lo, 16), int(hi or lo, 16)))
+    return tuple(out)
 
 
 def builtin_calibrations() -> tuple[str, ...]:
@@ -134,19 +172,21 @@ class EstimateCounter:
     def __init__(self, calibration: Calibration, name: str | None = None) -> None:
         self.calibration = calibration
         self.coefficients = np.ascontiguousarray(calibration.coefficients, dtype=np.float64)
+        self.fallback_bits = calibration.fallback_bits()  # held here: the core reads it during each call
         self.name = name or f"estimate:{calibration.tokenizer}"
         self.template = calibration.template
 
     def count(self, text: Text) -> int:
         if isinstance(text, str):
-            return int(_core.estimate_tokens(text, self.coefficients))
+            return int(_core.estimate_tokens(text, self.coefficients, self.fallback_bits))
         # bytes go through the core as they are: the estimator counts invalid UTF-8 byte by byte.
-        return int(_core.estimate_tokens(bytes(text), self.coefficients))
+        return int(_core.estimate_tokens(bytes(text), self.coefficients, self.fallback_bits))
 
     def count_batch(self, texts: Sequence[Text]) -> npt.NDArray[np.int64]:
         if isinstance(texts, (str, bytes)):
             raise TypeError("count_batch takes a sequence of texts, not one text; use count() for one")
-        return _core.estimate_batch(texts if isinstance(texts, list) else list(texts), self.coefficients)
+        return _core.estimate_batch(texts if isinstance(texts, list) else list(texts), self.coefficients,
+                                    self.fallback_bits)
 
     def __repr__(self) -> str:
         return f"EstimateCounter({self.name!r})"
