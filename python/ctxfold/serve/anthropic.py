@@ -36,7 +36,9 @@ from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpe
 from ctxfold.compaction.archive import RECALL_TOOLS
 from ctxfold.compaction.archive.recall import recall_tools_anthropic
 from ctxfold.errors import FormatError
+from ctxfold.fastjson import dumps
 from ctxfold.serve.dialect import Dialect, StreamFilter
+from ctxfold.serve.memo import ConversionMemo
 from ctxfold.serve.request import BadRequest, ParsedRequest, decode_object
 from ctxfold.wire.sse import SseReader, json_object
 
@@ -91,8 +93,21 @@ def system_text(raw: Any) -> str | None:
     return "\n".join(b["text"] for b in raw)
 
 
-def _units(d: dict[str, Any], i: int, offset: int, sources: Sources) -> list[Message]:
-    """The units of message ``i``: parsed without breakpoints, their blocks as sent noted in ``sources``."""
+@dataclass(frozen=True, slots=True)
+class _Converted:
+    """What one Anthropic message makes: its units (without ids: they are positions, given per request),
+    each unit's chat form (what routing compares) and its blocks as sent."""
+
+    units: tuple[Message, ...]
+    wire: tuple[dict[str, Any], ...]
+    pieces: tuple[list[Any], ...]
+
+
+_converted: ConversionMemo[_Converted] = ConversionMemo()
+
+
+def _convert(d: dict[str, Any], i: int) -> _Converted:
+    """Message ``i``'s units, parsed without breakpoints, and their blocks as sent."""
     content = d.get("content")
     clean = dict(d)
     if isinstance(content, list):
@@ -109,12 +124,22 @@ def _units(d: dict[str, Any], i: int, offset: int, sources: Sources) -> list[Mes
         results = [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
         others = [b for b in content if not (isinstance(b, dict) and b.get("type") == "tool_result")]
         pieces = [[b] for b in results] + ([others] if others or not results else [])
-    first = len(sources.message_of)
-    out = [replace(m, id=f"m{offset + first + k}") for k, m in enumerate(got)]
-    sources.message_of.extend([i] * len(out))
-    sources.blocks_of.extend(pieces)
-    sources.units_of.append(len(out))
-    return out
+    return _Converted(tuple(got), tuple(message_to_openai(m, api=True) for m in got), tuple(pieces))
+
+
+def _units(d: dict[str, Any], i: int, sources: Sources, wire: list[dict[str, Any]], fast: bool) -> list[Message]:
+    """The units of message ``i`` (without ids), their chat forms added to ``wire`` and their blocks as
+    sent to ``sources``: converted once per process, then taken from the memo."""
+    key = dumps(d, fast=fast)
+    converted = _converted.get(key)
+    if converted is None:
+        converted = _convert(d, i)
+        _converted.put(key, converted)
+    sources.message_of.extend([i] * len(converted.units))
+    sources.blocks_of.extend(converted.pieces)
+    sources.units_of.append(len(converted.units))
+    wire.extend(converted.wire)
+    return list(converted.units)
 
 
 def _blocks_of(pieces: list[Any]) -> list[Any]:
@@ -334,17 +359,17 @@ class AnthropicDialect(Dialect):
         body, fast = decode_object(raw)
         messages = _check(body)
         system = system_text(body.get("system"))
-        offset = 1 if system is not None else 0
         sources = Sources(messages)
         units: list[Message] = []
+        wire: list[dict[str, Any]] = []
         for i, d in enumerate(messages):
-            units.extend(_units(d, i, offset, sources))
-        wire = [message_to_openai(m, api=True) for m in units]
+            units.extend(_units(d, i, sources, wire, fast))
         return ParsedRequest(raw, body, system, wire, bool(body.get("stream")), fast, dialect=self, units=units,
                              sources=sources)
 
     def new_messages(self, parsed: ParsedRequest, known: int) -> list[Message]:
-        return list(parsed.units or [])[known:]
+        # Ids are positions (m<n>, as chat completions numbers its messages): given to the new ones only.
+        return [replace(m, id=f"m{parsed.offset + known + k}") for k, m in enumerate((parsed.units or [])[known:])]
 
     def tool_specs(self, body: dict[str, Any]) -> tuple[ToolSpec, ...]:
         try:

@@ -39,6 +39,8 @@ from ctxfold.chat.formats.responses import (
     COMPACTION_TYPES,
     OUTPUT_TYPES,
     item_type,
+    unit_groups,
+    unit_message,
     units_of,
     usage_of,
     written_items,
@@ -47,11 +49,16 @@ from ctxfold.chat.messages import Message, Role, ToolCall, ToolSpec
 from ctxfold.compaction.archive import RECALL_TOOLS
 from ctxfold.compaction.archive.recall import recall_tools_openai
 from ctxfold.errors import FormatError
+from ctxfold.fastjson import dumps
 from ctxfold.serve.dialect import Dialect, StreamFilter
+from ctxfold.serve.memo import ConversionMemo
 from ctxfold.serve.request import BadRequest, ParsedRequest, decode_object, error_response
 from ctxfold.wire.sse import SseReader, json_object
 
 log = logging.getLogger("ctxfold.serve")
+
+# Each unit's message (without an id) and chat form, by the JSON of its items: see serve/memo.py.
+_converted: ConversionMemo[tuple[Message, dict[str, Any]]] = ConversionMemo()
 
 # Request fields that say the conversation's history is kept upstream, not sent by the client.
 UPSTREAM_STATE = ("previous_response_id", "conversation")
@@ -129,14 +136,24 @@ def parse(dialect: Dialect, raw: bytes) -> ParsedRequest:
     instructions = body.get("instructions")
     texts = ([instructions] if isinstance(instructions, str) else []) + [_head_text(i) for i in items[:n]]
     system = "\n\n".join(texts) if texts else None
-    offset = 1 if system is not None else 0
+    units: list[Message] = []
+    wire: list[dict[str, Any]] = []
     try:
-        units, items_of = units_of(items[n:], offset, "input", first_item=n)
+        groups = unit_groups(items[n:], "input", first_item=n)
+        for group, where in groups:
+            # Each unit converted once per process (serve/memo.py); ids are given to the new ones only.
+            key = dumps(group, fast=fast)
+            converted = _converted.get(key)
+            if converted is None:
+                m = unit_message(group, "", where)
+                converted = (m, message_to_openai(m, api=True))
+                _converted.put(key, converted)
+            units.append(converted[0])
+            wire.append(converted[1])
     except FormatError as e:
         raise _bad(str(e), code="invalid_message", param="input") from None
-    wire = [message_to_openai(m, api=True) for m in units]
     return ParsedRequest(raw, body, system, wire, stream, fast, dialect=dialect, units=units,
-                         sources=Sources(items[:n], items_of))
+                         sources=Sources(items[:n], [g for g, _ in groups]))
 
 
 def _response_output(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -284,7 +301,8 @@ class ResponsesDialect(Dialect):
         return parse(self, raw)
 
     def new_messages(self, parsed: ParsedRequest, known: int) -> list[Message]:
-        return list(parsed.units or [])[known:]
+        # Ids are positions (m<n>, as chat completions numbers its messages): given to the new ones only.
+        return [replace(m, id=f"m{parsed.offset + known + k}") for k, m in enumerate((parsed.units or [])[known:])]
 
     def tool_specs(self, body: dict[str, Any]) -> tuple[ToolSpec, ...]:
         """Function and custom tools by name; the upstream's own (``web_search``, ...) by type, all

@@ -123,34 +123,44 @@ def is_single(item: dict[str, Any]) -> bool:
     return kind in OUTPUT_TYPES or (kind == "message" and item.get("role") in ("user", "system", "developer"))
 
 
-def units_of(items: Sequence[dict[str, Any]], first_id: int = 0, where: str = "input", *, first_item: int = 0
-             ) -> tuple[list[Message], list[list[dict[str, Any]]]]:
-    """(the units of ``items``, the items of each unit as given). Ids ``m<first_id + unit>``; a
-    FormatError names the item that is wrong (``where[first_item + index]``)."""
-    units: list[Message] = []
-    sources: list[list[dict[str, Any]]] = []
+def unit_groups(items: Sequence[dict[str, Any]], where: str = "input", *, first_item: int = 0
+                ) -> list[tuple[list[dict[str, Any]], str]]:
+    """The items of each unit of ``items``, as given, and where the unit starts (``where[index]``): a
+    user, system or developer message or a call's output alone, the assistant's items between them
+    together. FormatError names an item that is not an object."""
+    groups: list[tuple[list[dict[str, Any]], str]] = []
     run: list[dict[str, Any]] = []
     run_start = 0
-
-    def close_run() -> None:
-        if run:
-            units.append(_assistant(run, f"m{first_id + len(units)}", f"{where}[{run_start}]"))
-            sources.append(list(run))
-            run.clear()
-
     for i, item in enumerate(items, first_item):
         if not isinstance(item, dict):
             raise FormatError(f"{where}[{i}] must be an object, got {type(item).__name__}")
         if is_single(item):
-            close_run()
-            units.append(_single(item, f"m{first_id + len(units)}", f"{where}[{i}]"))
-            sources.append([item])
+            if run:
+                groups.append((run, f"{where}[{run_start}]"))
+                run = []
+            groups.append(([item], f"{where}[{i}]"))
         else:
             if not run:
                 run_start = i
             run.append(item)
-    close_run()
-    return units, sources
+    if run:
+        groups.append((run, f"{where}[{run_start}]"))
+    return groups
+
+
+def unit_message(items: list[dict[str, Any]], mid: str, where: str) -> Message:
+    """The message of one unit (:func:`unit_groups`); FormatError names what is wrong, at ``where``."""
+    if len(items) == 1 and is_single(items[0]):
+        return _single(items[0], mid, where)
+    return _assistant(items, mid, where)
+
+
+def units_of(items: Sequence[dict[str, Any]], first_id: int = 0, where: str = "input", *, first_item: int = 0
+             ) -> tuple[list[Message], list[list[dict[str, Any]]]]:
+    """(the units of ``items``, the items of each unit as given). Ids ``m<first_id + unit>``; a
+    FormatError names the item that is wrong (``where[first_item + index]``)."""
+    groups = unit_groups(items, where, first_item=first_item)
+    return [unit_message(g, f"m{first_id + k}", at) for k, (g, at) in enumerate(groups)], [g for g, _ in groups]
 
 
 def written_items(m: Message) -> list[dict[str, Any]]:
