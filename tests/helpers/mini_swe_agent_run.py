@@ -20,6 +20,7 @@ the prompt it sent (``X-Ctxfold-Prompt-Tokens``) and its compactions (``X-Ctxfol
 
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 import time
@@ -154,5 +155,18 @@ def run_agent(base_url: str, workdir: Path, *, steps: int, max_tokens: int, on_c
     except Exception as e:  # noqa: BLE001 - the control's refusal ends its run; the caller checks which
         run.error = e
         run.exit_status = type(e).__name__
+    finally:
+        _close_cached_clients(litellm)
     run.messages = [m for m in agent.messages if m.get("role") != "exit"]
     return run
+
+
+def _close_cached_clients(litellm: Any) -> None:
+    """Close the HTTP clients litellm keeps in its process-wide cache. Left open, their pooled sockets
+    are reported unclosed when the interpreter exits, after every test has passed."""
+    cache = litellm.in_memory_llm_clients_cache
+    for client in list(cache.cache_dict.values()):
+        close = getattr(client, "close", None)
+        if callable(close) and not inspect.iscoroutinefunction(close):
+            close()
+    cache.flush_cache()
