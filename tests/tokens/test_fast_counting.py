@@ -1,8 +1,8 @@
 """The fast exact counter (fastokens) gives the reference tokenizer's counts, or stands aside saying why.
 
 The reference is the tokenizer's own library (Hugging Face ``tokenizers``, tiktoken), loaded here with
-the fast path off; for Mistral's tekken, whose tiktoken Encoding ctxfold builds itself, mistral-common's
-Tekkenizer too. Every message of every shared trace is checked in test_counting.py (the slow tier);
+the fast path off; for Mistral's tekken and Meta's Llama 3 and 4, whose tiktoken Encodings ctxfold builds
+itself, mistral-common's Tekkenizer and Meta's Tokenizer too. Every message of every shared trace is checked in test_counting.py (the slow tier);
 here: generated texts of the shapes where pre-tokenizers differ, every shared request as rendered, the
 guard that keeps a disagreeing fast counter out, and the default counter.
 """
@@ -30,11 +30,12 @@ from ctxfold.tokens.counting import (
     load_counter,
 )
 from ctxfold.tokens.templates import get_template
+from helpers import meta_reference
 from helpers.tekken_reference import reference_count
 
 pytest.importorskip("fastokens", reason="the fast exact counter is in the tokenizers extra")
 
-BPE_TOKENIZERS = ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken"]
+BPE_TOKENIZERS = ["deepseek-v4", "qwen3", "o200k_base", "cl100k_base", "tekken", "llama3", "llama4"]
 
 
 @functools.cache
@@ -64,6 +65,7 @@ _PIECES = st.sampled_from([
     "def", "f(x)", "{'k': [1, 2]}", "->", "::", "/*", "*/", "#!", "==", "!==", "...",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<｜User｜>", "<｜Assistant｜>", "<s>", "</s>", "[INST]",
     "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[IMG_BREAK]", "<unk>", "<SPECIAL_42>",
+    "<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>", "<|python_tag|>", "<|header_start|>", "<|eot|>",
     "Hello", "WORLD", "camelCase", "snake_case", "ALLCAPS", "x",
 ])
 _TEXTS = st.one_of(
@@ -82,6 +84,8 @@ def test_fast_counts_equal_the_reference_on_generated_text(name: str, texts: lis
     want = [ref.count(t) for t in texts]
     if name == "tekken":  # ctxfold built this reference from the JSON: mistral-common's own must agree
         assert [reference_count(fast.name, t) for t in texts] == want
+    if name.startswith("llama"):  # the same from llama-models' ranks: Meta's own tokenizer must agree
+        assert [meta_reference.reference_count(name, t) for t in texts] == want
     assert [fast.count(t) for t in texts] == want
     assert fast.count_batch(texts).tolist() == want
 

