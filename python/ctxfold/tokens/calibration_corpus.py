@@ -155,7 +155,7 @@ def why_nothing_held_out(groups: Sequence[TextGroup], held_out_fraction: float) 
 # a fit and a test see the same texts on every machine.
 ADVERSARIAL_CLASSES = (
     "random_unicode", "emoji", "cjk", "base64", "hex", "digit_runs", "minified_json", "whitespace_runs",
-    "random_letters",
+    "random_letters", "repeated_letters",
 )
 
 _EMOJI_RANGES = ((0x1F300, 0x1F5FF), (0x1F600, 0x1F64F), (0x1F680, 0x1F6FF), (0x1F900, 0x1F9FF),
@@ -211,6 +211,10 @@ def _json_value(rng: random.Random, depth: int) -> Any:
                    for _ in range(rng.randint(0, 24)))
 
 
+_LETTER_ALPHABETS = ("abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
 def _word(rng: random.Random) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz_") for _ in range(rng.randint(1, 12)))
 
@@ -247,10 +251,16 @@ def adversarial_text(kind: str, num_chars: int, rng: random.Random) -> str:
         elif kind == "random_letters":
             # Letters without a word in them (base32 ids, hashes, a repeated syllable): far more
             # tokens per letter than words of the same length.
-            alphabet = rng.choice(["abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
-                                   "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"])
+            alphabet = rng.choice(_LETTER_ALPHABETS)
             unit = "".join(rng.choice(alphabet) for _ in range(rng.choice([rng.randint(1, 4), rng.randint(1, 40)])))
             piece = unit * rng.randint(1, 60) + rng.choice(["", " ", "\n", "_", "."])
+        elif kind == "repeated_letters":
+            # One random unit of letters repeated with nothing between, the whole text one run of
+            # letters: each repeat is spelled as the unit is, so the text costs what its unit costs a
+            # letter, up to a token a letter ("qyqy.."), with no mix of units to average it down.
+            alphabet = rng.choice(_LETTER_ALPHABETS)
+            unit = "".join(rng.choice(alphabet) for _ in range(rng.choice([rng.randint(1, 4), rng.randint(1, 60)])))
+            piece = unit * (num_chars // len(unit) + 1)
         elif kind == "whitespace_runs":
             r = rng.random()
             if r < 0.3:
@@ -271,12 +281,17 @@ def adversarial_text(kind: str, num_chars: int, rng: random.Random) -> str:
     return "".join(parts)[:num_chars]
 
 
-def adversarial_groups(seed: int = 0, texts_per_class: int = 48, max_chars: int = 12_000) -> list[TextGroup]:
-    """``texts_per_class`` texts of each adversarial class, one group each, lengths log-uniform
-    from 1 to ``max_chars`` characters; the same for the same seed."""
+def adversarial_groups(seed: int = 0, texts_per_class: int = 48, max_chars: int = 12_000,
+                       classes: Sequence[str] = ADVERSARIAL_CLASSES) -> list[TextGroup]:
+    """``texts_per_class`` texts of each adversarial class of ``classes`` (in the order of
+    :data:`ADVERSARIAL_CLASSES`, so that leaving the last out changes no other class's texts), one
+    group each, lengths log-uniform from 1 to ``max_chars`` characters; the same for the same seed."""
+    unknown = set(classes) - set(ADVERSARIAL_CLASSES)
+    if unknown:
+        raise ValueError(f"unknown class of text {min(unknown)!r}; classes: {', '.join(ADVERSARIAL_CLASSES)}")
     rng = random.Random(seed)
     groups: list[TextGroup] = []
-    for kind in ADVERSARIAL_CLASSES:
+    for kind in (k for k in ADVERSARIAL_CLASSES if k in classes):
         for i in range(texts_per_class):
             n = max(1, int(math.exp(rng.uniform(0.0, math.log(max_chars)))))
             groups.append(TextGroup(f"adversarial/{kind}/{seed}/{i}", (adversarial_text(kind, n, rng),), kind))
