@@ -34,6 +34,7 @@ from ctxfold.compaction.config import CompactConfig
 from ctxfold.replay import default_reply_reserve, replay_conversation
 from ctxfold.tokens.counting import load_counter
 from helpers import synthetic_traces as synthetic
+from helpers.cli_helpers import run_main
 from helpers.subprocess_env import ctxfold_env
 
 Manifest = dict[Path, synthetic.Expected]
@@ -213,14 +214,15 @@ def _ctxfold(*argv: str) -> subprocess.CompletedProcess[str]:
                           env=ctxfold_env(), timeout=300, check=False)
 
 
-def test_the_command_counts_and_replays_every_file(synthetic_traces: Manifest, tmp_path: Path) -> None:
+def test_the_command_counts_and_replays_every_file(synthetic_traces: Manifest, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     files = [str(p) for p in synthetic_traces]
     convs = conversations(synthetic_traces)
     counted = []
-    for path in files:  # count reads one file at a time
-        count = _ctxfold("count", path, "--json", "-")
-        assert count.returncode == 0, count.stderr
-        counted += json.loads(count.stdout)["conversations"]
+    for path in files:  # count reads one file at a time: through the command's entry point, in this process
+        code, out, err = run_main(capsys, "count", path, "--json", "-")
+        assert code == 0, err
+        counted += json.loads(out)["conversations"]
     assert [len(c["messages"]) for c in counted] == [len(c) for _, c in convs]
     for c in counted:
         assert c["total_tokens"] == c["fixed_tokens"] + sum(m["tokens"] for m in c["messages"])
