@@ -113,6 +113,7 @@ def test_a_long_chat_compacts_and_every_rewrite_renders(template: JinjaChatTempl
     assert check_every_rewrite(template, Conversation(messages=messages, system="Be brief."), 2048) >= 3
 
 
+@pytest.mark.slow  # a whole-trace sweep (the slow tier's kind): 26 s
 def test_every_rewrite_of_the_shared_traces_renders(traces_dir: Path) -> None:
     from ctxfold.chat.formats import load
 
