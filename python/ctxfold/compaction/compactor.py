@@ -45,7 +45,7 @@ from ctxfold.compaction import cost
 from ctxfold.compaction.archive import ArchiveParams, ArchiveStore, MemoryBackend, archive_oversized
 from ctxfold.compaction.archive.store import Backend
 from ctxfold.compaction.config import CompactConfig
-from ctxfold.compaction.effects import Step, run_async, run_sync
+from ctxfold.compaction.effects import Step, drive_sync, run_async
 from ctxfold.compaction.events import (
     GUARD_STEPS,
     AppendResult,
@@ -363,7 +363,8 @@ class Compactor:
         through :meth:`append_tool_result`, which applies the hard trigger."""
         with self._lock:
             self._ingest(messages)
-            self._commit()
+            if self._directory is not None:
+                self._commit()
 
     def append_tool_result(self, result: Message) -> AppendResult:
         """Append one tool result; if it would not fit with the reply reserve, compact and retry once,
@@ -593,8 +594,10 @@ class Compactor:
         """Run ``step`` in this thread under the lock (:func:`~ctxfold.compaction.effects.run_sync`), then
         commit what it logged, also when it raised (a refusal is logged too)."""
         with self._lock:
+            if self._directory is None:  # nothing to persist here: the journal's owner commits it, if any
+                return drive_sync(step)
             try:
-                return run_sync(step)
+                return drive_sync(step)
             finally:
                 self._commit()
 
@@ -608,13 +611,14 @@ class Compactor:
         refuses it does not stop the conversation: the batch stays in the journal, first in line for
         the next call's commit, and the failure is logged once and kept in :attr:`unwritten` until a
         commit succeeds (:meth:`flush` raises it)."""
-        if self._directory is None or self.journal is None or not self.journal.num_pending:
+        journal = self.journal
+        if self._directory is None or journal is None or not journal.num_pending:
             return
-        batch = self.journal.take()
+        batch = journal.take()
         try:
             self._directory.commit(batch)
         except OSError as e:
-            self.journal.put_back(batch)
+            journal.put_back(batch)
             if self._unwritten is None:
                 log.warning("session %s cannot be written (%s); the conversation goes on in memory and what it "
                             "logged is written with the next call", self._directory.root, e)

@@ -110,8 +110,9 @@ class Journal:
     # -- what a driver calls --------------------------------------------------------------------------
     def take(self) -> Batch:
         """The pending blobs and events, in order, as one batch; the journal is empty after it."""
-        batch = Batch(tuple(self._blobs.items()), tuple(self._events))
-        self._blobs = {}
+        batch = Batch(tuple(self._blobs.items()) if self._blobs else (), tuple(self._events))
+        if self._blobs:
+            self._blobs = {}
         self._events = []
         return batch
 

@@ -128,7 +128,7 @@ class Session:
             LocalBackend(self.root / folder).write_atomic(file, data)
         if batch.events:
             sync = self.fsync_appends or any(e.get("type") not in ("header", "append") for e in batch.events)
-            self._write_events(list(batch.events), sync=sync)
+            self._write_events(batch.events, sync=sync)
 
     def open_new(self) -> None:
         """Make the directory and a new, empty log, for a journal whose first record is the header:
@@ -235,7 +235,7 @@ class Session:
         except FileNotFoundError:
             return
 
-    def _write_events(self, events: list[Event], *, sync: bool = True) -> None:
+    def _write_events(self, events: Sequence[Event], *, sync: bool = True) -> None:
         data = b"".join(encode_event(e) + b"\n" for e in events)
         fd = self._open()
         written = os.write(fd, data)
