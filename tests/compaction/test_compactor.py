@@ -18,7 +18,8 @@ import pytest
 
 from ctxfold.chat.integrity import count_orphans, validate
 from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.compaction.archive import is_marker, restore
+from ctxfold.compaction.archive import ArchiveStore, is_marker, restore
+from ctxfold.compaction.archive.store import LocalBackend
 from ctxfold.compaction.compactor import AsyncCompactor, CompactionEvent, Compactor
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.session import Session
@@ -368,16 +369,22 @@ def test_a_summarizer_that_cancels_itself_never_leaves_an_empty_summary(counter:
     assert summary.text.strip() and "readme" in summary.text.lower()
 
 
-def test_archive_stage_survives_a_failed_summary_stage(counter: TokenCounter, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    c = make(counter, tmp_path, policy="datus", context_tokens=16000, max_output_tokens=1024)
+class RefusesHistoryDumps(LocalBackend):
+    """An archive whose disk takes tool outputs but refuses the history dumps (a quota on large files)."""
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        if data.startswith(b'{"type": "header"'):
+            raise OSError(28, "No space left on device")
+        super().write_atomic(name, data)
+
+
+def test_archive_stage_survives_a_failed_summary_stage(counter: TokenCounter, tmp_path: Path) -> None:
+    config = CompactConfig.preset("datus", context_tokens=16000, max_output_tokens=1024)
+    c = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v4"),
+                  session_dir=tmp_path / "session", durable=False,
+                  store=ArchiveStore(RefusesHistoryDumps(tmp_path / "archive")))
     c.append(user("go"))
     c.before_request()
-
-    def disk_full(*a: Any, **k: Any) -> Path:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(Session, "write_history_dump", disk_full)
     archived = failed = False
     for k in range(60):
         a = call("read", path=f"p{k}")
@@ -392,6 +399,44 @@ def test_archive_stage_survives_a_failed_summary_stage(counter: TokenCounter, tm
     assert archived and failed
     assert any(is_marker(m.text) for m in c.view)  # the archive stage's work is kept
     assert_sound(c)
+
+
+def test_a_session_directory_that_refuses_writes_loses_nothing(counter: TokenCounter, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The disk refuses the session's writes for a while (full): the conversation goes on in memory,
+    compactions included, the failure is logged and kept, and the first commit that succeeds writes
+    everything in order, so the directory restores and resumes to what memory holds."""
+    c = make(counter, tmp_path, policy="both", context_tokens=8000, max_output_tokens=512)
+    c.append(user("go"))
+    c.before_request()
+    real_commit = Session.commit
+    full = True
+
+    def commit(self: Session, batch: Any) -> None:
+        if full:
+            raise OSError(28, "No space left on device")
+        real_commit(self, batch)
+
+    monkeypatch.setattr(Session, "commit", commit)
+    for k in range(30):
+        a = call("read", path=f"p{k}")
+        c.append(a)
+        c.append_tool_result(result(a, readme_lines(k * 50, 30)))
+        c.before_request()
+    assert any(e.applied for e in c.events), "the conversation compacted while the disk was full"
+    assert c.unwritten is not None and "No space left" in str(c.unwritten)
+    assert sum("cannot be written" in r.message for r in caplog.records) == 1  # said once, not per call
+    with pytest.raises(OSError, match="No space left"):
+        c.flush()
+    full = False
+    c.append(user("the disk has room again"))
+    assert c.unwritten is None
+    assert "written again" in caplog.text
+    assert Session(tmp_path / "session").restore().messages == c.originals
+    resumed = make(counter, tmp_path)
+    assert resumed.view == c.view and resumed.view_origins == c.view_origins
+    c.close()
 
 
 # -- the HTTP summarizer on loopback, through the compactor ------------------------------------------------

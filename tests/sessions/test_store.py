@@ -310,7 +310,7 @@ def test_a_compactor_writes_the_same_records_to_redis_as_to_its_session_dir(
         assert a.num_compactions == b.num_compactions >= 2
         # Events after the checkpoint go on from its seq, and read back after the fold.
         more = Message(Role.USER, "one more question", id="late")
-        resumed.session = log2 = BufferedLog(SID, after)
+        resumed.journal = log2 = BufferedLog(SID, after)
         log2.load()
         resumed.append(more)
         await store.append(lease, log2.take())

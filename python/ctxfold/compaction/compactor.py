@@ -16,9 +16,12 @@ Lifecycle, as an agent loop drives it::
     event = c.before_request()             # a tool continuation: mid-turn checks
     c.compact_now()                        # manual: always a summary pass
 
-The passes live in :mod:`ctxfold.compaction` (policy, archive pass, summary pass, window guard) and ask
-for summaries instead of calling a model (:mod:`ctxfold.compaction.effects`). This class holds the
-state and is the synchronous driver; :class:`AsyncCompactor` drives the same steps on an event loop.
+The passes live in :mod:`ctxfold.compaction` (policy, archive pass, summary pass, window guard), ask
+for summaries instead of calling a model (:mod:`ctxfold.compaction.effects`) and write into the
+conversation's journal instead of a file (:mod:`ctxfold.compaction.journal`). This class holds the
+state and is the synchronous driver: it commits the journal to the session directory at the end of
+every call (a disk that refuses it does not stop the conversation: see :attr:`Compactor.unwritten`);
+:class:`AsyncCompactor` drives the same steps on an event loop.
 
 Thread safety: every public method holds the compactor's lock, so one conversation can be shared
 between threads. Use one driver at a time for a conversation: the synchronous methods or one
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -39,8 +43,9 @@ from ctxfold.chat.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.compaction import archive_pass as archive
 from ctxfold.compaction import cost
 from ctxfold.compaction.archive import ArchiveParams, ArchiveStore, MemoryBackend, archive_oversized
+from ctxfold.compaction.archive.store import Backend
 from ctxfold.compaction.config import CompactConfig
-from ctxfold.compaction.effects import Step, run_async, run_sync
+from ctxfold.compaction.effects import Step, drive_sync, run_async
 from ctxfold.compaction.events import (
     GUARD_STEPS,
     AppendResult,
@@ -51,6 +56,7 @@ from ctxfold.compaction.events import (
     Observer,
 )
 from ctxfold.compaction.guard import guard
+from ctxfold.compaction.journal import Journal
 from ctxfold.compaction.kv import MIN_SHIFT_TOKENS
 from ctxfold.compaction.policy import Policy
 from ctxfold.compaction.rebuild import (
@@ -60,7 +66,8 @@ from ctxfold.compaction.rebuild import (
     keep_turns_alternating,
     resume_message,
 )
-from ctxfold.compaction.session import Session, SessionLog, ViewEntry
+from ctxfold.compaction.session import Session, ViewEntry
+from ctxfold.compaction.store.buffer import BufferedLog
 from ctxfold.compaction.summarize import ExtractiveSummarizer, Summarizer
 from ctxfold.compaction.summary_pass import summary_pass
 from ctxfold.compaction.view import (
@@ -82,6 +89,7 @@ __all__ = ["GUARD_STEPS", "MIN_SHIFT_TOKENS", "SAMPLE_ARCHIVE_ID", "SUMMARY_ACKN
            "Observer", "frame_summary", "keep_turns_alternating", "resume_message"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Compactor:
@@ -96,7 +104,7 @@ class Compactor:
         template: ChatTemplate | JinjaChatTemplate | None = None,
         summarizer: Summarizer | None = None,
         session_dir: str | Path | None = None,
-        session_log: SessionLog | None = None,
+        session_log: BufferedLog | None = None,
         store: ArchiveStore | None = None,
         durable: bool = True,
         fsync_appends: bool = True,
@@ -142,20 +150,34 @@ class Compactor:
         self._max_reply_tokens: int | None = None  # the current request's own max_tokens, where it gave one
         self.min_gain_waits = 0  # automatic summaries the minimum-gain rule put off (compaction.cost)
 
-        # The event log: a session directory, or a buffer a session store commits (ctxfold.compaction.store.buffer).
-        self.session: SessionLog | None = session_log
+        # What the core writes goes into the conversation's journal, never to disk: the drivers persist
+        # it (ctxfold.compaction.journal). A session directory: this class commits the journal to it at
+        # the end of every call. A stored session's journal (ctxfold.compaction.store.buffer): its owner
+        # commits it (the proxy, once a request).
+        self._directory: Session | None = None
+        self.journal: Journal | None = session_log
+        self._unwritten: OSError | None = None  # why the last commit to the directory failed, if it did
+        resumed = None
         if session_dir is not None:
             if session_log is not None:
                 raise ValueError("give session_dir or session_log, not both")
-            self.session = Session(session_dir, durable=durable, fsync_appends=fsync_appends)
+            self._directory = Session(session_dir, durable=durable, fsync_appends=fsync_appends)
+            resumed = self._directory.load() if self._directory.exists() else None
+            self.journal = self._directory.journal()
+        elif session_log is not None and session_log.exists():
+            resumed = session_log.load()
         # The archive: given (shared by several sessions, or on object storage), else the session's
-        # own directory (or the store's, through the buffer), else memory.
+        # own (through its journal), else memory.
         if store is None:
-            store = ArchiveStore(self.session.archive_backend() if self.session is not None else MemoryBackend())
+            backend: Backend = MemoryBackend()
+            if self._directory is not None and self.journal is not None:
+                backend = self._directory.journal_archive(self.journal)
+            elif self.journal is not None:
+                backend = self.journal.archive_backend()
+            store = ArchiveStore(backend)
         self.store = store
 
-        if self.session is not None and self.session.exists():
-            resumed = self.session.load()
+        if resumed is not None:
             self.header = replace(resumed.conversation, messages=[])
             self.state = ViewState.resumed(resumed.originals, resumed.conversation.messages, resumed.view_origins)
             self._load_state(resumed.state)
@@ -163,10 +185,13 @@ class Compactor:
                                          if m.role is Role.ASSISTANT)
             self._accounting.reset(self.header, self.view)
         else:
-            if self.session is not None:
-                self.session.create(self.header)
+            if self._directory is not None:
+                self._directory.open_new()  # FileExistsError when another writer made one since
+            if self.journal is not None:
+                self.journal.create(self.header)
             self._accounting.reset(self.header, [])
             self._ingest(conversation.messages)
+            self._commit()
 
     # -- the conversation ---------------------------------------------------------------------------
     @property
@@ -240,7 +265,7 @@ class Compactor:
     def run(self, step: Step[T]) -> T:
         """Drive a step of this compactor's core that the caller put together from the ``*_step``
         methods (several appends and a request, as one operation) in this thread, under the lock."""
-        return run_sync(step, self._lock)
+        return self._drive(step)
 
     def expect_reply(self, max_tokens: int | None) -> None:
         """The next requests' own limit on the answer (their ``max_tokens``), None where they give none:
@@ -338,11 +363,13 @@ class Compactor:
         through :meth:`append_tool_result`, which applies the hard trigger."""
         with self._lock:
             self._ingest(messages)
+            if self._directory is not None:
+                self._commit()
 
     def append_tool_result(self, result: Message) -> AppendResult:
         """Append one tool result; if it would not fit with the reply reserve, compact and retry once,
         and as the last resort archive it and append a marker with a tool error instead."""
-        return run_sync(self.append_tool_result_step(result), self._lock)
+        return self._drive(self.append_tool_result_step(result))
 
     def append_tool_result_step(self, result: Message) -> Step[AppendResult]:
         """:meth:`append_tool_result` as a step for a driver (:mod:`ctxfold.compaction.effects`)."""
@@ -398,7 +425,7 @@ class Compactor:
         a request never leaves over the window while any fit exists (:mod:`ctxfold.compaction.guard`).
         Where none exists, :class:`~ctxfold.errors.NoFitError` is raised here, before the request is sent.
         """
-        return run_sync(self.before_request_step(queued, max_reply_tokens=max_reply_tokens), self._lock)
+        return self._drive(self.before_request_step(queued, max_reply_tokens=max_reply_tokens))
 
     def before_request_step(self, queued: Sequence[Message] = (), *,
                             max_reply_tokens: int | None = None) -> Step[CompactionEvent | None]:
@@ -423,7 +450,7 @@ class Compactor:
 
     def compact_now(self, reason: str = "manual compaction") -> CompactionEvent:
         """Manual compaction: always a summary pass, even when automatic passes are off."""
-        return run_sync(self.compact_now_step(reason), self._lock)
+        return self._drive(self.compact_now_step(reason))
 
     def compact_now_step(self, reason: str = "manual compaction") -> Step[CompactionEvent]:
         """:meth:`compact_now` as a step for a driver (:mod:`ctxfold.compaction.effects`)."""
@@ -490,8 +517,8 @@ class Compactor:
         logged them already."""
         messages = list(messages)
         shown = messages if shown is None else list(shown)
-        if log and self.session is not None:  # the log first: memory never holds what the log does not
-            self.session.append_messages(messages)
+        if log and self.journal is not None:
+            self.journal.append_messages(messages)
         for m in messages:
             if m.role is Role.ASSISTANT:
                 bisect.insort(self._answer_tokens, self._answer_size_tokens(m))
@@ -529,11 +556,11 @@ class Compactor:
         self._history_id = history_id if isinstance(history_id, str) else None
 
     def _log_view(self, event: CompactionEvent) -> None:
-        if self.session is None:
+        if self.journal is None:
             return
         entries = [ViewEntry(o, None if o >= 0 and m is self.originals[o] else m)
                    for m, o in zip(self.view, self.view_origins, strict=True)]
-        dump = Path(event.history_dump) if event.history_dump else None
+        dump = self._dump_name(event.history_dump)
         figures: dict[str, Any] = {"tokens_before": event.tokens_before, "tokens_after": event.tokens_after}
         # Why the configured summarizer did not write this summary, and which guard step ran: in the
         # log, where an operator reading a session finds them.
@@ -541,16 +568,87 @@ class Compactor:
             figures["summary_failure"] = event.summary_failure
         if event.guard_step is not None:
             figures["guard_step"] = event.guard_step
-        self.session.log_view(entries, kind=event.kind, reason=event.reason, dump=dump, state=self._state(),
+        self.journal.log_view(entries, kind=event.kind, reason=event.reason, dump=dump, state=self._state(),
                               figures=figures)
 
     def _record(self, event: CompactionEvent) -> None:
         self.events.append(event)
         self.observer.compaction_finished(event)
 
+    def _dump_name(self, history_dump: str | None) -> Path | None:
+        """A history dump's name in its session (what the log records) from an event's figure, which
+        for a session directory is its path there."""
+        if history_dump is None:
+            return None
+        if self._directory is not None:
+            return Path(history_dump).relative_to(self._directory.root)
+        return Path(history_dump)
+
+    def dump_location(self, name: Path) -> str:
+        """Where a history dump the journal named can be read: its path in the session directory, else
+        its name in the session's store."""
+        return str(self._directory.root / name) if self._directory is not None else str(name)
+
+    # -- the synchronous driver's writes --------------------------------------------------------------
+    def _drive(self, step: Step[T]) -> T:
+        """Run ``step`` in this thread under the lock (:func:`~ctxfold.compaction.effects.run_sync`), then
+        commit what it logged, also when it raised (a refusal is logged too)."""
+        with self._lock:
+            if self._directory is None:  # nothing to persist here: the journal's owner commits it, if any
+                return drive_sync(step)
+            try:
+                return drive_sync(step)
+            finally:
+                self._commit()
+
+    def commit(self) -> None:
+        """:meth:`_commit` under the lock: for a driver that ran a step itself (:class:`AsyncCompactor`)."""
+        with self._lock:
+            self._commit()
+
+    def _commit(self) -> None:
+        """Write what the journal holds to the session directory (the end of every call). A disk that
+        refuses it does not stop the conversation: the batch stays in the journal, first in line for
+        the next call's commit, and the failure is logged once and kept in :attr:`unwritten` until a
+        commit succeeds (:meth:`flush` raises it)."""
+        journal = self.journal
+        if self._directory is None or journal is None or not journal.num_pending:
+            return
+        batch = journal.take()
+        try:
+            self._directory.commit(batch)
+        except OSError as e:
+            journal.put_back(batch)
+            if self._unwritten is None:
+                log.warning("session %s cannot be written (%s); the conversation goes on in memory and what it "
+                            "logged is written with the next call", self._directory.root, e)
+            self._unwritten = e
+            return
+        if self._unwritten is not None:
+            log.warning("session %s is written again: nothing was lost", self._directory.root)
+        self._unwritten = None
+
+    @property
+    def unwritten(self) -> OSError | None:
+        """Why the session directory lacks what this conversation logged last (records wait in the
+        journal for the next commit), or None when it holds everything."""
+        return self._unwritten
+
+    def flush(self) -> None:
+        """Write what waits to the session directory now; OSError when it still cannot be written."""
+        with self._lock:
+            self._commit()
+            if self._unwritten is not None:
+                raise self._unwritten
+
     def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
+        """Write what waits (OSError when it cannot be: nothing of it is lost while this object lives)
+        and close the session's log."""
+        try:
+            self.flush()
+        finally:
+            if self._directory is not None:
+                self._directory.close()
 
 
 
@@ -566,7 +664,10 @@ class AsyncCompactor:
 
     async def _run(self, step: Step[T], cancel: asyncio.Event | None = None) -> T:
         async with self._lock:
-            return await run_async(step, self.sync._lock, cancel=cancel)
+            try:
+                return await run_async(step, self.sync._lock, cancel=cancel)
+            finally:
+                await asyncio.to_thread(self.sync.commit)
 
     async def before_request(self, queued: Sequence[Message] = (), *, max_reply_tokens: int | None = None,
                              cancel: asyncio.Event | None = None) -> CompactionEvent | None:

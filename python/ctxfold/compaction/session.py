@@ -22,25 +22,26 @@ process killed mid-write leaves at most one torn last line, which
 resume ignores and the next append cuts off, so a session is always the old view or the new one,
 never a mix. History dumps are written whole to a temporary name and renamed into place before the
 view event that points at them is logged (write-ahead).
+
+A compactor does not write here itself: it writes into its journal (:mod:`ctxfold.compaction.journal`)
+and its driver persists the journal's batches with :meth:`Session.commit`. The one-record methods
+(:meth:`Session.create`, :meth:`Session.append_messages`, ...) write each record at once, through the
+same journal and commit, for code that keeps a session without a compactor.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
-from ctxfold import fastjson
-from ctxfold.chat.codec import encode_conversation_header, encode_message
 from ctxfold.chat.messages import Conversation, Message
-from ctxfold.compaction.archive.store import Backend, LocalBackend, make_private_dir, refuse_symlink
+from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compaction.eventlog import (
     LOG_VERSION,
     Event,
-    EventBuilder,
     Record,
     ResumedState,
     ViewEntry,
@@ -48,9 +49,10 @@ from ctxfold.compaction.eventlog import (
     encode_event,
     load_events,
 )
+from ctxfold.compaction.journal import Batch, Journal, JournalArchive, history_dump_text
 
-__all__ = ["ARCHIVE_DIR", "EVENTS_FILE", "HISTORY_DIR", "LOG_VERSION", "ResumedState", "Session", "SessionLog",
-           "ViewEntry", "history_dump_text"]
+__all__ = ["ARCHIVE_DIR", "EVENTS_FILE", "HISTORY_DIR", "LOG_VERSION", "ResumedState", "Session", "ViewEntry",
+           "history_dump_text"]
 
 EVENTS_FILE = "events.jsonl"
 HISTORY_DIR = "history"
@@ -68,37 +70,6 @@ def _open_log(path: Path, flags: int) -> int:
         raise
 
 
-def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
-                      previous: str | None = None) -> str:
-    """A history dump: a header line (the conversation, where this part starts, the part before
-    it), then one message a line. Deterministic: no clock in it. Encodable as UTF-8 (see
-    :func:`fastjson.dumps_text`)."""
-    header = {"type": "header", "first_index": first_index, "previous": previous,
-              "conversation": encode_conversation_header(conversation)}
-    return "".join(fastjson.dumps_text(line, separators=None) + "\n" for line in [header, *map(encode_message, messages)])
-
-
-class SessionLog(Protocol):
-    """Where a compactor writes its conversation's events, and reads them back to resume: a session
-    directory (:class:`Session`), or a buffer a session store commits
-    (:class:`ctxfold.compaction.store.buffer.BufferedLog`). Both write the same records
-    (:class:`ctxfold.compaction.eventlog.EventBuilder`)."""
-
-    def exists(self) -> bool: ...
-    def load(self) -> ResumedState: ...
-    def create(self, conversation: Conversation) -> None: ...
-    def append_messages(self, messages: Iterable[Message]) -> None: ...
-    def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
-                           first_index: int = 0, previous: str | None = None) -> Path: ...
-    def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
-                 state: dict[str, Any], figures: dict[str, Any] | None = None) -> None: ...
-    def log_state(self, state: dict[str, Any]) -> None: ...
-    def archive_backend(self) -> Backend:
-        """Where the session's archived outputs go when the compactor is given no archive of its own."""
-        ...
-    def close(self) -> None: ...
-
-
 class Session:
     """The directory of one conversation. Not thread-safe: the compactor that owns it serialises access."""
 
@@ -112,7 +83,8 @@ class Session:
         # compaction).
         self.fsync_appends = fsync_appends
         self._fd: int | None = None
-        self._log = EventBuilder()  # numbers the records written: seq, the originals' indexes
+        # What the writes below go through (each written at once); load() continues its numbering.
+        self._journal = Journal()
         # The log's size in bytes while this object holds it open for writing (measured once at the
         # opening, then counted write by write); None otherwise. The proxy's memory bound reads it
         # after every request: counting spares a stat system call per request.
@@ -134,8 +106,33 @@ class Session:
         return self.events_path.is_file()
 
     # -- writing ----------------------------------------------------------------------------------
-    def create(self, conversation: Conversation) -> None:
-        """Start a new session for ``conversation`` (its header; messages are appended one by one)."""
+    def journal(self) -> Journal:
+        """A journal that continues this session's log (read with :meth:`load` first, when it exists),
+        for a compactor whose driver commits it here (:meth:`commit`)."""
+        return self._journal
+
+    def journal_archive(self, journal: Journal) -> JournalArchive:
+        """The session's archive through ``journal``: writes pending in it, reads from it, then from
+        ``archive/``."""
+        return JournalArchive(journal, LocalBackend(self.archive_dir))
+
+    def commit(self, batch: Batch) -> None:
+        """Write what a journal held: its blobs atomically under ``history/`` and ``archive/`` (each
+        fsynced: a view names them), then its events with one ``write``, all or none, fsynced when
+        ``durable`` (the header and appended messages only with ``fsync_appends``). OSError when the
+        disk refuses; what was written before it stays (blobs are content-addressed, so writing them
+        again is harmless; the events are all or none)."""
+        for name, data in batch.blobs:
+            folder, file = name.split("/", 1)
+            make_private_dir(self.root / folder)
+            LocalBackend(self.root / folder).write_atomic(file, data)
+        if batch.events:
+            sync = self.fsync_appends or any(e.get("type") not in ("header", "append") for e in batch.events)
+            self._write_events(batch.events, sync=sync)
+
+    def open_new(self) -> None:
+        """Make the directory and a new, empty log, for a journal whose first record is the header:
+        FileExistsError when a session is here already."""
         make_private_dir(self.root)
         try:  # O_EXCL: a new log, so no torn tail to cut (see _open), and no race with another creator
             self._fd = _open_log(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL)
@@ -143,14 +140,19 @@ class Session:
         except FileExistsError:
             raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with "
                                   "Session.load()") from None
-        # The header (system prompt, tools) is what the owner sends again too: synced like the appends.
-        self._write_events(self._log.header(conversation), sync=self.fsync_appends)
 
+    def create(self, conversation: Conversation) -> None:
+        """Start a new session for ``conversation`` (its header; messages are appended one by one)."""
+        self.open_new()
+        self._journal.create(conversation)
+        self._write_through()
+
+    # The writes one by one, each written at once: for code that keeps a session without a compactor
+    # (tests, tools). A compactor writes into its journal and its driver commits it.
     def append_messages(self, messages: Iterable[Message]) -> None:
         """Log original messages, in order: one event per message, all in one write (all or none)."""
-        events = self._log.appends(messages)
-        if events:
-            self._write_events(events, sync=self.fsync_appends)
+        self._journal.append_messages(messages)
+        self._write_through()
 
     def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
                            first_index: int = 0, previous: str | None = None) -> Path:
@@ -158,26 +160,34 @@ class Session:
 
         A dump holds the originals ``first_index`` onwards; its header line names the dump before
         it (``previous``), so each compaction writes only what came since the last one and the
-        dumps together hold the whole history. The name is a sequence number and the content's
-        sha256: deterministic (a replay is reproducible to the token, since the summary quotes it),
-        and two different dumps never share one.
+        dumps together hold the whole history (see :meth:`Journal.write_history_dump` for its name).
         """
-        text = history_dump_text(messages, conversation, first_index=first_index, previous=previous)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        existing = sum(1 for _ in self.history_dir.glob("*.jsonl")) if self.history_dir.is_dir() else 0
-        path = self.history_dir / f"{existing:06d}-{digest}.jsonl"
-        LocalBackend(self.history_dir).write_atomic(path.name, text.encode())
-        return path
+        name = self._journal.write_history_dump(messages, conversation, first_index=first_index, previous=previous)
+        self._write_through()
+        return self.root / name
 
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
                  state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
         """Log a rewrite of the view. The view entries must refer to originals already logged."""
-        self._write_events(self._log.view(view, kind=kind, reason=reason, state=state, figures=figures,
-                                          dump=dump.relative_to(self.root).as_posix() if dump is not None else None))
+        self._journal.log_view(view, kind=kind, reason=reason, state=state, figures=figures,
+                               dump=dump.relative_to(self.root) if dump is not None and dump.is_absolute() else dump)
+        self._write_through()
 
     def log_state(self, state: dict[str, Any]) -> None:
         """Log compactor state (breaker, occupancy) that changed without a rewrite."""
-        self._write_events(self._log.state(state))
+        self._journal.log_state(state)
+        self._write_through()
+
+    def _write_through(self) -> None:
+        batch = self._journal.take()
+        try:
+            self.commit(batch)
+        except BaseException:
+            self._journal.discard(batch)  # not written: the next record takes the same numbers (all or none)
+            raise
+
+    def _num_dumps(self) -> int:
+        return sum(1 for _ in self.history_dir.glob("*.jsonl")) if self.history_dir.is_dir() else 0
 
     def close(self) -> None:
         if self._fd is not None:
@@ -225,7 +235,7 @@ class Session:
         except FileNotFoundError:
             return
 
-    def _write_events(self, events: list[Event], *, sync: bool = True) -> None:
+    def _write_events(self, events: Sequence[Event], *, sync: bool = True) -> None:
         data = b"".join(encode_event(e) + b"\n" for e in events)
         fd = self._open()
         written = os.write(fd, data)
@@ -240,7 +250,6 @@ class Session:
             self.log_nbytes += written
         if self.durable and sync:
             os.fsync(fd)
-        self._log.taken(events)
 
     # -- reading ----------------------------------------------------------------------------------
     def read_records(self) -> tuple[list[Record], int]:
@@ -262,7 +271,8 @@ class Session:
         records, torn = self.read_records()
         resumed = load_events(records, source=str(self.events_path), salvage=salvage)
         resumed.torn_lines = torn
-        self._log = EventBuilder(next_seq=resumed.next_seq, num_originals=len(resumed.originals))
+        self._journal = Journal(next_seq=resumed.next_seq, num_originals=len(resumed.originals),
+                                num_dumps=self._num_dumps())
         return resumed
 
     def restore(self, *, salvage: bool = False) -> Conversation:

@@ -20,6 +20,7 @@ from ctxfold.compaction.archive import archive_whole
 from ctxfold.compaction.archive.marker import is_marker, make_marker
 from ctxfold.compaction.effects import Step, SummaryCall
 from ctxfold.compaction.events import CompactionEvent
+from ctxfold.compaction.journal import history_dump_text
 from ctxfold.compaction.kv import kv_figures
 from ctxfold.compaction.rebuild import (
     MARKER_MIN_TOKENS,
@@ -30,7 +31,6 @@ from ctxfold.compaction.rebuild import (
     open_call_group,
     resume_message,
 )
-from ctxfold.compaction.session import history_dump_text
 from ctxfold.compaction.summarize import (
     SUMMARY_TEXT_KEY,
     ChunkedSummarizer,
@@ -193,8 +193,9 @@ def _write_history_dump(c: Compactor) -> tuple[Path | None, str]:
     """The originals since the last dump, to the session (its path) and to the archive (its id)."""
     dump = None
     new_originals = c.originals[c._dumped:]
-    if c.session is not None:
-        dump = c.session.write_history_dump(new_originals, c.header, first_index=c._dumped, previous=c._history_id)
+    if c.journal is not None:
+        name = c.journal.write_history_dump(new_originals, c.header, first_index=c._dumped, previous=c._history_id)
+        dump = Path(c.dump_location(name))
     history_id = c.store.put(history_dump_text(new_originals, c.header, first_index=c._dumped,
                                                previous=c._history_id))
     return dump, history_id
@@ -413,7 +414,7 @@ def failed(c: Compactor, trigger: str, reason: str, before: int, why: str, timin
         history_dump=str(dump) if dump is not None else None, seconds=timings, failure=why,
         guard_step=guard_step,
     )
-    if c.session is not None:
-        c.session.log_state({**c._state(), "failure": why})
+    if c.journal is not None:
+        c.journal.log_state({**c._state(), "failure": why})
     c._record(event)
     return event

@@ -1,6 +1,6 @@
 """Where sessions are kept: a local directory (the default) or Redis/Valkey, behind one interface.
 
-- :mod:`ctxfold.compaction.store.base`: the :class:`Store` interface, :class:`Lease`, :class:`Batch` and the errors;
+- :mod:`ctxfold.compaction.store.base`: the :class:`Store` interface, :class:`Lease` and the errors (a :class:`~ctxfold.compaction.journal.Batch` is what its append takes);
 - :mod:`ctxfold.compaction.store.local`: :class:`LocalStore`, today's session files;
 - :mod:`ctxfold.compaction.store.redis_store`: :class:`RedisStore`, streams, checkpoints and fenced leases in Redis;
 - :mod:`ctxfold.compaction.store.spool`: :class:`SpoolingStore`, a bounded local spool for writes the store refused;
@@ -18,9 +18,9 @@ import os
 
 from ctxfold.chat.messages import Conversation
 from ctxfold.compaction.eventlog import ResumedState, fold_events, load_events, restore_events
+from ctxfold.compaction.journal import Batch
 from ctxfold.compaction.store.base import (
     DEFAULT_LEASE_MS,
-    Batch,
     Lease,
     LeaseLost,
     NoSuchSession,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import NewType, Protocol
 
 from ctxfold.compaction.eventlog import Event, Record
+from ctxfold.compaction.journal import Batch
 from ctxfold.errors import CtxfoldError, FormatError
 
 # A session's id in a store (the proxy's: ``<key>/<nnnn>``), not to be mixed up with the key it is under
@@ -137,17 +138,6 @@ class Lease:
     token: int  # the fencing token: greater than every token granted before for this session
     owner: str  # who holds it (host:pid:random), for messages and for release
     ttl_ms: int  # how long a grant or renewal lasts
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """What one request wrote to a session: blobs first, then events (contiguous ``seq``), all or none."""
-
-    blobs: tuple[tuple[str, bytes], ...] = ()  # (blob name, bytes)
-    events: tuple[Event, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.blobs or self.events)
 
 
 @dataclass(slots=True)

@@ -1,11 +1,11 @@
-"""How the synchronous compactor writes to an asynchronous store: into a buffer the proxy commits.
+"""The journal of a session in a store: what the proxy's compactors write, and the batch the proxy commits.
 
-A :class:`BufferedLog` is a :class:`ctxfold.compaction.session.SessionLog`, as a session directory is, and keeps
-what it is given in memory: event records with the next seqs, and history dumps (and archived outputs, through
-:meth:`BufferedLog.archive_backend`) as blobs. The proxy takes the batch with :meth:`BufferedLog.take`
-and commits it with one ``await store.append(lease, batch)`` before it answers the client.
+A :class:`BufferedLog` is the :class:`ctxfold.compaction.journal.Journal` of a session read back from a
+store (or new in it): the compactor writes its records and blobs into it, and the proxy takes the batch
+with :meth:`~ctxfold.compaction.journal.Journal.take` and commits it with one ``await store.append(lease,
+batch)`` before it answers the client.
 
-Why a buffer, and not a synchronous Redis client in the compactor's worker thread, or the worker thread
+Why a journal, and not a synchronous Redis client in the compactor's worker thread, or the worker thread
 calling into the event loop:
 
 - One round trip per request, not one per event: a request's appends, a compaction's dump and view all
@@ -29,41 +29,34 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
-from ctxfold.chat.messages import Conversation, Message
-from ctxfold.compaction.eventlog import Event, EventBuilder, ResumedState, ViewEntry, load_events
-from ctxfold.compaction.session import history_dump_text
-from ctxfold.compaction.store.base import Batch, StoredSession, check_session_id
+from ctxfold.chat.messages import Conversation
+from ctxfold.compaction.eventlog import ResumedState, load_events
+from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Journal, JournalArchive
+from ctxfold.compaction.store.base import StoredSession, check_session_id
 
 BlobFetch = Callable[[str], Awaitable[bytes]]  # blob name -> bytes from the store; FileNotFoundError when absent
 BlobList = Callable[[], Awaitable[list[str]]]  # the archive's blob names in the store; OSError when it cannot say
 
 
-class BufferedLog:
-    """One session's event log, buffered for a store. Not thread-safe: the compactor that owns it
-    serialises access (as with :class:`Session`)."""
+class BufferedLog(Journal):
+    """One stored session's journal. Not thread-safe: the compactor that owns it serialises access."""
 
     def __init__(self, session_id: str, stored: StoredSession | None = None, *,
                  fetch: BlobFetch | None = None, list_blobs: BlobList | None = None,
                  source: str = "store") -> None:
+        events = stored.events if stored is not None else []
+        super().__init__(next_seq=stored.next_seq if stored is not None else 0,
+                         num_originals=sum(1 for e in events if e.get("type") == "append"),
+                         num_dumps=sum(1 for e in events if e.get("type") == "view" and e.get("dump")))
         self.session_id = check_session_id(session_id)
         self.source = f"{source} {session_id}"
         self._stored = stored
         self._exists = bool(stored is not None and (stored.events or stored.unreadable))
-        events = stored.events if stored is not None else []
-        self._log = EventBuilder(next_seq=stored.next_seq if stored is not None else 0,
-                                 num_originals=sum(1 for e in events if e.get("type") == "append"))
-        self._num_dumps = sum(1 for e in events if e.get("type") == "view" and e.get("dump"))
-        self._events: list[Event] = []
-        self._blobs: dict[str, bytes] = {}  # pending, in insertion order
         self._fetch = fetch
         self._list_blobs = list_blobs
 
-    # -- what the compactor calls (SessionLog) ---------------------------------------------
     def exists(self) -> bool:
         return self._exists
 
@@ -74,7 +67,6 @@ class BufferedLog:
             raise FileNotFoundError(f"{self.source}: no such session")
         resumed = load_events(self._stored.records(), source=self.source)
         self._stored = None  # the compactor holds the state now: no second copy of every original
-        self._log = EventBuilder(next_seq=resumed.next_seq, num_originals=len(resumed.originals))
         return resumed
 
     def create(self, conversation: Conversation) -> None:
@@ -82,65 +74,17 @@ class BufferedLog:
             raise FileExistsError(f"{self.source}: a session already exists here; load it instead")
         self._exists = True
         self._stored = None
-        self._add(self._log.header(conversation))
-
-    def append_messages(self, messages: Iterable[Message]) -> None:
-        self._add(self._log.appends(messages))
-
-    def write_history_dump(self, messages: Sequence[Message], conversation: Conversation, *,
-                           first_index: int = 0, previous: str | None = None) -> Path:
-        """The dump as :meth:`Session.write_history_dump` names and writes it, kept as a pending blob."""
-        text = history_dump_text(messages, conversation, first_index=first_index, previous=previous)
-        data = text.encode()
-        name = f"history/{self._num_dumps:06d}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
-        self._num_dumps += 1
-        self._blobs[name] = data
-        return Path(name)  # relative: the blob's name, which the view event records
-
-    def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
-                 state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
-        self._add(self._log.view(view, kind=kind, reason=reason, state=state, figures=figures,
-                                 dump=dump.as_posix() if dump is not None else None))
-
-    def log_state(self, state: dict[str, Any]) -> None:
-        self._add(self._log.state(state))
-
-    def close(self) -> None:
-        return None
-
-    # -- what the proxy calls ---------------------------------------------------------------------
-    def take(self) -> Batch:
-        """The pending blobs and events, in order, as one batch; the buffer is empty after it."""
-        batch = Batch(tuple(self._blobs.items()), tuple(self._events))
-        self._blobs = {}
-        self._events = []
-        return batch
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._events) + len(self._blobs)
-
-    @property
-    def only_appends_pending(self) -> bool:
-        """Whether what waits is messages alone (no header, view, state or blob): what a client sends
-        again with its next request anyway."""
-        return not self._blobs and all(e.get("type") == "append" for e in self._events)
+        super().create(conversation)
 
     def archive_backend(self) -> BufferedArchive:
-        """An archive backend (:class:`ctxfold.compaction.archive.store.Backend`) for this session's compactor:
-        writes join the pending batch as ``archive/<sha256>.txt`` blobs; reads come from them, else
-        from what the event loop fetched with ``fetch`` before (:meth:`BufferedArchive.fetch`)."""
+        """The session's archive: writes join the pending batch as ``archive/<sha256>.txt`` blobs; reads
+        come from them, else from what the event loop fetched with ``fetch`` before
+        (:meth:`BufferedArchive.fetch`)."""
         return BufferedArchive(self)
 
-    def _add(self, events: list[Event]) -> None:
-        self._events += events
-        self._log.taken(events)
 
-
-class BufferedArchive:
-    """The archive of a :class:`BufferedLog`'s session. Archive files are content-addressed: a name
-    written again holds the same bytes, so "exists" may say False for one the store holds (it is then
-    written once more) without harm.
+class BufferedArchive(JournalArchive):
+    """The archive of a :class:`BufferedLog`'s session.
 
     The store is asynchronous and its readers (a recall call, the search index) run in worker threads:
     the event loop fetches what a reader will need first (:meth:`fetch`, :meth:`relist`), and the reader
@@ -148,8 +92,8 @@ class BufferedArchive:
     """
 
     def __init__(self, log: BufferedLog) -> None:
+        super().__init__(log, location=f"{log.source} archive")
         self.log = log
-        self.location = f"{log.source} archive"
         self._known: set[str] = set()  # names committed or fetched before
         self._fetched: dict[str, bytes] = {}  # read from the store for a reader that has not taken them yet
         self._unreadable: dict[str, str] = {}  # names whose fetch failed, and why
@@ -162,11 +106,11 @@ class BufferedArchive:
         kept as the reason the reader's read fails."""
         fetch = self.log._fetch
         for name in names:
-            if fetch is None or name in self._fetched or f"archive/{name}" in self.log._blobs:
+            if fetch is None or name in self._fetched or self.journal.pending_blob(ARCHIVE_BLOB_PREFIX + name):
                 continue
             self._unreadable.pop(name, None)
             try:
-                self._fetched[name] = await fetch(f"archive/{name}")
+                self._fetched[name] = await fetch(ARCHIVE_BLOB_PREFIX + name)
             except FileNotFoundError:
                 continue
             except OSError as e:
@@ -188,18 +132,13 @@ class BufferedArchive:
                 listed = await self.log._list_blobs()
             except OSError as e:
                 self._list_error = str(e)
-        self._listed = {b.split("/", 1)[1] for b in listed if b.startswith("archive/")}
+        self._listed = {b.split("/", 1)[1] for b in listed if b.startswith(ARCHIVE_BLOB_PREFIX)}
         return sorted(self._listed)
 
     def exists(self, name: str) -> bool:
-        return name in self._known or f"archive/{name}" in self.log._blobs
+        return name in self._known or super().exists(name)
 
-    def read_bytes(self, name: str) -> bytes:
-        # One lookup, not a test then a read: the event loop may take the pending batch between two
-        # steps of a reader in a worker thread.
-        pending = self.log._blobs.get(f"archive/{name}")
-        if pending is not None:
-            return pending
+    def _read_committed(self, name: str) -> bytes:
         data = self._fetched.pop(name, None)
         if data is not None:
             return data
@@ -208,7 +147,7 @@ class BufferedArchive:
         raise FileNotFoundError(f"{self.location}: no {name} (not fetched from the store)")
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        self.log._blobs[f"archive/{name}"] = bytes(data)
+        super().write_atomic(name, data)
         self._known.add(name)
 
     def names(self) -> Iterator[str]:
@@ -216,5 +155,4 @@ class BufferedArchive:
         :meth:`relist`. OSError when that listing failed."""
         if self._list_error is not None:
             raise OSError(errno.EIO, self._list_error)
-        pending = {b.split("/", 1)[1] for b in self.log._blobs if b.startswith("archive/")}
-        return iter(sorted(self._known | self._listed | pending))
+        return iter(sorted(self._known | self._listed | self.pending_names()))

@@ -34,12 +34,12 @@ from typing import ParamSpec, TypeVar
 
 from ctxfold.compaction.archive.store import LocalBackend, make_private_dir, refuse_symlink
 from ctxfold.compaction.eventlog import Event, encode_event, event_seq, fold_events
+from ctxfold.compaction.journal import Batch
 from ctxfold.compaction.session import ARCHIVE_DIR, EVENTS_FILE, HISTORY_DIR, Session
 from ctxfold.compaction.store.base import (
     BLOB_NAME_PATTERN,
     DEFAULT_LEASE_MS,
     FSYNC_MODES,
-    Batch,
     Lease,
     LeaseLost,
     StoredSession,

@@ -52,10 +52,10 @@ from ctxfold.compaction.eventlog import (
     event_seq,
     fold_events,
 )
+from ctxfold.compaction.journal import Batch
 from ctxfold.compaction.store.base import (
     BLOB_NAME_PATTERN,
     DEFAULT_LEASE_MS,
-    Batch,
     Lease,
     LeaseLost,
     StoredSession,

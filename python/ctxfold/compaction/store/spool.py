@@ -51,9 +51,9 @@ from pathlib import Path
 from ctxfold import fastjson
 from ctxfold.compaction.archive.store import LocalBackend, make_private_dir
 from ctxfold.compaction.eventlog import event_seq
+from ctxfold.compaction.journal import Batch
 from ctxfold.compaction.store.base import (
     DEFAULT_LEASE_MS,
-    Batch,
     Lease,
     LeaseLost,
     SpoolFull,
