@@ -503,11 +503,19 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
         return out
 
     def close(self) -> None:
-        """Close every thread's session (its log's file)."""
+        """Close every thread's session (its log's file). A session whose log could not be written
+        (``Compactor.close`` raises) does not keep the others open: the first such error is raised
+        once all are closed."""
+        first: OSError | None = None
         with self._lock:
             for t in self._threads.values():
-                t.compactor.close()
+                try:
+                    t.compactor.close()
+                except OSError as e:
+                    first = first or e
             self._threads.clear()
+        if first is not None:
+            raise first
 
 
 def _continues(c: Compactor, messages: Sequence[BaseMessage]) -> bool:
