@@ -15,6 +15,7 @@ with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from collections import Counter
@@ -279,8 +280,11 @@ def replay_conversation(
         report.events.extend((len(report.requests), e) for e in new_events)
         report.orphans += count_orphans(compactor.view)
         report.min_gain_waits = compactor.min_gain_waits
-    finally:
-        compactor.close()
+    except BaseException:
+        with contextlib.suppress(OSError):  # the error in flight is the one to report, not a log left unwritten
+            compactor.close()
+        raise
+    compactor.close()  # OSError when the session could not be written: the replay did not keep it
     report.restore_exact = _restore_exact(Path(session_dir), conversation)
     report.seconds = time.perf_counter() - t_start
     report.seconds_in_ctxfold = in_ctxfold

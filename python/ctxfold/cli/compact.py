@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             event = compactor.compact_now(args.reason)
             result = compactor.conversation()
-        finally:
-            compactor.close()
+        except BaseException:
+            with contextlib.suppress(OSError):  # the error in flight is the one to report
+                compactor.close()
+            raise
+        compactor.close()  # OSError when --session-dir could not be written: an error, not a success
         if event.applied:
             # The summarizer's name says "(fallback)" already; the reason goes in its place.
             summarizer, fallback = (event.summarizer or "").removesuffix(" (fallback)"), ""

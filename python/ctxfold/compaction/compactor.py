@@ -43,6 +43,7 @@ from ctxfold.chat.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.compaction import archive_pass as archive
 from ctxfold.compaction import cost
 from ctxfold.compaction.archive import ArchiveParams, ArchiveStore, MemoryBackend, archive_oversized
+from ctxfold.compaction.archive.index import INDEX_FILE
 from ctxfold.compaction.archive.store import Backend
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.effects import Step, drive_sync, run_async
@@ -170,11 +171,13 @@ class Compactor:
         # own (through its journal), else memory.
         if store is None:
             backend: Backend = MemoryBackend()
+            index_path = None
             if self._directory is not None and self.journal is not None:
                 backend = self._directory.journal_archive(self.journal)
+                index_path = self._directory.archive_dir / INDEX_FILE  # kept between processes, as before
             elif self.journal is not None:
                 backend = self.journal.archive_backend()
-            store = ArchiveStore(backend)
+            store = ArchiveStore(backend, index_path=index_path)
         self.store = store
 
         if resumed is not None:
@@ -610,23 +613,31 @@ class Compactor:
         """Write what the journal holds to the session directory (the end of every call). A disk that
         refuses it does not stop the conversation: the batch stays in the journal, first in line for
         the next call's commit, and the failure is logged once and kept in :attr:`unwritten` until a
-        commit succeeds (:meth:`flush` raises it)."""
+        commit succeeds (:meth:`flush` raises it). While it lasts the journal holds what waits in
+        memory, beside the conversation itself."""
         journal = self.journal
         if self._directory is None or journal is None or not journal.num_pending:
             return
-        batch = journal.take()
+        # Written from a snapshot and dropped from the journal once on disk: a reader without the lock
+        # (a recall tool) finds a blob in one place or the other throughout.
+        batch = journal.pending()
         try:
             self._directory.commit(batch)
         except OSError as e:
-            journal.put_back(batch)
             if self._unwritten is None:
                 log.warning("session %s cannot be written (%s); the conversation goes on in memory and what it "
                             "logged is written with the next call", self._directory.root, e)
             self._unwritten = e
             return
+        journal.drop(batch)
         if self._unwritten is not None:
             log.warning("session %s is written again: nothing was lost", self._directory.root)
         self._unwritten = None
+
+    @property
+    def session(self) -> Session | None:
+        """The session directory this compactor commits to (its ``root``, ``restore()``), None without one."""
+        return self._directory
 
     @property
     def unwritten(self) -> OSError | None:
@@ -667,7 +678,8 @@ class AsyncCompactor:
             try:
                 return await run_async(step, self.sync._lock, cancel=cancel)
             finally:
-                await asyncio.to_thread(self.sync.commit)
+                if self.sync.session is not None:
+                    await asyncio.to_thread(self.sync.commit)
 
     async def before_request(self, queued: Sequence[Message] = (), *, max_reply_tokens: int | None = None,
                              cancel: asyncio.Event | None = None) -> CompactionEvent | None:

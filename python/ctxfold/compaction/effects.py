@@ -2,13 +2,15 @@
 
 The core (the compactor's passes) never calls a model itself: a pass that wants a summary yields a
 :class:`SummaryCall` and is resumed with the summarizer's :class:`SummaryResult` (or has the summarizer's
-exception raised at the ``yield``). Each operation is a generator, a :data:`Step`, and a driver runs it:
+exception raised at the ``yield``). It writes nothing either: its records and blobs go into the
+conversation's journal (:mod:`ctxfold.compaction.journal`), which the driver's owner persists. Each
+operation is a generator, a :data:`Step`, and a driver runs it:
 
 - :func:`run_sync` (or :func:`drive_sync` under a lock the caller holds) calls ``summarizer.summarize`` in
   the calling thread (the library's ``Compactor``);
 - :func:`run_async` awaits ``summarizer.asummarize`` on the running event loop, and runs the core's own
-  work between two summaries (counting, the session log's local writes) in a worker thread when asked
-  to, so that a long count never stalls the loop (the proxy, ``AsyncCompactor``).
+  work between two summaries (counting, rendering) in a worker thread when asked to, so that a long
+  count never stalls the loop (the proxy, ``AsyncCompactor``).
 
 Both take the compactor's lock around each piece of the core's work, never across a summary's wait in
 the asynchronous driver, so a summary of one conversation does not hold readers of its figures.

@@ -70,7 +70,7 @@ class CompactionEvent:
     tail_start: int | None = None  # index in the old view where the verbatim tail starts
     tail_rule: str | None = None  # which rule chose the tail start
     tail_tokens: int = 0
-    history_dump: str | None = None  # path of the full-history dump written before the rewrite
+    history_dump: str | None = None  # where the full-history dump of the rewrite is (on disk once the call returns)
     kv: KvPlanFigures | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # per phase wall time
     failure: str | None = None  # why nothing was applied

@@ -11,9 +11,9 @@ one :class:`Batch` and persists it, blobs before the records that name them (wri
 - the proxy commits it to its session store with one ``await store.append(lease, batch)`` per request
   (:class:`ctxfold.compaction.store.buffer.BufferedLog`, the journal of a stored session).
 
-A batch that cannot be written goes back to the front of the journal (:meth:`Journal.put_back`) and is
-written first by the next commit: memory and the journal always agree, and the log lags behind them
-by what is pending, never by a hole.
+A batch that cannot be written stays in the journal (:meth:`Journal.pending`, then :meth:`Journal.drop`
+once it is written) and is written first by the next commit: memory and the journal always agree, and
+the log lags behind them by what is pending, never by a hole.
 
 Archived outputs go through :meth:`Journal.archive_backend`: writes join the pending batch as
 ``archive/<sha256>.txt`` blobs, reads come from them first, then from where committed ones are read.
@@ -69,7 +69,7 @@ class Journal:
 
     def __init__(self, *, next_seq: int = 0, num_originals: int = 0, num_dumps: int = 0) -> None:
         self._log = EventBuilder(next_seq=next_seq, num_originals=num_originals)
-        self._num_dumps = num_dumps
+        self.num_dumps = num_dumps  # history dumps so far: the next one's number
         self._events: list[Event] = []
         self._blobs: dict[str, bytes] = {}  # pending, in insertion order
 
@@ -88,8 +88,8 @@ class Journal:
         the session), which the view event records. A sequence number and the content's digest:
         deterministic (a replay is reproducible to the token), and two different dumps never share one."""
         data = history_dump_text(messages, conversation, first_index=first_index, previous=previous).encode()
-        name = f"{HISTORY_BLOB_PREFIX}{self._num_dumps:06d}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
-        self._num_dumps += 1
+        name = f"{HISTORY_BLOB_PREFIX}{self.num_dumps:06d}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
+        self.num_dumps += 1
         self._blobs[name] = data
         return Path(name)
 
@@ -116,20 +116,26 @@ class Journal:
         self._events = []
         return batch
 
-    def put_back(self, batch: Batch) -> None:
-        """A batch that could not be written, back in front of what was written to the journal since
-        it was taken: the next :meth:`take` returns it first, in order."""
-        self._blobs = {**dict(batch.blobs), **self._blobs}
-        self._events = [*batch.events, *self._events]
+    def pending(self) -> Batch:
+        """What waits, as one batch, left in the journal until :meth:`drop` says it is written: a reader
+        finds a blob here until it is on disk (:class:`JournalArchive`)."""
+        return Batch(tuple(self._blobs.items()) if self._blobs else (), tuple(self._events))
+
+    def drop(self, batch: Batch) -> None:
+        """``batch`` (from :meth:`pending`) is written: out of the journal, whatever was added since stays."""
+        del self._events[:len(batch.events)]
+        for name, _ in batch.blobs:
+            self._blobs.pop(name, None)
 
     def discard(self, batch: Batch) -> None:
-        """Give up ``batch``, the last one taken, with nothing written to the journal since: its
-        records' numbers (seq, originals, dumps) are free again, as if it had never been written."""
-        if self._events or self._blobs:
-            raise ValueError("a batch is discarded only while nothing newer waits")
+        """Give up ``batch``, all that waits (from :meth:`pending`), unwritten: out of the journal, and its
+        records' numbers (seq, originals, dumps) free again, as if they had never been written."""
+        if len(batch.events) != len(self._events) or len(batch.blobs) != len(self._blobs):
+            raise ValueError("only all that waits is discarded")
+        self._events, self._blobs = [], {}
         self._log.next_seq -= len(batch.events)
         self._log.num_originals -= sum(1 for e in batch.events if e.get("type") == "append")
-        self._num_dumps -= sum(1 for name, _ in batch.blobs if name.startswith(HISTORY_BLOB_PREFIX))
+        self.num_dumps -= sum(1 for name, _ in batch.blobs if name.startswith(HISTORY_BLOB_PREFIX))
 
     @property
     def num_pending(self) -> int:

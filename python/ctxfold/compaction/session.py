@@ -83,8 +83,14 @@ class Session:
         # compaction).
         self.fsync_appends = fsync_appends
         self._fd: int | None = None
-        # What the writes below go through (each written at once); load() continues its numbering.
+        # What the writes below go through (each written at once); load() and open_new() place its
+        # numbering after the log on disk.
         self._journal = Journal()
+        self._positioned = False
+        # The seq after the last event on disk, where known (load, open_new, a write): events below it
+        # are not written again (a batch written whole whose fsync failed is on disk all the same).
+        self._written_seq: int | None = None
+        self._backends: dict[str, LocalBackend] = {}  # history/, archive/: one each (a backend sweeps its folder)
         # The log's size in bytes while this object holds it open for writing (measured once at the
         # opening, then counted write by write); None otherwise. The proxy's memory bound reads it
         # after every request: counting spares a stat system call per request.
@@ -99,36 +105,43 @@ class Session:
     def archive_dir(self) -> Path:
         return self.root / ARCHIVE_DIR
 
-    def archive_backend(self) -> LocalBackend:
-        return LocalBackend(self.archive_dir)
-
     def exists(self) -> bool:
         return self.events_path.is_file()
 
     # -- writing ----------------------------------------------------------------------------------
     def journal(self) -> Journal:
-        """A journal that continues this session's log (read with :meth:`load` first, when it exists),
-        for a compactor whose driver commits it here (:meth:`commit`)."""
+        """The journal this session's one-record methods write through, continuing its log (read with
+        :meth:`load` first, when it exists): for a compactor whose driver commits it here (:meth:`commit`).
+        Whoever takes it owns it: its writes and the one-record methods' are not to be mixed."""
         return self._journal
 
     def journal_archive(self, journal: Journal) -> JournalArchive:
         """The session's archive through ``journal``: writes pending in it, reads from it, then from
         ``archive/``."""
-        return JournalArchive(journal, LocalBackend(self.archive_dir))
+        return JournalArchive(journal, self._backend(ARCHIVE_DIR))
+
+    def _backend(self, folder: str) -> LocalBackend:
+        backend = self._backends.get(folder)
+        if backend is None:
+            backend = self._backends[folder] = LocalBackend(self.root / folder)
+        return backend
 
     def commit(self, batch: Batch) -> None:
         """Write what a journal held: its blobs atomically under ``history/`` and ``archive/`` (each
         fsynced: a view names them), then its events with one ``write``, all or none, fsynced when
         ``durable`` (the header and appended messages only with ``fsync_appends``). OSError when the
-        disk refuses; what was written before it stays (blobs are content-addressed, so writing them
-        again is harmless; the events are all or none)."""
+        disk refuses. What was written before the failure is not written again by the next commit of
+        the same records: blobs are content-addressed, and events the log holds already are skipped."""
         for name, data in batch.blobs:
             folder, file = name.split("/", 1)
             make_private_dir(self.root / folder)
-            LocalBackend(self.root / folder).write_atomic(file, data)
-        if batch.events:
-            sync = self.fsync_appends or any(e.get("type") not in ("header", "append") for e in batch.events)
-            self._write_events(batch.events, sync=sync)
+            self._backend(folder).write_atomic(file, data)
+        events = batch.events
+        if self._written_seq is not None:
+            events = tuple(e for e in events if e["seq"] >= self._written_seq)
+        if events:
+            sync = self.fsync_appends or any(e.get("type") not in ("header", "append") for e in events)
+            self._write_events(events, sync=sync)
 
     def open_new(self) -> None:
         """Make the directory and a new, empty log, for a journal whose first record is the header:
@@ -140,6 +153,8 @@ class Session:
         except FileExistsError:
             raise FileExistsError(f"{self.events_path}: a session already exists here; resume it with "
                                   "Session.load()") from None
+        self._positioned = True
+        self._written_seq = 0
 
     def create(self, conversation: Conversation) -> None:
         """Start a new session for ``conversation`` (its header; messages are appended one by one)."""
@@ -162,6 +177,8 @@ class Session:
         it (``previous``), so each compaction writes only what came since the last one and the
         dumps together hold the whole history (see :meth:`Journal.write_history_dump` for its name).
         """
+        if not self._positioned:  # numbered after the dumps on disk, as a loaded session's are
+            self._journal.num_dumps = max(self._journal.num_dumps, self._num_dumps())
         name = self._journal.write_history_dump(messages, conversation, first_index=first_index, previous=previous)
         self._write_through()
         return self.root / name
@@ -169,8 +186,10 @@ class Session:
     def log_view(self, view: Sequence[ViewEntry], *, kind: str, reason: str, dump: Path | None,
                  state: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
         """Log a rewrite of the view. The view entries must refer to originals already logged."""
-        self._journal.log_view(view, kind=kind, reason=reason, state=state, figures=figures,
-                               dump=dump.relative_to(self.root) if dump is not None and dump.is_absolute() else dump)
+        # The dump's name in the session (history/<file>), from the path write_history_dump gave
+        # (under this session's root, relative or not) or from the name itself.
+        name = Path(*dump.parts[-2:]) if dump is not None and len(dump.parts) >= 2 else dump
+        self._journal.log_view(view, kind=kind, reason=reason, state=state, figures=figures, dump=name)
         self._write_through()
 
     def log_state(self, state: dict[str, Any]) -> None:
@@ -179,12 +198,16 @@ class Session:
         self._write_through()
 
     def _write_through(self) -> None:
-        batch = self._journal.take()
+        batch = self._journal.pending()
         try:
             self.commit(batch)
         except BaseException:
-            self._journal.discard(batch)  # not written: the next record takes the same numbers (all or none)
+            if batch.events and self._written_seq is not None and self._written_seq > batch.events[-1]["seq"]:
+                self._journal.drop(batch)  # on disk, only its fsync failed: written, not to be written again
+            else:
+                self._journal.discard(batch)  # not written: the next record takes the same numbers
             raise
+        self._journal.drop(batch)
 
     def _num_dumps(self) -> int:
         return sum(1 for _ in self.history_dir.glob("*.jsonl")) if self.history_dir.is_dir() else 0
@@ -246,6 +269,7 @@ class Session:
             self.close()
             raise OSError(errno.ENOSPC, f"short write ({written} of {len(data)} bytes); disk full?",
                           str(self.events_path))
+        self._written_seq = events[-1]["seq"] + 1  # on disk now, whatever the fsync below does
         if self.log_nbytes is not None:
             self.log_nbytes += written
         if self.durable and sync:
@@ -273,6 +297,8 @@ class Session:
         resumed.torn_lines = torn
         self._journal = Journal(next_seq=resumed.next_seq, num_originals=len(resumed.originals),
                                 num_dumps=self._num_dumps())
+        self._positioned = True
+        self._written_seq = resumed.next_seq
         return resumed
 
     def restore(self, *, salvage: bool = False) -> Conversation:

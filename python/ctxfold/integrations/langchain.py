@@ -402,7 +402,10 @@ class CtxfoldMiddleware(AgentMiddleware[AgentState[Any], Any, Any]):
             t = self._threads.get(key)
             if t is None or not _continues(t.compactor, messages):
                 if t is not None:
-                    t.compactor.close()
+                    try:
+                        t.compactor.close()
+                    except OSError as e:  # the thread is replaced all the same: its old session's loss is logged
+                        log.error("thread %s: its replaced session could not be written: %s", key, e)
                 t = self._threads[key] = self._open(key, messages, system_text, specs, replacing=t is not None)
         c = t.compactor
         known = len(c.originals)

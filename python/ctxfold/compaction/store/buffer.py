@@ -106,7 +106,7 @@ class BufferedArchive(JournalArchive):
         kept as the reason the reader's read fails."""
         fetch = self.log._fetch
         for name in names:
-            if fetch is None or name in self._fetched or self.journal.pending_blob(ARCHIVE_BLOB_PREFIX + name):
+            if fetch is None or name in self._fetched or self.journal.pending_blob(ARCHIVE_BLOB_PREFIX + name) is not None:
                 continue
             self._unreadable.pop(name, None)
             try:
