@@ -95,7 +95,7 @@ def test_a_reader_without_the_lock_finds_each_archived_text_while_it_is_written(
     seen: list[str] = []
 
     def commit(self: Session, batch: object) -> None:
-        for name, _ in getattr(batch, "blobs"):
+        for name, _ in batch.blobs:
             if name.startswith("archive/"):
                 seen.append(c.store.get(name.removeprefix("archive/").removesuffix(".txt"))[:8])
         real_commit(self, batch)  # type: ignore[arg-type]
