@@ -137,8 +137,8 @@ class Session:
             make_private_dir(self.root / folder)
             self._backend(folder).write_atomic(file, data)
         events = batch.events
-        if self._written_seq is not None:
-            events = tuple(e for e in events if e["seq"] >= self._written_seq)
+        if events and self._written_seq is not None and events[0]["seq"] < self._written_seq:
+            events = tuple(e for e in events if e["seq"] >= self._written_seq)  # a retry: some are on disk
         if events:
             sync = self.fsync_appends or any(e.get("type") not in ("header", "append") for e in events)
             self._write_events(events, sync=sync)
