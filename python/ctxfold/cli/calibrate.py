@@ -31,7 +31,7 @@ EPILOG = f"""examples:
 The estimator is fitted as an upper bound: at the 99.9th percentile its under-count stays within
 1% of any window from 4k to 200k tokens that holds the request, on the corpus and on generated
 adversarial text (random Unicode, emoji, CJK, base64, hex, digit runs, minified JSON, whitespace
-runs, random letters, a unit of letters repeated). Conversations are split by a hash of their id: 20% (--held-out) never enter the fit; the
+runs, random letters, a unit of letters repeated, short words: hex dumps and random ones). Conversations are split by a hash of their id: 20% (--held-out) never enter the fit; the
 error and the under- and over-count printed and stored in the file are measured on them and on
 adversarial text of another seed, beside chars/4 on the same texts. With fewer than {MIN_GROUPS_TO_HOLD_OUT}
 conversations (or none held out) the error is measured on the texts it was fitted to, which
