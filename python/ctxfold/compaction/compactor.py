@@ -30,9 +30,7 @@ between threads. Use one driver at a time for a conversation: the synchronous me
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -42,11 +40,9 @@ from typing import Any, TypeVar
 from ctxfold.chat.messages import Conversation, Message, Role, ToolSpec
 from ctxfold.compaction import archive_pass as archive
 from ctxfold.compaction import cost
-from ctxfold.compaction.archive import ArchiveParams, ArchiveStore, MemoryBackend, archive_oversized
-from ctxfold.compaction.archive.index import INDEX_FILE
-from ctxfold.compaction.archive.store import Backend
+from ctxfold.compaction.archive import ArchiveParams, ArchiveStore, archive_oversized
 from ctxfold.compaction.config import CompactConfig
-from ctxfold.compaction.effects import Step, drive_sync, run_async
+from ctxfold.compaction.effects import Step, drive_sync
 from ctxfold.compaction.events import (
     GUARD_STEPS,
     AppendResult,
@@ -59,6 +55,7 @@ from ctxfold.compaction.events import (
 from ctxfold.compaction.guard import guard
 from ctxfold.compaction.journal import Journal
 from ctxfold.compaction.kv import MIN_SHIFT_TOKENS
+from ctxfold.compaction.log_writer import LogWriter
 from ctxfold.compaction.policy import Policy
 from ctxfold.compaction.rebuild import (
     SAMPLE_ARCHIVE_ID,
@@ -90,7 +87,6 @@ __all__ = ["GUARD_STEPS", "MIN_SHIFT_TOKENS", "SAMPLE_ARCHIVE_ID", "SUMMARY_ACKN
            "Observer", "frame_summary", "keep_turns_alternating", "resume_message"]
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
 
 class Compactor:
@@ -151,35 +147,14 @@ class Compactor:
         self._max_reply_tokens: int | None = None  # the current request's own max_tokens, where it gave one
         self.min_gain_waits = 0  # automatic summaries the minimum-gain rule put off (compaction.cost)
 
-        # What the core writes goes into the conversation's journal, never to disk: the drivers persist
-        # it (ctxfold.compaction.journal). A session directory: this class commits the journal to it at
-        # the end of every call. A stored session's journal (ctxfold.compaction.store.buffer): its owner
-        # commits it (the proxy, once a request).
-        self._directory: Session | None = None
-        self.journal: Journal | None = session_log
-        self._unwritten: OSError | None = None  # why the last commit to the directory failed, if it did
-        resumed = None
-        if session_dir is not None:
-            if session_log is not None:
-                raise ValueError("give session_dir or session_log, not both")
-            self._directory = Session(session_dir, durable=durable, fsync_appends=fsync_appends)
-            resumed = self._directory.load() if self._directory.exists() else None
-            self.journal = self._directory.journal()
-        elif session_log is not None and session_log.exists():
-            resumed = session_log.load()
-        # The archive: given (shared by several sessions, or on object storage), else the session's
-        # own (through its journal), else memory.
-        if store is None:
-            backend: Backend = MemoryBackend()
-            index_path = None
-            if self._directory is not None and self.journal is not None:
-                backend = self._directory.journal_archive(self.journal)
-                index_path = self._directory.archive_dir / INDEX_FILE  # kept between processes, as before
-            elif self.journal is not None:
-                backend = self.journal.archive_backend()
-            store = ArchiveStore(backend, index_path=index_path)
-        self.store = store
+        # What the core writes goes into the conversation's journal, never to disk: the writer opens it
+        # and persists it, where this class is the driver that must (ctxfold.compaction.log_writer).
+        self._log = LogWriter(session_dir, session_log, durable=durable, fsync_appends=fsync_appends)
+        self.journal: Journal | None = self._log.journal
+        # The archive: given (shared by several sessions, or on object storage), else the session's own.
+        self.store = store if store is not None else self._log.archive()
 
+        resumed = self._log.resumed
         if resumed is not None:
             self.header = replace(resumed.conversation, messages=[])
             self.state = ViewState.resumed(resumed.originals, resumed.conversation.messages, resumed.view_origins)
@@ -188,13 +163,10 @@ class Compactor:
                                          if m.role is Role.ASSISTANT)
             self._accounting.reset(self.header, self.view)
         else:
-            if self._directory is not None:
-                self._directory.open_new()  # FileExistsError when another writer made one since
-            if self.journal is not None:
-                self.journal.create(self.header)
+            self._log.start(self.header)
             self._accounting.reset(self.header, [])
             self._ingest(conversation.messages)
-            self._commit()
+            self._log.commit()
 
     # -- the conversation ---------------------------------------------------------------------------
     @property
@@ -366,8 +338,8 @@ class Compactor:
         through :meth:`append_tool_result`, which applies the hard trigger."""
         with self._lock:
             self._ingest(messages)
-            if self._directory is not None:
-                self._commit()
+            if self._log.directory is not None:
+                self._log.commit()
 
     def append_tool_result(self, result: Message) -> AppendResult:
         """Append one tool result; if it would not fit with the reply reserve, compact and retry once,
@@ -563,7 +535,7 @@ class Compactor:
             return
         entries = [ViewEntry(o, None if o >= 0 and m is self.originals[o] else m)
                    for m, o in zip(self.view, self.view_origins, strict=True)]
-        dump = self._dump_name(event.history_dump)
+        dump = self._log.dump_name(event.history_dump)
         figures: dict[str, Any] = {"tokens_before": event.tokens_before, "tokens_after": event.tokens_after}
         # Why the configured summarizer did not write this summary, and which guard step ran: in the
         # log, where an operator reading a session finds them.
@@ -578,132 +550,50 @@ class Compactor:
         self.events.append(event)
         self.observer.compaction_finished(event)
 
-    def _dump_name(self, history_dump: str | None) -> Path | None:
-        """A history dump's name in its session (what the log records) from an event's figure, which
-        for a session directory is its path there."""
-        if history_dump is None:
-            return None
-        if self._directory is not None:
-            return Path(history_dump).relative_to(self._directory.root)
-        return Path(history_dump)
-
     def dump_location(self, name: Path) -> str:
-        """Where a history dump the journal named can be read: its path in the session directory, else
-        its name in the session's store."""
-        return str(self._directory.root / name) if self._directory is not None else str(name)
+        """Where a history dump the journal named can be read (:meth:`LogWriter.dump_location`)."""
+        return self._log.dump_location(name)
 
     # -- the synchronous driver's writes --------------------------------------------------------------
     def _drive(self, step: Step[T]) -> T:
-        """Run ``step`` in this thread under the lock (:func:`~ctxfold.compaction.effects.run_sync`), then
+        """Run ``step`` in this thread under the lock (:func:`~ctxfold.compaction.effects.drive_sync`), then
         commit what it logged, also when it raised (a refusal is logged too)."""
         with self._lock:
-            if self._directory is None:  # nothing to persist here: the journal's owner commits it, if any
+            if self._log.directory is None:  # nothing to persist here: the journal's owner commits it, if any
                 return drive_sync(step)
             try:
                 return drive_sync(step)
             finally:
-                self._commit()
+                self._log.commit()
 
     def commit(self) -> None:
-        """:meth:`_commit` under the lock: for a driver that ran a step itself (:class:`AsyncCompactor`)."""
+        """Commit the journal to the session directory, under the lock: for a driver that ran a step
+        itself (:class:`AsyncCompactor`). See :class:`~ctxfold.compaction.log_writer.LogWriter`."""
         with self._lock:
-            self._commit()
-
-    def _commit(self) -> None:
-        """Write what the journal holds to the session directory (the end of every call). A disk that
-        refuses it does not stop the conversation: the batch stays in the journal, first in line for
-        the next call's commit, and the failure is logged once and kept in :attr:`unwritten` until a
-        commit succeeds (:meth:`flush` raises it). While it lasts the journal holds what waits in
-        memory, beside the conversation itself."""
-        journal = self.journal
-        if self._directory is None or journal is None or not journal.num_pending:
-            return
-        # Written from a snapshot and dropped from the journal once on disk: a reader without the lock
-        # (a recall tool) finds a blob in one place or the other throughout.
-        batch = journal.pending()
-        try:
-            self._directory.commit(batch)
-        except OSError as e:
-            if self._unwritten is None:
-                log.warning("session %s cannot be written (%s); the conversation goes on in memory and what it "
-                            "logged is written with the next call", self._directory.root, e)
-            self._unwritten = e
-            return
-        journal.drop(batch)
-        if self._unwritten is not None:
-            log.warning("session %s is written again: nothing was lost", self._directory.root)
-        self._unwritten = None
+            self._log.commit()
 
     @property
     def session(self) -> Session | None:
         """The session directory this compactor commits to (its ``root``, ``restore()``), None without one."""
-        return self._directory
+        return self._log.directory
 
     @property
     def unwritten(self) -> OSError | None:
         """Why the session directory lacks what this conversation logged last (records wait in the
         journal for the next commit), or None when it holds everything."""
-        return self._unwritten
+        return self._log.unwritten
 
     def flush(self) -> None:
         """Write what waits to the session directory now; OSError when it still cannot be written."""
         with self._lock:
-            self._commit()
-            if self._unwritten is not None:
-                raise self._unwritten
+            self._log.flush()
 
     def close(self) -> None:
         """Write what waits (OSError when it cannot be: nothing of it is lost while this object lives)
         and close the session's log."""
-        try:
-            self.flush()
-        finally:
-            if self._directory is not None:
-                self._directory.close()
+        with self._lock:
+            self._log.close()
 
 
-
-class AsyncCompactor:
-    """The asyncio driver of a :class:`Compactor`: summaries awaited on the running loop (the
-    summarizer's ``asummarize``), the compactor's own work (counting, its log's writes) in a worker
-    thread, one operation at a time under an asyncio lock. ``cancel``: an event that, once set, stops
-    a summary in progress (the extractive summary stands in), e.g. when the caller's client left."""
-
-    def __init__(self, compactor: Compactor) -> None:
-        self.sync = compactor
-        self._lock = asyncio.Lock()
-
-    async def _run(self, step: Step[T], cancel: asyncio.Event | None = None) -> T:
-        async with self._lock:
-            try:
-                return await run_async(step, self.sync._lock, cancel=cancel)
-            finally:
-                if self.sync.session is not None:
-                    await asyncio.to_thread(self.sync.commit)
-
-    async def before_request(self, queued: Sequence[Message] = (), *, max_reply_tokens: int | None = None,
-                             cancel: asyncio.Event | None = None) -> CompactionEvent | None:
-        return await self._run(self.sync.before_request_step(queued, max_reply_tokens=max_reply_tokens), cancel)
-
-    async def run(self, step: Step[T], *, cancel: asyncio.Event | None = None) -> T:
-        """Drive a step the caller put together from the compactor's ``*_step`` methods (the
-        asynchronous twin of :meth:`Compactor.run`)."""
-        return await self._run(step, cancel)
-
-    async def append(self, *messages: Message) -> None:
-        async with self._lock:
-            await asyncio.to_thread(self.sync.append, *messages)
-
-    async def append_tool_result(self, result: Message, *, cancel: asyncio.Event | None = None) -> AppendResult:
-        return await self._run(self.sync.append_tool_result_step(result), cancel)
-
-    async def compact_now(self, reason: str = "manual compaction", *,
-                          cancel: asyncio.Event | None = None) -> CompactionEvent:
-        return await self._run(self.sync.compact_now_step(reason), cancel)
-
-    def expect_reply(self, max_tokens: int | None) -> None:
-        self.sync.expect_reply(max_tokens)
-
-    async def update_tools(self, tools: Sequence[ToolSpec]) -> None:
-        async with self._lock:
-            await asyncio.to_thread(self.sync.update_tools, tools)
+# The asyncio driver, in a module of its own; its import path has always been this one.
+from ctxfold.compaction.async_driver import AsyncCompactor

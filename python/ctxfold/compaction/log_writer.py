@@ -1,0 +1,121 @@
+"""Where a compactor's journal is persisted, and by whom: the synchronous driver's side of the log.
+
+The compaction core writes into the conversation's journal (:mod:`ctxfold.compaction.journal`). A
+:class:`LogWriter` opens that journal for a compactor and says where it goes:
+
+- a session directory (``session_dir``): the writer loads or creates it and commits the journal to it
+  (:meth:`LogWriter.commit`) at the end of every call of the compactor;
+- a stored session's journal (``session_log``, :class:`~ctxfold.compaction.store.buffer.BufferedLog`):
+  its owner commits it (the proxy, once a request); :meth:`LogWriter.commit` does nothing;
+- neither: no journal, nothing is kept.
+
+A directory that refuses a commit does not stop the conversation: the batch stays in the journal, first
+in line for the next commit, and the failure is logged once and kept (:attr:`LogWriter.unwritten`)
+until a commit succeeds (:meth:`LogWriter.flush` raises it).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ctxfold.chat.messages import Conversation
+from ctxfold.compaction.archive import ArchiveStore, MemoryBackend
+from ctxfold.compaction.archive.index import INDEX_FILE
+from ctxfold.compaction.archive.store import Backend
+from ctxfold.compaction.eventlog import ResumedState
+from ctxfold.compaction.journal import Journal
+from ctxfold.compaction.session import Session
+from ctxfold.compaction.store.buffer import BufferedLog
+
+log = logging.getLogger("ctxfold.compaction.compactor")  # what a compactor's user configures
+
+
+class LogWriter:
+    """A compactor's journal and where it is persisted. Not thread-safe: the compactor's lock serialises it."""
+
+    def __init__(self, session_dir: str | Path | None = None, session_log: BufferedLog | None = None, *,
+                 durable: bool = True, fsync_appends: bool = True) -> None:
+        self.directory: Session | None = None
+        self.journal: Journal | None = session_log
+        self.unwritten: OSError | None = None  # why the last commit to the directory failed, if it did
+        #: The conversation read back (None for a new one): the compactor resumes it.
+        self.resumed: ResumedState | None = None
+        if session_dir is not None:
+            if session_log is not None:
+                raise ValueError("give session_dir or session_log, not both")
+            self.directory = Session(session_dir, durable=durable, fsync_appends=fsync_appends)
+            self.resumed = self.directory.load() if self.directory.exists() else None
+            self.journal = self.directory.journal()
+        elif session_log is not None and session_log.exists():
+            self.resumed = session_log.load()
+
+    def archive(self) -> ArchiveStore:
+        """The conversation's own archive: through its journal (the directory's ``archive/``, or the store's),
+        else memory."""
+        backend: Backend = MemoryBackend()
+        index_path = None
+        if self.directory is not None and self.journal is not None:
+            backend = self.directory.journal_archive(self.journal)
+            index_path = self.directory.archive_dir / INDEX_FILE  # kept between processes
+        elif self.journal is not None:
+            backend = self.journal.archive_backend()
+        return ArchiveStore(backend, index_path=index_path)
+
+    def start(self, header: Conversation) -> None:
+        """A new conversation: a new directory's empty log (FileExistsError when another writer made one
+        since), and the header as the journal's first record."""
+        if self.directory is not None:
+            self.directory.open_new()
+        if self.journal is not None:
+            self.journal.create(header)
+
+    # -- history dumps' names ------------------------------------------------------------------------
+    def dump_location(self, name: Path) -> str:
+        """Where a history dump the journal named can be read: its path in the session directory, else
+        its name in the session's store."""
+        return str(self.directory.root / name) if self.directory is not None else str(name)
+
+    def dump_name(self, history_dump: str | None) -> Path | None:
+        """A history dump's name in its session (what the log records) from an event's figure."""
+        if history_dump is None:
+            return None
+        if self.directory is not None:
+            return Path(history_dump).relative_to(self.directory.root)
+        return Path(history_dump)
+
+    # -- persisting --------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Write what the journal holds to the session directory; see the module docstring for a refusal."""
+        journal = self.journal
+        if self.directory is None or journal is None or not journal.num_pending:
+            return
+        # Written from a snapshot and dropped from the journal once on disk: a reader without the lock
+        # (a recall tool) finds a blob in one place or the other throughout.
+        batch = journal.pending()
+        try:
+            self.directory.commit(batch)
+        except OSError as e:
+            if self.unwritten is None:
+                log.warning("session %s cannot be written (%s); the conversation goes on in memory and what it "
+                            "logged is written with the next call", self.directory.root, e)
+            self.unwritten = e
+            return
+        journal.drop(batch)
+        if self.unwritten is not None:
+            log.warning("session %s is written again: nothing was lost", self.directory.root)
+        self.unwritten = None
+
+    def flush(self) -> None:
+        """Commit now; OSError when the directory still cannot be written."""
+        self.commit()
+        if self.unwritten is not None:
+            raise self.unwritten
+
+    def close(self) -> None:
+        """Flush (OSError when it cannot: nothing is lost while the compactor lives), then close the log."""
+        try:
+            self.flush()
+        finally:
+            if self.directory is not None:
+                self.directory.close()
