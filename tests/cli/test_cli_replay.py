@@ -27,7 +27,7 @@ from ctxfold.chat import formats
 from ctxfold.chat.integrity import validate
 from ctxfold.chat.messages import Role
 from ctxfold.cli import EXIT_PROBLEM
-from helpers.subprocess_env import ctxfold_env
+from helpers.cli_helpers import ctxfold_process, run_ctxfold
 
 REPO = Path(__file__).resolve().parents[2]
 CTX = 16384
@@ -56,10 +56,9 @@ def trace_files(traces_dir: Path) -> list[Path]:
     return files
 
 
-def ctxfold(*argv: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = ctxfold_env(**(env or {}))
-    return subprocess.run([sys.executable, "-m", "ctxfold", *argv], capture_output=True, text=True, env=full_env,
-                          timeout=timeout, check=False)
+# The command in this process (see helpers.cli_helpers): the whole-trace run that measures the
+# command's own processes and the terminal tests run it as a process.
+ctxfold = run_ctxfold
 
 
 # -- every trace set, against the library ------------------------------------------------------------------
@@ -73,7 +72,7 @@ def all_traces_report(traces_dir: Path, tmp_path_factory: pytest.TempPathFactory
     files = [str(p) for p in trace_files(traces_dir)]
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = ctxfold("replay", *files, "--ctx", str(CTX), "--jobs", "2", "--json", str(out), "--quiet",
+    proc = ctxfold_process("replay", *files, "--ctx", str(CTX), "--jobs", "2", "--json", str(out), "--quiet",
                    "--tokenizer", "estimate:deepseek-v4")
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall_s = time.perf_counter() - t0

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +16,9 @@ from ctxfold.cli import EXIT_INPUT, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 from ctxfold.cli.replay_report import trigger_lines
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.errors import CtxfoldError
-from helpers.cli_helpers import run_main
-from helpers.subprocess_env import ctxfold_env
+from helpers.cli_helpers import ctxfold_process, run_ctxfold, run_main
 
-
-def ctxfold(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ctxfold", *argv], capture_output=True, text=True,
-                          env=ctxfold_env(), timeout=timeout, check=False)
+ctxfold = run_ctxfold  # in this process (see helpers.cli_helpers); serving on a port takes a process
 
 
 @pytest.fixture
@@ -173,7 +167,7 @@ def test_serve_on_a_port_in_use_is_an_input_error(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = ctxfold("serve", "--upstream", "http://127.0.0.1:9/v1", "--port", str(port), "--data-dir",
+        proc = ctxfold_process("serve", "--upstream", "http://127.0.0.1:9/v1", "--port", str(port), "--data-dir",
                        str(tmp_path / "data"), timeout=60)
     assert proc.returncode == EXIT_INPUT
     assert proc.stderr.splitlines() == [(f"ctxfold: error: --host 127.0.0.1 --port {port}: cannot listen there "

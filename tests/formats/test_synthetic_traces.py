@@ -11,8 +11,6 @@ and replayed by the command.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -34,8 +32,7 @@ from ctxfold.compaction.config import CompactConfig
 from ctxfold.replay import default_reply_reserve, replay_conversation
 from ctxfold.tokens.counting import load_counter
 from helpers import synthetic_traces as synthetic
-from helpers.cli_helpers import run_main
-from helpers.subprocess_env import ctxfold_env
+from helpers.cli_helpers import run_ctxfold, run_main
 
 Manifest = dict[Path, synthetic.Expected]
 
@@ -209,17 +206,12 @@ def test_the_occupancy_bound_holds(synthetic_traces: Manifest) -> None:
     assert checked > 100
 
 
-def _ctxfold(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ctxfold", *argv], capture_output=True, text=True,
-                          env=ctxfold_env(), timeout=300, check=False)
-
-
 def test_the_command_counts_and_replays_every_file(synthetic_traces: Manifest, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     files = [str(p) for p in synthetic_traces]
     convs = conversations(synthetic_traces)
     counted = []
-    for path in files:  # count reads one file at a time: through the command's entry point, in this process
+    for path in files:  # count reads one file at a time
         code, out, err = run_main(capsys, "count", path, "--json", "-")
         assert code == 0, err
         counted += json.loads(out)["conversations"]
@@ -229,8 +221,8 @@ def test_the_command_counts_and_replays_every_file(synthetic_traces: Manifest, t
     mini = [c for c, (_, conv) in zip(counted, convs, strict=True) if conv.source_format == "mini_swe_agent"]
     assert len(mini) == 2 and all(c["recorded_requests"] > 10 for c in mini)  # compared with the recorded usage
 
-    replay = _ctxfold("replay", *files, "--ctx", "16k", "--json", str(tmp_path / "r.json"), "--quiet",
-                      "--session-dir", str(tmp_path / "sessions"))
+    replay = run_ctxfold("replay", *files, "--ctx", "16k", "--json", str(tmp_path / "r.json"), "--quiet",
+                        "--session-dir", str(tmp_path / "sessions"))
     assert replay.returncode == 0, replay.stderr
     entries = json.loads((tmp_path / "r.json").read_text())["conversations"]
     assert len(entries) == len(convs)
