@@ -52,11 +52,16 @@ def signature(view: list[Message]) -> list[tuple[str, str, str]]:
     return [(m.role.value, m.id, m.text) for m in view]
 
 
+# The fast tier draws ten loops of each kind; the slow tier the thirty after them.
+SEEDS = [pytest.param(range(10), id="first"), pytest.param(range(10, 40), marks=pytest.mark.slow, id="more")]
+
+
+@pytest.mark.parametrize("seeds", SEEDS)
 @pytest.mark.parametrize("interjections", [0.0, 0.15])
-def test_random_agent_loops_keep_the_view_whole(tmp_path: Path, interjections: float) -> None:
+def test_random_agent_loops_keep_the_view_whole(tmp_path: Path, interjections: float, seeds: range) -> None:
     counter = load_counter("estimate:deepseek-v4")
     config = CompactConfig.preset("both", context_tokens=8000, reply_reserve_tokens=1000)
-    for seed in range(40):
+    for seed in seeds:
         rng = random.Random(seed)
 
         def text(n: int) -> str:
