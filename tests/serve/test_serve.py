@@ -533,30 +533,83 @@ def test_health_says_when_the_upstream_cannot_be_reached(tmp_path: Path) -> None
         srv.close()
 
 
+def _archive_one_output(url: str) -> tuple[dict[str, Any], str]:
+    """A conversation on the proxy at ``url`` whose tool output the next turn start archives: (its history,
+    the archived output)."""
+    big = "output line that is long enough to archive\n" * 50
+    history = chat(("user", "start"))
+    post(url, history)
+    history["messages"] += [
+        {"role": "assistant", "content": "echo: start"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t0", "type": "function", "function": {"name": "bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t0", "content": big},
+        {"role": "assistant", "content": "echo: start"},
+        {"role": "user", "content": "next"},
+    ]
+    assert post(url, history).status_code == 200
+    return history, big
+
+
+def _recall(up: ScriptedUpstream, url: str, history: dict[str, Any], aid: str) -> str:
+    """What the proxy at ``url`` answers the model's read_archive call for ``aid`` with."""
+    call = {"id": "c9", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
+    answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "assistant", "content": "done"}])
+    up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
+    body = dict(history, messages=[*history["messages"], {"role": "assistant", "content": "echo: next"},
+                                   {"role": "user", "content": "recall it"}])
+    assert post(url, body).json()["choices"][0]["message"]["content"] == "done"
+    return str(up.received[-1]["messages"][-1]["content"])
+
+
+ARCHIVE_EARLY = CompactConfig.from_mapping({"minor": {"keep_recent_user_turns": 1, "archive_threshold": 100}})
+
+
 def test_replicas_share_archives_through_an_fsspec_url(upstream: tuple[ScriptedUpstream, str],
                                                        tmp_path: Path) -> None:
-    """Two proxies, each with its own data dir, one archive URL: what one archived, the other can recall."""
+    """Two proxies, each with its own data dir, one archive URL: what a pass on one archived, the commit
+    of its request wrote to object storage (not the session store), and the other recalls it."""
+    import fsspec
+
     up, url = upstream
     archive_url = f"memory://ctxfold-replicas-{tmp_path.name}"
-    a, srv_a = start_proxy(url, tmp_path / "a", archive_url=archive_url)
-    _, srv_b = start_proxy(url, tmp_path / "b", archive_url=archive_url)
+    a, srv_a = start_proxy(url, tmp_path / "a", archive_url=archive_url, compact=ARCHIVE_EARLY)
+    _, srv_b = start_proxy(url, tmp_path / "b", archive_url=archive_url, compact=ARCHIVE_EARLY)
     try:
-        post(srv_a.url, chat(("user", "shared start")))
-        store_a = a.sessions.loaded()[0].compactor.store
-        assert store_a.location.startswith("memory://")
-        aid = store_a.put("archived on replica a\n" * 20)
-        call = {"id": "c9", "type": "function",
-                "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
-        answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
-                        {"role": "assistant", "content": "done"}])
-        up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
-        body = chat(("user", "shared start"), ("assistant", "echo: shared start"), ("user", "recall it"),
-                    tools=[{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}])
-        assert post(srv_b.url, body).json()["choices"][0]["message"]["content"] == "done"
-        assert up.received[-1]["messages"][-1]["content"].startswith(f"[read_archive id={aid} chars 0-440 of 440")
+        history, big = _archive_one_output(srv_a.url)
+        (event,) = [e for e in a.sessions.loaded()[0].compactor.events if e.applied]
+        aid = event.archived[0].archive_id
+        fs = fsspec.filesystem("memory")
+        (stored,) = [p for p in fs.find(f"/ctxfold-replicas-{tmp_path.name}") if p.endswith(f"{aid}.txt")]
+        assert fs.cat_file(stored) == big.encode()
+        assert not list((tmp_path / "a").rglob(f"{aid}.txt"))  # nowhere in the session store
+        assert _recall(up, srv_b.url, history, aid).startswith(f"[read_archive id={aid} chars 0-{len(big)} of {len(big)}")
     finally:
         srv_a.close()
         srv_b.close()
+
+
+def test_an_archive_url_that_refuses_writes_keeps_the_outputs_with_the_session(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Object storage that takes no write: the archived outputs go with the session's own batch, the
+    model still recalls them, and the log says why once."""
+    up, url = upstream
+    (tmp_path / "not-a-folder").write_text("in the way")
+    app, srv = start_proxy(url, tmp_path / "data", archive_url=str(tmp_path / "not-a-folder"), compact=ARCHIVE_EARLY)
+    try:
+        with caplog.at_level("WARNING", logger="ctxfold.serve"):
+            history, big = _archive_one_output(srv.url)
+        (event,) = [e for e in app.sessions.loaded()[0].compactor.events if e.applied]
+        aid = event.archived[0].archive_id
+        (kept,) = list((tmp_path / "data").rglob(f"{aid}.txt"))
+        assert kept.read_text() == big
+        (said,) = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+        assert said.startswith(f"archived outputs cannot be written to {tmp_path / 'not-a-folder'} (")
+        assert said.endswith("); they are kept with each session's own log instead, where recalls read them")
+        assert _recall(up, srv.url, history, aid).startswith(f"[read_archive id={aid} chars 0-{len(big)} of {len(big)}")
+    finally:
+        srv.close()
 
 
 def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -149,10 +149,11 @@ class Compactor:
 
         # What the core writes goes into the conversation's journal, never to disk: the writer opens it
         # and persists it, where this class is the driver that must (ctxfold.compaction.log_writer).
-        self._log = LogWriter(session_dir, session_log, durable=durable, fsync_appends=fsync_appends)
-        self.journal: Journal | None = self._log.journal
-        # The archive: given (shared by several sessions, or on object storage), else the session's own.
-        self.store = store if store is not None else self._log.archive()
+        # The archive is given (shared by several sessions, or in object storage), else the session's own:
+        # written through the journal either way.
+        self._log = LogWriter(session_dir, session_log, archive=store, durable=durable, fsync_appends=fsync_appends)
+        self.journal: Journal | None = self._log.journal if self._log.keeps_log else None  # what the core logs to
+        self.store = self._log.archive()
 
         resumed = self._log.resumed
         if resumed is not None:
@@ -338,7 +339,7 @@ class Compactor:
         through :meth:`append_tool_result`, which applies the hard trigger."""
         with self._lock:
             self._ingest(messages)
-            if self._log.directory is not None:
+            if self._log.commits:
                 self._log.commit()
 
     def append_tool_result(self, result: Message) -> AppendResult:
@@ -559,7 +560,7 @@ class Compactor:
         """Run ``step`` in this thread under the lock (:func:`~ctxfold.compaction.effects.drive_sync`), then
         commit what it logged, also when it raised (a refusal is logged too)."""
         with self._lock:
-            if self._log.directory is None:  # nothing to persist here: the journal's owner commits it, if any
+            if not self._log.commits:  # nothing to persist here: the journal's owner commits it, if any
                 return drive_sync(step)
             try:
                 return drive_sync(step)

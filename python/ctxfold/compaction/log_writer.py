@@ -7,11 +7,16 @@ The compaction core writes into the conversation's journal (:mod:`ctxfold.compac
   (:meth:`LogWriter.commit`) at the end of every call of the compactor;
 - a stored session's journal (``session_log``, :class:`~ctxfold.compaction.store.buffer.BufferedLog`):
   its owner commits it (the proxy, once a request); :meth:`LogWriter.commit` does nothing;
-- neither: no journal, nothing is kept.
+- neither: no log is kept.
 
-A directory that refuses a commit does not stop the conversation: the batch stays in the journal, first
-in line for the next commit, and the failure is logged once and kept (:attr:`LogWriter.unwritten`)
-until a commit succeeds (:meth:`LogWriter.flush` raises it).
+An archive given apart from the session (``archive``: shared by several conversations, or in object
+storage) takes the archived outputs and history dumps a commit holds, before the directory takes the
+records that name them (write-ahead). Without a session directory the journal then carries those
+alone (the core writes no records where no log is kept).
+
+A directory or archive that refuses a commit does not stop the conversation: the batch stays in the
+journal, first in line for the next commit, and the failure is logged once and kept
+(:attr:`LogWriter.unwritten`) until a commit succeeds (:meth:`LogWriter.flush` raises it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ctxfold.compaction.archive import ArchiveStore, MemoryBackend
 from ctxfold.compaction.archive.index import INDEX_FILE
 from ctxfold.compaction.archive.store import Backend
 from ctxfold.compaction.eventlog import ResumedState
-from ctxfold.compaction.journal import Journal
+from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Batch, Journal, JournalArchive
 from ctxfold.compaction.session import Session
 from ctxfold.compaction.store.buffer import BufferedLog
 
@@ -35,9 +40,10 @@ class LogWriter:
     """A compactor's journal and where it is persisted. Not thread-safe: the compactor's lock serialises it."""
 
     def __init__(self, session_dir: str | Path | None = None, session_log: BufferedLog | None = None, *,
-                 durable: bool = True, fsync_appends: bool = True) -> None:
+                 archive: ArchiveStore | None = None, durable: bool = True, fsync_appends: bool = True) -> None:
         self.directory: Session | None = None
         self.journal: Journal | None = session_log
+        self.external = archive  # the archive given apart from the session, if any
         self.unwritten: OSError | None = None  # why the last commit to the directory failed, if it did
         #: The conversation read back (None for a new one): the compactor resumes it.
         self.resumed: ResumedState | None = None
@@ -47,15 +53,30 @@ class LogWriter:
             self.directory = Session(session_dir, durable=durable, fsync_appends=fsync_appends)
             self.resumed = self.directory.load() if self.directory.exists() else None
             self.journal = self.directory.journal()
-        elif session_log is not None and session_log.exists():
-            self.resumed = session_log.load()
+        elif session_log is not None:
+            if archive is not None:
+                raise ValueError("a stored session's archive is where its store puts it: give no archive with session_log")
+            if session_log.exists():
+                self.resumed = session_log.load()
+        elif archive is not None:
+            self.journal = Journal()  # carries the archive's writes to the commit, and nothing else
+        #: Whether a log of the conversation is kept (a directory, a store): the core writes records then.
+        self.keeps_log = session_dir is not None or session_log is not None
+
+    @property
+    def commits(self) -> bool:
+        """Whether this writer persists the journal itself (to a directory, an archive given apart)."""
+        return self.directory is not None or self.external is not None
 
     def archive(self) -> ArchiveStore:
-        """The conversation's own archive: through its journal (the directory's ``archive/``, or the store's),
-        else memory."""
+        """The conversation's archive, written through its journal: the one given apart, the directory's
+        ``archive/``, or the store's; else memory."""
         backend: Backend = MemoryBackend()
         index_path = None
-        if self.directory is not None and self.journal is not None:
+        if self.external is not None and self.journal is not None:
+            backend = JournalArchive(self.journal, committed=self.external.backend)
+            index_path = self.external.index_path
+        elif self.directory is not None and self.journal is not None:
             backend = self.directory.journal_archive(self.journal)
             index_path = self.directory.archive_dir / INDEX_FILE  # kept between processes
         elif self.journal is not None:
@@ -67,7 +88,7 @@ class LogWriter:
         since), and the header as the journal's first record."""
         if self.directory is not None:
             self.directory.open_new()
-        if self.journal is not None:
+        if self.journal is not None and self.keeps_log:
             self.journal.create(header)
 
     # -- history dumps' names ------------------------------------------------------------------------
@@ -86,25 +107,44 @@ class LogWriter:
 
     # -- persisting --------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Write what the journal holds to the session directory; see the module docstring for a refusal."""
+        """Write what the journal holds to the archive given apart and the session directory; see the
+        module docstring for a refusal."""
         journal = self.journal
-        if self.directory is None or journal is None or not journal.num_pending:
+        if not self.commits or journal is None or not journal.num_pending:
             return
-        # Written from a snapshot and dropped from the journal once on disk: a reader without the lock
+        # Written from a snapshot and dropped from the journal once stored: a reader without the lock
         # (a recall tool) finds a blob in one place or the other throughout.
         batch = journal.pending()
         try:
-            self.directory.commit(batch)
+            rest = self._write_archived(batch) if self.external is not None else batch
+            if self.directory is not None:
+                self.directory.commit(rest)
         except OSError as e:
             if self.unwritten is None:
-                log.warning("session %s cannot be written (%s); the conversation goes on in memory and what it "
-                            "logged is written with the next call", self.directory.root, e)
+                log.warning("%s cannot be written (%s); the conversation goes on in memory and what it logged is "
+                            "written with the next call", self._where(), e)
             self.unwritten = e
             return
         journal.drop(batch)
         if self.unwritten is not None:
-            log.warning("session %s is written again: nothing was lost", self.directory.root)
+            log.warning("%s is written again: nothing was lost", self._where())
         self.unwritten = None
+
+    def _write_archived(self, batch: Batch) -> Batch:
+        """Write ``batch``'s archived outputs to the archive given apart: the batch without them."""
+        assert self.external is not None
+        kept = []
+        for name, data in batch.blobs:
+            if name.startswith(ARCHIVE_BLOB_PREFIX):
+                self.external.backend.write_atomic(name[len(ARCHIVE_BLOB_PREFIX):], data)
+            else:
+                kept.append((name, data))
+        return Batch(tuple(kept), batch.events)
+
+    def _where(self) -> str:
+        if self.directory is None:
+            return f"archive {self.external.location if self.external is not None else ''}"
+        return f"session {self.directory.root}"
 
     def flush(self) -> None:
         """Commit now; OSError when the directory still cannot be written."""

@@ -150,7 +150,7 @@ class ProxyApp:
         self.sessions = SessionStore(config.data_dir, make_compactor or self.compactors.for_store,
                                      max_loaded_sessions=config.max_loaded_conversations,
                                      max_loaded_bytes=config.max_loaded_bytes, tenant_header=config.tenant_header,
-                                     tenant_key=self._tenant_key(), create_in_thread=config.archive_url is not None,
+                                     tenant_key=self._tenant_key(), archive_url=config.archive_url,
                                      fsync=config.fsync, store=store, lease_ms=config.lease_ms,
                                      quota=self._disk_quota())
         self.compactors.sessions = self.sessions

@@ -1,7 +1,6 @@
 """How the proxy builds a conversation's compactor: one counter and template for all (both stateless and
-thread-safe), the summarizer the configuration asks for (the upstream model by default), and the archive
-where the session store says it lives (a tenant's key's, an anonymous conversation's own, or object
-storage shared by replicas)."""
+thread-safe), the summarizer the configuration asks for (the upstream model by default), and its journal
+in the session store (whose commit puts the archive where it lives: serve.stored_sessions)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ctxfold.chat.messages import Conversation, Message
-from ctxfold.compaction.archive import ArchiveStore
 from ctxfold.compaction.compactor import Compactor
 from ctxfold.compaction.store import BufferedLog
 from ctxfold.serve.config import ProxyConfig
@@ -30,7 +28,7 @@ class Compactors:
         self.counter = counter
         self.template = template
         self._client = client
-        self.sessions: SessionStore | None = None  # set once it exists: the archives' places come from it
+        self.sessions: SessionStore | None = None  # set once it exists: a summary's model is its key's
         self.models: dict[str, str] = {}  # session key -> model of its first request, for upstream summaries
 
     def _sessions(self) -> SessionStore:
@@ -38,18 +36,11 @@ class Compactors:
             raise RuntimeError("a compactor is asked for before the session store exists")
         return self.sessions
 
-    def _shared_archive(self, path: Path) -> ArchiveStore | None:
-        """With archive_url, replicas share the archive through object storage; event logs stay local."""
-        if self.config.archive_url is None:
-            return None
-        return ArchiveStore(f"{self.config.archive_url.rstrip('/')}/{self._sessions().archive_prefix(path)}")
-
     def for_store(self, header: Conversation, path: Path, session_log: BufferedLog) -> Compactor:
-        """A compactor whose log goes to the session store (the data directory's, or a shared one),
-        through ``session_log`` (the proxy commits it); its archive is the store's (the key's, or an
-        anonymous conversation's own), or ``archive_url``'s when one is given."""
+        """A compactor whose log and archive go to the session store through ``session_log`` (the proxy
+        commits it: its archived outputs to the key's archive, or to ``archive_url``'s object storage)."""
         return Compactor(header, config=self.config.compact, counter=self.counter, template=self.template,
-                         summarizer=self.summarizer(path), session_log=session_log, store=self._shared_archive(path))
+                         summarizer=self.summarizer(path), session_log=session_log)
 
     def count_view(self, header: Conversation, messages: list[Message]) -> int:
         """Tokens of the request ``header`` and ``messages`` make, with the proxy's counter and template."""

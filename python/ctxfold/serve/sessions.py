@@ -75,6 +75,7 @@ from ctxfold.serve.keys import (
     tenant_of,
 )
 from ctxfold.serve.loaded import LoadedSessions
+from ctxfold.serve.object_archive import ObjectArchives
 from ctxfold.serve.quota import DiskQuota
 from ctxfold.serve.routing import ProxySession, route
 from ctxfold.serve.stored_sessions import (
@@ -114,7 +115,7 @@ class SessionStore:
     keys go, least recently used first (see :meth:`trim`)."""
 
     def __init__(self, data_dir: Path, make_compactor: StoreCompactorFactory, *,
-                 max_loaded_sessions: int = DEFAULT_MAX_LOADED_CONVERSATIONS, create_in_thread: bool = False,
+                 max_loaded_sessions: int = DEFAULT_MAX_LOADED_CONVERSATIONS, archive_url: str | None = None,
                  max_loaded_bytes: int = DEFAULT_MAX_LOADED_BYTES, tenant_header: str = "Authorization",
                  tenant_key: bytes | None = None, fsync: str = "always", store: Store | None = None,
                  lease_ms: int = DEFAULT_LEASE_MS, owner: str | None = None, quota: DiskQuota | None = None) -> None:
@@ -130,11 +131,11 @@ class SessionStore:
             store = LocalStore(self.data_dir, fsync=fsync)
         # The data directory's per-tenant accounts (serve.quota); a shared store keeps its own.
         self.quota = quota if not store.shared else None
-        # Building a compactor blocks (object storage for the archive, a long log read back) or not: only
-        # then is a worker thread worth its two context switches (StoredSessions._build).
+        # ``archive_url``: archived outputs in object storage shared by replicas (serve.object_archive).
         self.stored = StoredSessions(store, self.cache, make_compactor, data_dir=self.data_dir, lease_ms=lease_ms,
-                                     owner=owner or default_owner(), create_in_thread=create_in_thread,
-                                     note_quarantine=self._quarantine_note, quota=self.quota)
+                                     owner=owner or default_owner(),
+                                     note_quarantine=self._quarantine_note, quota=self.quota,
+                                     archives=ObjectArchives(archive_url) if archive_url is not None else None)
 
     # -- keys -------------------------------------------------------------------------------------
     def tenant_key(self) -> bytes:
@@ -156,13 +157,6 @@ class SessionStore:
     def key_of(self, session_dir: Path) -> ConversationKey:
         """The store's key of a session directory (inverse of where :meth:`create` puts it)."""
         return ConversationKey(Path(session_dir).parent.relative_to(self.data_dir).as_posix())
-
-    def archive_prefix(self, session_dir: Path) -> str:
-        """The archive's place in shared object storage: ``tenants/<tenant>/<key>`` for a tenant (its
-        conversations with one key share it), ``<key>/<n>`` for the anonymous tenant (each conversation
-        its own: see :meth:`archive_dir`)."""
-        parts = self.key_of(session_dir).split("/")
-        return f"{parts[1]}/{session_dir.name}" if parts[0] == "sessions" else f"tenants/{parts[1]}/{parts[3]}"
 
     def archive_dir(self, session_dir: Path) -> Path:
         """Where a session's archive is kept in the data directory (the store's ``<key>/archive`` or

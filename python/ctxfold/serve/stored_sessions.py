@@ -49,6 +49,7 @@ from ctxfold.compaction.store.base import SessionId
 from ctxfold.compaction.store.buffer import BlobFetch, BlobList
 from ctxfold.serve.keys import ConversationKey, is_anonymous_key
 from ctxfold.serve.loaded import LoadedKey, LoadedSessions
+from ctxfold.serve.object_archive import ObjectArchives, archive_prefix
 from ctxfold.serve.quota import DiskQuota
 from ctxfold.serve.routing import ProxySession
 
@@ -94,16 +95,18 @@ class StoredSessions:
     committing and leasing a key's sessions (see the module docstring)."""
 
     def __init__(self, store: Store, cache: LoadedSessions, make_store_compactor: StoreCompactorFactory, *,
-                 data_dir: Path, lease_ms: int, owner: str, create_in_thread: bool,
+                 data_dir: Path, lease_ms: int, owner: str,
                  note_quarantine: Callable[[object, Exception, list[str] | None], str],
-                 quota: DiskQuota | None = None) -> None:
+                 quota: DiskQuota | None = None, archives: ObjectArchives | None = None) -> None:
         self.store = store
         self.cache = cache
         self.make_store_compactor = make_store_compactor
         self.data_dir = data_dir  # names a session's key (key_of, archive_prefix); a local store's root
         self.lease_ms = lease_ms
         self.owner = owner
-        self.create_in_thread = create_in_thread
+        # Where archived outputs live when not among the store's blobs: object storage (--archive-url).
+        self.archives = archives
+        self._archive_error: str | None = None  # why the last write to it failed (logged when it changes)
         self._note_quarantine = note_quarantine
         # The data directory's per-tenant accounts (serve.quota), for a local store; a shared store keeps its own.
         self.quota = quota
@@ -127,6 +130,14 @@ class StoredSessions:
         """The store's id of a session's archive: the key's for a tenant, the session's own for the
         anonymous tenant (see :meth:`SessionStore.archive_dir`)."""
         return f"{session_id}/archive" if is_anonymous_key(key) else f"{key}/archive"
+
+    async def _put_archived(self, key: ConversationKey, session_id: str, name: str, data: bytes) -> None:
+        """Write an archived output where the session's archive lives: object storage, else the store.
+        OSError or StoreUnavailable when it cannot be written."""
+        if self.archives is not None:
+            await self.archives.put(archive_prefix(key, session_id), name, data)
+        else:
+            await self.store.put_blob(self._archive_id(key, session_id), name, data)
 
     async def _acquire(self, session_id: str) -> Lease:
         """The session's lease, waiting while another replica holds it (it releases it when its request
@@ -197,18 +208,32 @@ class StoredSessions:
 
         async def names() -> list[str]:
             try:
-                return await store.blob_names(self._archive_id(key, session_id)) + await store.blob_names(session_id)
+                archived = (await self.archives.names(archive_prefix(key, session_id)) if self.archives is not None
+                            else await store.blob_names(self._archive_id(key, session_id)))
+                return archived + await store.blob_names(session_id)
             except StoreUnavailable as e:
                 raise OSError(errno.EIO, str(e)) from None
 
         return names
 
     async def _get_blob(self, key: ConversationKey, session_id: str, name: str) -> bytes:
+        """An archived output: from where the session's archive lives, else from the session's own blobs
+        (where a commit puts what that place would not take). FileNotFoundError when in neither."""
         store = self.store
+        if self.archives is None:
+            try:
+                return await store.get_blob(self._archive_id(key, session_id), name)
+            except FileNotFoundError:
+                return await store.get_blob(session_id, name)
         try:
-            return await store.get_blob(self._archive_id(key, session_id), name)
-        except FileNotFoundError:
-            return await store.get_blob(session_id, name)
+            return await self.archives.get(archive_prefix(key, session_id), name)
+        except OSError as e:
+            try:
+                return await store.get_blob(session_id, name)
+            except FileNotFoundError:
+                if isinstance(e, FileNotFoundError):
+                    raise
+                raise e from None  # object storage failed: that is the reason the read fails
 
     def _store_path(self, session_id: str) -> Path:
         return self.data_dir / session_id  # never written: names the key (key_of, archive_prefix)
@@ -220,7 +245,7 @@ class StoredSessions:
         path = self._store_path(session_id)
         # Reading a long conversation back (parsing, counting) would hold the loop: a worker thread then.
         big = stored is not None and len(stored.events) > 64 or len(conversation.messages) > 64
-        if big or self.create_in_thread:
+        if big:
             compactor = await asyncio.to_thread(self.make_store_compactor, conversation, path, blog)
         else:
             compactor = self.make_store_compactor(conversation, path, blog)
@@ -393,8 +418,13 @@ class StoredSessions:
                         found[aid] = await self._get_blob(key, parent_id, f"archive/{aid}.txt")
                     except FileNotFoundError:
                         continue
+                    except OSError as e:  # object storage: the fork goes on, that output unreadable in it
+                        log.warning("archived output %s of session %s not copied to its fork: %s", aid[:12], parent_id, e)
                 for aid, data in found.items():
-                    await store.put_blob(self._archive_id(key, session_id), f"archive/{aid}.txt", data)
+                    try:
+                        await self._put_archived(key, session_id, f"archive/{aid}.txt", data)
+                    except OSError:  # object storage: with the fork's first batch, under its own name
+                        blobs.append((f"archive/{aid}.txt", data))
             await store.append(lease, Batch(tuple(blobs), tuple(kept)))
             compactor, blog = await self._build(key, session_id, Conversation(messages=[]),
                                                 StoredSession(session_id, kept))
@@ -446,13 +476,8 @@ class StoredSessions:
         rest = batch
         archive = [(n, d) for n, d in batch.blobs if n.startswith("archive/")]
         try:
-            if archive:
-                try:
-                    for name, data in archive:
-                        await store.put_blob(self._archive_id(session.key, session.store_id or ""), name, data)
-                    rest = Batch(tuple((n, d) for n, d in batch.blobs if not n.startswith("archive/")), batch.events)
-                except StoreUnavailable:
-                    pass  # all of it under the session's own name: spooled with its events
+            if archive and await self._write_archived(session, archive):
+                rest = Batch(tuple((n, d) for n, d in batch.blobs if not n.startswith("archive/")), batch.events)
             await store.append(lease, rest, release=release)
         except Spooled:
             session.log_nbytes += records_nbytes(batch.events)
@@ -468,6 +493,26 @@ class StoredSessions:
                 await store.checkpoint(lease)
             except (StoreError, ValueError) as e:  # the events are stored: a later checkpoint folds them
                 log.info("no checkpoint of session %s now: %s", session.store_id, e)
+
+    async def _write_archived(self, session: ProxySession, blobs: list[tuple[str, bytes]]) -> bool:
+        """Write a batch's archived outputs where the session's archive lives; False when that refuses them
+        (they then go with the batch, under the session's own name: spooled with its events when the
+        store is down, and read from there)."""
+        try:
+            for name, data in blobs:
+                await self._put_archived(session.key, session.store_id or "", name, data)
+        except StoreUnavailable:
+            return False
+        except OSError as e:  # object storage: said once per change of reason, and on /health's log
+            if str(e) != self._archive_error:
+                log.warning("archived outputs cannot be written to %s (%s); they are kept with each session's "
+                            "own log instead, where recalls read them", self.archives.url if self.archives else "the store", e)
+            self._archive_error = str(e)
+            return False
+        if self._archive_error is not None:
+            log.warning("archived outputs are written to %s again", self.archives.url if self.archives else "the store")
+            self._archive_error = None
+        return True
 
     async def finish(self, key: ConversationKey) -> None:
         """The request on ``key`` is over: stop renewing, release its leases (the next request of the
