@@ -280,6 +280,7 @@ def test_help_says_when_the_page_is_published() -> None:
     assert "3  something was skipped or not measured (no real traces" in out
 
 
+@pytest.mark.slow
 def test_bench_run_py_without_traces(tmp_path: Path) -> None:
     """The real command on one benchmark that needs the traces, with none: pytest over bench/ runs, the
     benchmark skips, and the page (here a copy standing in for the published one) is not touched."""

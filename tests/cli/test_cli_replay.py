@@ -154,6 +154,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
+@pytest.mark.slow
 @needs_replay
 def test_plot_is_a_real_png_and_sessions_restore(traces_dir: Path, tmp_path: Path) -> None:
     files = sorted(str(p) for p in (traces_dir / "deepseek_sample").rglob("*.traj.json"))

@@ -206,6 +206,7 @@ def test_the_occupancy_bound_holds(synthetic_traces: Manifest) -> None:
     assert checked > 100
 
 
+@pytest.mark.slow
 def test_the_command_counts_and_replays_every_file(synthetic_traces: Manifest, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     files = [str(p) for p in synthetic_traces]

@@ -159,6 +159,7 @@ class ProxyProcess:
             self.proc.stderr.close()
 
 
+@pytest.mark.slow
 def test_sigkill_mid_conversation_loses_nothing(traces_dir: Path, tmp_path: Path) -> None:
     traj = load_trajectory(traces_dir)
     reqs = list(requests_of(traj))

@@ -365,6 +365,7 @@ def serve_processes(tmp_path: Path, redis: RedisServer, upstream: str, n: int,
                 proc.communicate()
 
 
+@pytest.mark.slow
 def test_two_proxy_processes_share_the_count_and_the_expiry(
         tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
     _, url = upstream

@@ -220,6 +220,7 @@ def into_a_slow_summary(up: ScriptedUpstream, url_a: str, url_b: str, messages: 
     pytest.fail("no compaction on replica A")
 
 
+@pytest.mark.slow
 def test_a_replica_stalled_past_its_lease_loses_the_conversation_and_its_write_is_refused(
         tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
     up, url = upstream
@@ -250,6 +251,7 @@ def test_a_replica_stalled_past_its_lease_loses_the_conversation_and_its_write_i
         assert list(stored(redis_server).values()) == [as_pairs(messages)]
 
 
+@pytest.mark.slow
 def test_a_replica_killed_in_a_compaction_is_taken_over_after_its_lease(
         tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
     up, url = upstream
@@ -272,6 +274,7 @@ def test_a_replica_killed_in_a_compaction_is_taken_over_after_its_lease(
         assert list(stored(redis_server).values()) == [as_pairs(messages)]
 
 
+@pytest.mark.slow
 def test_redis_killed_and_restarted_loses_nothing_acknowledged(
         tmp_path: Path, redis_server: RedisServer, upstream: tuple[ScriptedUpstream, str]) -> None:
     up, url = upstream

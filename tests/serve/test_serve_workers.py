@@ -76,6 +76,7 @@ def healthy(url: str, n: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_every_worker_accepts_on_the_shared_socket_and_sigterm_stops_them_all(tmp_path: Path) -> None:
     with pool(tmp_path, 2) as (proc, url, pids):
         assert healthy(url, 4)
@@ -93,6 +94,7 @@ def test_every_worker_accepts_on_the_shared_socket_and_sigterm_stops_them_all(tm
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
+@pytest.mark.slow
 def test_metrics_count_every_request_of_every_worker(tmp_path: Path) -> None:
     """Each worker counts its own; /metrics, whichever worker answers it, gives the pool's total."""
     from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream

@@ -210,6 +210,7 @@ def test_invalid_utf8_and_surrogates(name: str) -> None:
         c.count_batch("one text")
 
 
+@pytest.mark.slow
 def test_long_texts_are_cut_only_where_the_count_cannot_change(trace_texts: list[str]) -> None:
     """Exact counters count a long text in pieces; the count equals the library's on the whole."""
     text = "\n".join(trace_texts)[:300_000]

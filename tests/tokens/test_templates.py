@@ -137,6 +137,7 @@ def tau(traces_dir: Path) -> list[Conversation]:
     return formats.load(traces_dir / "tau_bench" / "gpt-4o-airline.json")[:12]
 
 
+@pytest.mark.slow
 def test_chatml_matches_qwen3s_own_jinja_template(tau: list[Conversation]) -> None:
     import jinja2
 

@@ -149,8 +149,7 @@ class Compactor:
 
         # What the core writes goes into the conversation's journal, never to disk: the writer opens it
         # and persists it, where this class is the driver that must (ctxfold.compaction.log_writer).
-        # The archive is given (shared by several sessions, or in object storage), else the session's own:
-        # written through the journal either way.
+        # The archive given (shared, object storage) or the session's own: written through the journal.
         self._log = LogWriter(session_dir, session_log, archive=store, durable=durable, fsync_appends=fsync_appends)
         self.journal: Journal | None = self._log.journal if self._log.keeps_log else None  # what the core logs to
         self.store = self._log.archive()
