@@ -177,6 +177,7 @@ def test_plot_is_a_real_png_and_sessions_restore(traces_dir: Path, tmp_path: Pat
         assert json.loads(out.read_text()) == formats.dump(original, "openai")
 
 
+@pytest.mark.slow
 @needs_replay
 def test_plot_of_a_saved_report_draws_the_most_compacted(all_traces_report: dict[str, Any], tmp_path: Path) -> None:
     from ctxfold.plot import MAX_PANELS, plot_replay

@@ -251,6 +251,7 @@ def test_lenient_replay_skips_a_bad_file_and_goes_on(tmp_path: Path, traces_dir:
     assert only_bad.stderr.splitlines()[-1] == "ctxfold: error: no conversation to replay: the file was skipped"
 
 
+@pytest.mark.slow
 def test_calibrate_says_which_corpus_files_it_skipped(tmp_path: Path, traces_dir: Path) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -121,6 +121,7 @@ def test_metrics_count_every_request_of_every_worker(tmp_path: Path) -> None:
         proc.communicate(timeout=20)
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_stops_the_pool_with_an_error(tmp_path: Path) -> None:
     with pool(tmp_path, 3) as (proc, _url, pids):
         os.kill(pids[0], signal.SIGKILL)

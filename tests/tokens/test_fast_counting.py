@@ -146,6 +146,7 @@ def test_without_the_fast_counter_the_default_is_the_estimate_and_says_so(
     assert "the fast exact counter is not installed; pip install 'ctxfold[tokenizers]'" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_tekken_ranks_file_is_written_once_and_a_corrupt_one_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
