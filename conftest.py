@@ -28,4 +28,5 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if (config.args_source is not pytest.Config.ArgsSource.TESTPATHS
             or config.getoption("markexpr", "") != FAST_TIER or config.getoption("benchmark_enable", False)):
         return 0
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))

@@ -426,6 +426,27 @@ def test_an_archive_given_apart_that_refuses_writes_loses_nothing(counter: Token
     c.close()
 
 
+def test_the_asyncio_driver_writes_an_archive_given_apart(counter: TokenCounter, tmp_path: Path) -> None:
+    """AsyncCompactor commits after each step as the synchronous driver does, with no session directory
+    too: every output its passes archived is in the given archive when the step returns."""
+    store = ArchiveStore(tmp_path / "archive")
+    config = CompactConfig.preset("both", context_tokens=8000, max_output_tokens=512)
+    ac = AsyncCompactor(Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v4"),
+                                  store=store))
+
+    async def loop() -> None:
+        await ac.append(user("go"))
+        for k in range(30):
+            a = call("read", path=f"p{k}")
+            await ac.append(a)
+            await ac.append_tool_result(result(a, readme_lines(k * 50, 30)))
+            await ac.before_request()
+
+    asyncio.run(loop())
+    archived = {a.archive_id for e in ac.sync.events if e.applied for a in e.archived}
+    assert archived and archived <= set(store.ids())
+
+
 def test_a_session_directory_that_refuses_writes_loses_nothing(counter: TokenCounter, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:

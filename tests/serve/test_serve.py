@@ -533,12 +533,12 @@ def test_health_says_when_the_upstream_cannot_be_reached(tmp_path: Path) -> None
         srv.close()
 
 
-def _archive_one_output(url: str) -> tuple[dict[str, Any], str]:
+def _archive_one_output(url: str, headers: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """A conversation on the proxy at ``url`` whose tool output the next turn start archives: (its history,
     the archived output)."""
     big = "output line that is long enough to archive\n" * 50
     history = chat(("user", "start"))
-    post(url, history)
+    post(url, history, headers=headers)
     history["messages"] += [
         {"role": "assistant", "content": "echo: start"},
         {"role": "assistant", "content": None, "tool_calls": [
@@ -547,19 +547,22 @@ def _archive_one_output(url: str) -> tuple[dict[str, Any], str]:
         {"role": "assistant", "content": "echo: start"},
         {"role": "user", "content": "next"},
     ]
-    assert post(url, history).status_code == 200
+    assert post(url, history, headers=headers).status_code == 200
     return history, big
 
 
-def _recall(up: ScriptedUpstream, url: str, history: dict[str, Any], aid: str) -> str:
-    """What the proxy at ``url`` answers the model's read_archive call for ``aid`` with."""
+def _recall(up: ScriptedUpstream, url: str, history: dict[str, Any], aid: str, headers: dict[str, str] | None = None,
+            ) -> str:
+    """What the proxy at ``url`` answers the model's read_archive call for ``aid`` with, on the turn after
+    ``history``."""
     call = {"id": "c9", "type": "function", "function": {"name": "read_archive", "arguments": json.dumps({"id": aid})}}
     answers = iter([{"role": "assistant", "content": None, "tool_calls": [call]},
                     {"role": "assistant", "content": "done"}])
     up.answer_for = lambda body: next(answers)  # type: ignore[method-assign]
-    body = dict(history, messages=[*history["messages"], {"role": "assistant", "content": "echo: next"},
+    answered = "echo: " + history["messages"][-1]["content"]  # what the scripted upstream answered it
+    body = dict(history, messages=[*history["messages"], {"role": "assistant", "content": answered},
                                    {"role": "user", "content": "recall it"}])
-    assert post(url, body).json()["choices"][0]["message"]["content"] == "done"
+    assert post(url, body, headers=headers).json()["choices"][0]["message"]["content"] == "done"
     return str(up.received[-1]["messages"][-1]["content"])
 
 
@@ -610,6 +613,38 @@ def test_an_archive_url_that_refuses_writes_keeps_the_outputs_with_the_session(
         assert _recall(up, srv.url, history, aid).startswith(f"[read_archive id={aid} chars 0-{len(big)} of {len(big)}")
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("credential", [None, "Bearer tenant-a"], ids=["anonymous", "tenant"])
+def test_a_fork_reads_the_outputs_its_parent_kept_with_its_own_log(
+        upstream: tuple[ScriptedUpstream, str], tmp_path: Path, credential: str | None) -> None:
+    """Object storage refused an output, so the parent keeps it with its own log: a fork of that
+    conversation (an edited last turn) gets a copy with its own first batch and recalls it, whether the
+    archive is the conversation's own (anonymous) or the key's (a tenant's)."""
+    up, url = upstream
+    (tmp_path / "not-a-folder").write_text("in the way")
+    app, srv = start_proxy(url, tmp_path / "data", archive_url=str(tmp_path / "not-a-folder"), compact=ARCHIVE_EARLY)
+    headers = {"Authorization": credential} if credential is not None else None
+    try:
+        history, big = _archive_one_output(srv.url, headers)
+        (event,) = [e for e in app.sessions.loaded()[0].compactor.events if e.applied]
+        aid = event.archived[0].archive_id
+        history["messages"] += [{"role": "assistant", "content": "echo: next"}, {"role": "user", "content": "more"}]
+        assert post(srv.url, history, headers=headers).status_code == 200  # the archive pass is in the prefix now
+        forked = dict(history, messages=[*history["messages"][:-1], {"role": "user", "content": "something else"}])
+        assert post(srv.url, forked, headers=headers).status_code == 200
+        assert app.sessions.num_forks == 1
+        assert _recall(up, srv.url, forked, aid, headers).startswith(f"[read_archive id={aid} chars 0-{len(big)} of {len(big)}")
+    finally:
+        srv.close()
+
+
+def test_an_archive_url_of_an_unknown_kind_is_refused_at_startup(tmp_path: Path) -> None:
+    from ctxfold.errors import ArchiveError
+
+    with pytest.raises(ArchiveError, match="archive URL 'nosuchstorage://bucket/x'"):
+        ProxyApp(ProxyConfig(upstream="http://127.0.0.1:9/v1", data_dir=tmp_path / "data",
+                             archive_url="nosuchstorage://bucket/x"))
 
 
 def test_cli_rejects_bad_settings_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -187,7 +187,8 @@ class JournalArchive:
         self.journal._blobs[ARCHIVE_BLOB_PREFIX + name] = bytes(data)
 
     def pending_names(self) -> set[str]:
-        return {b.removeprefix(ARCHIVE_BLOB_PREFIX) for b in self.journal._blobs if b.startswith(ARCHIVE_BLOB_PREFIX)}
+        # A snapshot first (one C call under the GIL): the committing thread may drop names meanwhile.
+        return {b.removeprefix(ARCHIVE_BLOB_PREFIX) for b in tuple(self.journal._blobs) if b.startswith(ARCHIVE_BLOB_PREFIX)}
 
     def names(self) -> Iterator[str]:
         committed = set(self.committed.names()) if self.committed is not None else set()

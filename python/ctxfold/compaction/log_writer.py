@@ -21,6 +21,7 @@ journal, first in line for the next commit, and the failure is logged once and k
 
 from __future__ import annotations
 
+import errno
 import logging
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from ctxfold.compaction.eventlog import ResumedState
 from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Batch, Journal, JournalArchive
 from ctxfold.compaction.session import Session
 from ctxfold.compaction.store.buffer import BufferedLog
+from ctxfold.errors import ArchiveError
 
 log = logging.getLogger("ctxfold.compaction.compactor")  # what a compactor's user configures
 
@@ -74,8 +76,9 @@ class LogWriter:
         backend: Backend = MemoryBackend()
         index_path = None
         if self.external is not None and self.journal is not None:
+            # Its own search index (a temporary one): the given archive's file may be shared by
+            # compactors whose pending outputs differ, and each would drop the others' from it.
             backend = JournalArchive(self.journal, committed=self.external.backend)
-            index_path = self.external.index_path
         elif self.directory is not None and self.journal is not None:
             backend = self.directory.journal_archive(self.journal)
             index_path = self.directory.archive_dir / INDEX_FILE  # kept between processes
@@ -136,7 +139,10 @@ class LogWriter:
         kept = []
         for name, data in batch.blobs:
             if name.startswith(ARCHIVE_BLOB_PREFIX):
-                self.external.backend.write_atomic(name[len(ARCHIVE_BLOB_PREFIX):], data)
+                try:
+                    self.external.backend.write_atomic(name[len(ARCHIVE_BLOB_PREFIX):], data)
+                except (ValueError, ArchiveError) as e:  # a backend's refusal in its own words: a refusal
+                    raise OSError(errno.EIO, f"{type(e).__name__}: {e}") from e
             else:
                 kept.append((name, data))
         return Batch(tuple(kept), batch.events)

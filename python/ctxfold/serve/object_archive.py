@@ -16,10 +16,12 @@ in a local archive directory.
 from __future__ import annotations
 
 import asyncio
+import functools
 
-from ctxfold.compaction.archive.store import Backend, open_backend
+from ctxfold.compaction.archive.store import Backend, as_oserror, open_backend
 from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX
 from ctxfold.compaction.store.base import BLOB_NAME_PATTERN
+from ctxfold.errors import ArchiveError
 
 
 def archive_prefix(key: str, session_id: str) -> str:
@@ -31,13 +33,25 @@ def archive_prefix(key: str, session_id: str) -> str:
 
 class ObjectArchives:
     """Archived outputs under one fsspec URL (s3://, gs://, memory://, a path). Blob names are the
-    store's (``archive/<sha256>.txt``); OSError (FileNotFoundError for a missing one) when storage fails."""
+    store's (``archive/<sha256>.txt``); OSError (FileNotFoundError for a missing one) when storage fails,
+    whatever its client raised. The URL is checked when this is made: ArchiveError when it cannot name
+    storage (its package missing, its scheme unknown), said once at startup rather than on every request."""
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
+        try:
+            open_backend(self.url)
+        except ArchiveError:
+            raise  # fsspec missing: it says how to install it
+        except OSError:
+            pass  # storage that fails now is handled at each call, as it is later
+        except Exception as e:  # noqa: BLE001 - fsspec says an unknown scheme or a bad URL its own way
+            raise ArchiveError(f"archive URL {url!r}: {type(e).__name__}: {e}") from None
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one per proxy; a backend per conversation recently used
     def _backend(self, prefix: str) -> Backend:
-        return open_backend(f"{self.url}/{prefix}")  # cheap: fsspec keeps one client per storage
+        with as_oserror():
+            return open_backend(f"{self.url}/{prefix}")
 
     async def get(self, prefix: str, name: str) -> bytes:
         return await asyncio.to_thread(self._backend(prefix).read_bytes, _file(name))

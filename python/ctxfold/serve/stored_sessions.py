@@ -33,6 +33,7 @@ from typing import Any
 from ctxfold.chat.messages import Conversation
 from ctxfold.compaction.compactor import Compactor
 from ctxfold.compaction.eventlog import encode_event
+from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX
 from ctxfold.compaction.store import (
     Batch,
     BufferedLog,
@@ -106,7 +107,7 @@ class StoredSessions:
         self.owner = owner
         # Where archived outputs live when not among the store's blobs: object storage (--archive-url).
         self.archives = archives
-        self._archive_error: str | None = None  # why the last write to it failed (logged when it changes)
+        self._archive_error: str | None = None  # the kind of the last failure to write it (logged when it changes)
         self._note_quarantine = note_quarantine
         # The data directory's per-tenant accounts (serve.quota), for a local store; a shared store keeps its own.
         self.quota = quota
@@ -410,21 +411,7 @@ class StoredSessions:
                     event["conversation"] = {**event["conversation"], "id": session_id}
                 event["seq"] = len(kept)
                 kept.append(event)
-            if is_anonymous_key(key):  # its own archive: what its history refers to (see archive_dir)
-                found: dict[str, bytes] = {}
-                for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(
-                        b"".join(encode_event(e) for e in kept))):
-                    try:
-                        found[aid] = await self._get_blob(key, parent_id, f"archive/{aid}.txt")
-                    except FileNotFoundError:
-                        continue
-                    except OSError as e:  # object storage: the fork goes on, that output unreadable in it
-                        log.warning("archived output %s of session %s not copied to its fork: %s", aid[:12], parent_id, e)
-                for aid, data in found.items():
-                    try:
-                        await self._put_archived(key, session_id, f"archive/{aid}.txt", data)
-                    except OSError:  # object storage: with the fork's first batch, under its own name
-                        blobs.append((f"archive/{aid}.txt", data))
+            await self._copy_archived(key, parent_id, session_id, kept, blobs)
             await store.append(lease, Batch(tuple(blobs), tuple(kept)))
             compactor, blog = await self._build(key, session_id, Conversation(messages=[]),
                                                 StoredSession(session_id, kept))
@@ -444,6 +431,34 @@ class StoredSessions:
             s.note_wire([])
         s.log_nbytes = records_nbytes(kept)
         return s
+
+    async def _copy_archived(self, key: ConversationKey, parent_id: str, session_id: str,
+                             kept: list[dict[str, Any]], blobs: list[tuple[str, bytes]]) -> None:
+        """Copy the archived outputs a fork's history (``kept``) refers to where the fork reads them. An
+        anonymous conversation's archive is its own: all of them, to the fork's (or with its first batch,
+        ``blobs``, when that refuses them). A tenant's is the key's, shared: only those kept with the
+        parent's own log (where its archive refused them), with the fork's first batch. A read that fails
+        other than for a missing output raises StoreUnavailable: the request passes through rather than
+        fork without it."""
+        own = set(await self.store.blob_names(parent_id))
+        for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(b"".join(encode_event(e) for e in kept))):
+            name = f"{ARCHIVE_BLOB_PREFIX}{aid}.txt"
+            if name not in own and not is_anonymous_key(key):
+                continue  # in the key's archive, which the fork shares
+            try:
+                data = await self._get_blob(key, parent_id, name)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise StoreUnavailable(f"archived output {aid[:12]} of session {parent_id} cannot be read for "
+                                       f"its fork: {e}") from e
+            if name in own:
+                blobs.append((name, data))
+                continue
+            try:
+                await self._put_archived(key, session_id, name, data)
+            except OSError:  # object storage refuses it: with the fork's first batch, as a commit does
+                blobs.append((name, data))
 
     async def commit(self, session: ProxySession, *, unless_only_appends: bool = False,
                      release: bool = False) -> None:
@@ -482,7 +497,7 @@ class StoredSessions:
         except Spooled:
             session.log_nbytes += records_nbytes(batch.events)
             raise
-        except (StoreError, ValueError):
+        except BaseException:  # the batch was taken: memory is ahead of the store, which is read again
             session.broken = True
             raise
         session.log_nbytes += records_nbytes(batch.events)
@@ -503,11 +518,12 @@ class StoredSessions:
                 await self._put_archived(session.key, session.store_id or "", name, data)
         except StoreUnavailable:
             return False
-        except OSError as e:  # object storage: said once per change of reason, and on /health's log
-            if str(e) != self._archive_error:
+        except OSError as e:  # object storage: said once per kind of failure (its text names a session's path)
+            kind = f"{type(e).__name__} {e.errno}"
+            if kind != self._archive_error:
                 log.warning("archived outputs cannot be written to %s (%s); they are kept with each session's "
                             "own log instead, where recalls read them", self.archives.url if self.archives else "the store", e)
-            self._archive_error = str(e)
+            self._archive_error = kind
             return False
         if self._archive_error is not None:
             log.warning("archived outputs are written to %s again", self.archives.url if self.archives else "the store")

@@ -250,19 +250,19 @@ class FsspecBackend:
         return f"{self.root}/{name}"
 
     def exists(self, name: str) -> bool:
-        with _as_oserror():
+        with as_oserror():
             return bool(self.fs.exists(self._path(name)))
 
     def read_bytes(self, name: str) -> bytes:
-        with _as_oserror():
+        with as_oserror():
             return bytes(self.fs.cat_file(self._path(name)))
 
     def write_atomic(self, name: str, data: bytes) -> None:
-        with _as_oserror():
+        with as_oserror():
             self.fs.pipe_file(self._path(name), data)
 
     def names(self) -> Iterator[str]:
-        with _as_oserror():
+        with as_oserror():
             try:
                 entries = self.fs.ls(self.root, detail=False)
             except FileNotFoundError:
@@ -272,7 +272,7 @@ class FsspecBackend:
 
 
 @contextmanager
-def _as_oserror() -> Iterator[None]:
+def as_oserror() -> Iterator[None]:
     """Storage clients raise their own errors (botocore, google.api_core); the store handles OSError."""
     try:
         yield
