@@ -33,7 +33,7 @@ class AsyncCompactor:
             try:
                 return await run_async(step, self.sync._lock, cancel=cancel)
             finally:
-                if self.sync.commits:
+                if self.sync._log.commits:  # a session directory, an archive given apart
                     await asyncio.to_thread(self.sync.commit)
 
     async def before_request(self, queued: Sequence[Message] = (), *, max_reply_tokens: int | None = None,

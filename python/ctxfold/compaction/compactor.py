@@ -573,11 +573,6 @@ class Compactor:
             self._log.commit()
 
     @property
-    def commits(self) -> bool:
-        """Whether this compactor persists its journal itself (a session directory, an archive given apart)."""
-        return self._log.commits
-
-    @property
     def session(self) -> Session | None:
         """The session directory this compactor commits to (its ``root``, ``restore()``), None without one."""
         return self._log.directory

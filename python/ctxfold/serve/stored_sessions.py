@@ -220,21 +220,15 @@ class StoredSessions:
     async def _get_blob(self, key: ConversationKey, session_id: str, name: str) -> bytes:
         """An archived output: from where the session's archive lives, else from the session's own blobs
         (where a commit puts what that place would not take). FileNotFoundError when in neither."""
-        store = self.store
-        if self.archives is None:
-            try:
-                return await store.get_blob(self._archive_id(key, session_id), name)
-            except FileNotFoundError:
-                return await store.get_blob(session_id, name)
         try:
-            return await self.archives.get(archive_prefix(key, session_id), name)
+            if self.archives is not None:
+                return await self.archives.get(archive_prefix(key, session_id), name)
+            return await self.store.get_blob(self._archive_id(key, session_id), name)
         except OSError as e:
             try:
-                return await store.get_blob(session_id, name)
+                return await self.store.get_blob(session_id, name)
             except FileNotFoundError:
-                if isinstance(e, FileNotFoundError):
-                    raise
-                raise e from None  # object storage failed: that is the reason the read fails
+                raise e from None  # not there either: why the archive's place failed is the reason
 
     def _store_path(self, session_id: str) -> Path:
         return self.data_dir / session_id  # never written: names the key (key_of, archive_prefix)
@@ -434,12 +428,9 @@ class StoredSessions:
 
     async def _copy_archived(self, key: ConversationKey, parent_id: str, session_id: str,
                              kept: list[dict[str, Any]], blobs: list[tuple[str, bytes]]) -> None:
-        """Copy the archived outputs a fork's history (``kept``) refers to where the fork reads them. An
-        anonymous conversation's archive is its own: all of them, to the fork's (or with its first batch,
-        ``blobs``, when that refuses them). A tenant's is the key's, shared: only those kept with the
-        parent's own log (where its archive refused them), with the fork's first batch. A read that fails
-        other than for a missing output raises StoreUnavailable: the request passes through rather than
-        fork without it."""
+        """Copy the outputs a fork's history (``kept``) names where it reads them: an anonymous one's to its archive
+        (its own), those the parent kept with its log, or the archive refuses, to its first batch (``blobs``).
+        StoreUnavailable for a failed read: no fork without one."""
         own = set(await self.store.blob_names(parent_id))
         for aid in dict.fromkeys(m.decode() for m in _ARCHIVE_ID.findall(b"".join(encode_event(e) for e in kept))):
             name = f"{ARCHIVE_BLOB_PREFIX}{aid}.txt"
@@ -513,6 +504,7 @@ class StoredSessions:
         """Write a batch's archived outputs where the session's archive lives; False when that refuses them
         (they then go with the batch, under the session's own name: spooled with its events when the
         store is down, and read from there)."""
+        where = self.archives.url if self.archives is not None else "the store"
         try:
             for name, data in blobs:
                 await self._put_archived(session.key, session.store_id or "", name, data)
@@ -522,11 +514,11 @@ class StoredSessions:
             kind = f"{type(e).__name__} {e.errno}"
             if kind != self._archive_error:
                 log.warning("archived outputs cannot be written to %s (%s); they are kept with each session's "
-                            "own log instead, where recalls read them", self.archives.url if self.archives else "the store", e)
+                            "own log instead, where recalls read them", where, e)
             self._archive_error = kind
             return False
         if self._archive_error is not None:
-            log.warning("archived outputs are written to %s again", self.archives.url if self.archives else "the store")
+            log.warning("archived outputs are written to %s again", where)
             self._archive_error = None
         return True
 
