@@ -49,6 +49,11 @@ class Batch:
     def __bool__(self) -> bool:
         return bool(self.blobs or self.events)
 
+    def split_archived(self) -> tuple[list[tuple[str, bytes]], Batch]:
+        """(its archived outputs, the batch without them): for a driver that stores those elsewhere."""
+        archived = [(n, d) for n, d in self.blobs if n.startswith(ARCHIVE_BLOB_PREFIX)]
+        return archived, Batch(tuple((n, d) for n, d in self.blobs if not n.startswith(ARCHIVE_BLOB_PREFIX)), self.events)
+
 
 def history_dump_text(messages: Sequence[Message], conversation: Conversation, *, first_index: int = 0,
                       previous: str | None = None) -> str:

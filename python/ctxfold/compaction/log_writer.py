@@ -30,7 +30,7 @@ from ctxfold.compaction.archive import ArchiveStore, MemoryBackend
 from ctxfold.compaction.archive.index import INDEX_FILE
 from ctxfold.compaction.archive.store import Backend
 from ctxfold.compaction.eventlog import ResumedState
-from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Batch, Journal, JournalArchive
+from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Journal, JournalArchive
 from ctxfold.compaction.session import Session
 from ctxfold.compaction.store.buffer import BufferedLog
 from ctxfold.errors import ArchiveError
@@ -119,7 +119,10 @@ class LogWriter:
         # (a recall tool) finds a blob in one place or the other throughout.
         batch = journal.pending()
         try:
-            rest = self._write_archived(batch) if self.external is not None else batch
+            rest = batch
+            if self.external is not None:
+                archived, rest = batch.split_archived()
+                _write_archived(self.external, archived)
             if self.directory is not None:
                 self.directory.commit(rest)
         except OSError as e:
@@ -132,20 +135,6 @@ class LogWriter:
         if self.unwritten is not None:
             log.warning("%s is written again: nothing was lost", self._where())
         self.unwritten = None
-
-    def _write_archived(self, batch: Batch) -> Batch:
-        """Write ``batch``'s archived outputs to the archive given apart: the batch without them."""
-        assert self.external is not None
-        kept = []
-        for name, data in batch.blobs:
-            if name.startswith(ARCHIVE_BLOB_PREFIX):
-                try:
-                    self.external.backend.write_atomic(name[len(ARCHIVE_BLOB_PREFIX):], data)
-                except (ValueError, ArchiveError) as e:  # a backend's refusal in its own words: a refusal
-                    raise OSError(errno.EIO, f"{type(e).__name__}: {e}") from e
-            else:
-                kept.append((name, data))
-        return Batch(tuple(kept), batch.events)
 
     def _where(self) -> str:
         if self.directory is None:
@@ -165,3 +154,12 @@ class LogWriter:
         finally:
             if self.directory is not None:
                 self.directory.close()
+
+
+def _write_archived(archive: ArchiveStore, blobs: list[tuple[str, bytes]]) -> None:
+    """Write archived outputs (``archive/<name>`` blobs) to ``archive``; OSError when it refuses one."""
+    for name, data in blobs:
+        try:
+            archive.backend.write_atomic(name[len(ARCHIVE_BLOB_PREFIX):], data)
+        except (ValueError, ArchiveError) as e:  # a backend's refusal in its own words: a refusal
+            raise OSError(errno.EIO, f"{type(e).__name__}: {e}") from e

@@ -480,10 +480,10 @@ class StoredSessions:
             raise LeaseLost(f"session {session.store_id}: written outside a request's lease")
         store = self.store
         rest = batch
-        archive = [(n, d) for n, d in batch.blobs if n.startswith("archive/")]
+        archive, without = batch.split_archived()
         try:
             if archive and await self._write_archived(session, archive):
-                rest = Batch(tuple((n, d) for n, d in batch.blobs if not n.startswith("archive/")), batch.events)
+                rest = without
             await store.append(lease, rest, release=release)
         except Spooled:
             session.log_nbytes += records_nbytes(batch.events)
