@@ -36,6 +36,11 @@ class ArchiveError(CtxfoldError):
     """An archive could not be written or read."""
 
 
+class LogBacklogError(CtxfoldError, OSError):
+    """A session's log has been refused writes (a full disk, an archive that refuses) for so long that what
+    waits for it in memory is over its bound: the call that raised it did nothing, and nothing is lost."""
+
+
 class IntegrityError(CtxfoldError):
     """A conversation breaks a structural invariant (orphan tool result, split tool-call group)."""
 

@@ -13,16 +13,19 @@ from pathlib import Path
 import pytest
 
 from ctxfold.chat.formats import load
-from ctxfold.chat.messages import Conversation, Message, Role
+from ctxfold.chat.messages import Conversation, Message, Role, ToolCall
+from ctxfold.compaction.archive_pass import archive_pass
 from ctxfold.compaction.compactor import AsyncCompactor, Compactor
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.effects import SummaryCall, no_calls, run_async, run_sync
+from ctxfold.compaction.outcome import settle
 from ctxfold.compaction.summarize import (
     CallableSummarizer,
     ExtractiveSummarizer,
     SummaryRequest,
     SummaryResult,
 )
+from ctxfold.compaction.summary_pass import summary_pass
 from ctxfold.demo import demo_conversation
 from ctxfold.replay import default_reply_reserve, feed_recorded
 from ctxfold.tokens.counting import load_counter
@@ -179,3 +182,40 @@ def test_run_sync_returns_a_steps_outcome_without_calls() -> None:
 
     assert run_sync(plain()) == 42  # type: ignore[arg-type]
     assert no_calls(plain()) == 42  # type: ignore[arg-type]
+
+
+def snapshot(c: Compactor) -> tuple[object, ...]:
+    """Everything of a compactor a pass could change, by value and by identity."""
+    turn = c.state.turn
+    return ([id(m) for m in c.view], list(c.view_origins), len(c.events), turn.failures, turn.gave_up,
+            c._rewrites, c._dumped, c._history_id, c._archive_watermark, c.occupancy_tokens())
+
+
+@pytest.mark.parametrize("kind", ["summary", "archive"])
+def test_a_pass_only_plans_and_settle_applies_the_plan(kind: str) -> None:
+    """A pass reads the compactor and returns its plan (ctxfold.compaction.outcome): the view, the
+    turn's breaker, the rewrite's bookkeeping and the event list change only when the plan is settled,
+    and settling it gives the view it planned."""
+    c = Compactor(Conversation([]), config=CompactConfig.preset("both", context_tokens=65536), counter=COUNTER)
+    for m in long_conversation(30).messages:
+        c.append(m)
+        if m.role is Role.USER:
+            c.before_request()
+        elif kind == "archive":  # and a bulky tool output after each answer
+            call = ToolCall(f"call-{m.id}", "shell", "{}")
+            c.append(Message(Role.ASSISTANT, "", id=f"c-{m.id}", tool_calls=(call,)))
+            c.append_tool_result(Message(Role.TOOL, "log line\n" * 800, id=f"r-{m.id}", tool_call_id=call.id,
+                                         name="shell"))
+    before = snapshot(c)
+    if kind == "summary":
+        planned = run_sync(summary_pass(c, trigger="manual", reason="test", mid_turn=False))
+    else:
+        planned = archive_pass(c, stage="all", trigger="guard", reason="test")
+    assert snapshot(c) == before
+    assert planned.event is not None and planned.rewrite is not None
+    event = settle(c, planned)
+    assert event is not None and event.applied and event.tokens_after < event.tokens_before
+    assert c.view == planned.rewrite.view and c.view_origins == planned.rewrite.origins
+    assert c.events[-1] is event and snapshot(c) != before
+    if kind == "summary":
+        assert c._rewrites == before[5] + 1 and event.kv is not None and event.cost is not None

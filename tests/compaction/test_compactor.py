@@ -25,6 +25,7 @@ from ctxfold.compaction.compactor import AsyncCompactor, CompactionEvent, Compac
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.session import Session
 from ctxfold.compaction.summarize import CallableSummarizer, OpenAICompatibleSummarizer, SummaryRequest
+from ctxfold.errors import LogBacklogError
 from ctxfold.tokens.counting import TokenCounter, load_counter
 from ctxfold.tokens.templates import get_template
 from helpers.scripted_server import ScriptedServer
@@ -381,6 +382,21 @@ class FullDisk(LocalBackend):
         super().write_atomic(name, data)
 
 
+class RefusingSessionDisk:
+    """Session directories' commits refused (a full disk) while ``full``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.full = True
+        real_commit = Session.commit
+
+        def commit(session: Session, batch: Any) -> None:
+            if self.full:
+                raise OSError(28, "No space left on device")
+            real_commit(session, batch)
+
+        monkeypatch.setattr(Session, "commit", commit)
+
+
 @pytest.mark.parametrize("with_session", [True, False], ids=["session", "no-session"])
 def test_an_archive_given_apart_that_refuses_writes_loses_nothing(counter: TokenCounter, tmp_path: Path,
                                                                   with_session: bool) -> None:
@@ -456,15 +472,7 @@ def test_a_session_directory_that_refuses_writes_loses_nothing(counter: TokenCou
     c = make(counter, tmp_path, policy="both", context_tokens=8000, max_output_tokens=512)
     c.append(user("go"))
     c.before_request()
-    real_commit = Session.commit
-    full = True
-
-    def commit(self: Session, batch: Any) -> None:
-        if full:
-            raise OSError(28, "No space left on device")
-        real_commit(self, batch)
-
-    monkeypatch.setattr(Session, "commit", commit)
+    disk = RefusingSessionDisk(monkeypatch)
     for k in range(30):
         a = call("read", path=f"p{k}")
         c.append(a)
@@ -475,13 +483,50 @@ def test_a_session_directory_that_refuses_writes_loses_nothing(counter: TokenCou
     assert sum("cannot be written" in r.message for r in caplog.records) == 1  # said once, not per call
     with pytest.raises(OSError, match="No space left"):
         c.flush()
-    full = False
+    disk.full = False
     c.append(user("the disk has room again"))
     assert c.unwritten is None
     assert "written again" in caplog.text
     assert Session(tmp_path / "session").restore().messages == c.originals
     resumed = make(counter, tmp_path)
     assert resumed.view == c.view and resumed.view_origins == c.view_origins
+    c.close()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_what_waits_for_a_refusing_session_directory_is_bounded(counter: TokenCounter, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch, driver: str) -> None:
+    """While the disk refuses the session's writes, what waits in memory grows only to its bound: past it,
+    a call tries the commit, and while it is still refused raises LogBacklogError before it changes
+    anything; once the disk has room the same call goes through and the directory holds everything."""
+    config = CompactConfig.preset("both", context_tokens=8000, max_output_tokens=512)
+    c = Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v4"),
+                  session_dir=tmp_path / "session", durable=False, max_unwritten_bytes=20_000)
+    disk = RefusingSessionDisk(monkeypatch)
+    c.append(user("go"))
+    refused = None
+    for k in range(40):
+        a = call("read", path=f"p{k}")
+        try:
+            if driver == "sync":
+                c.before_request()
+            else:
+                asyncio.run(AsyncCompactor(c).before_request())
+            c.append(a)
+            c.append_tool_result(result(a, readme_lines(k * 50, 30)))
+        except LogBacklogError as e:
+            refused = e
+            break
+    assert refused is not None and "No space left" in str(refused) and "20,000 bytes bound" in str(refused)
+    assert c._log.unwritten_nbytes > 20_000
+    view, originals, events = list(c.view), list(c.originals), len(c.events)
+    with pytest.raises(LogBacklogError, match="nothing is lost"):
+        c.append(user("still full"))
+    assert (c.view, c.originals, len(c.events)) == (view, originals, events)  # the refused call did nothing
+    disk.full = False
+    c.append(user("the disk has room again"))
+    assert c.unwritten is None
+    assert Session(tmp_path / "session").restore().messages == c.originals
     c.close()
 
 

@@ -14,17 +14,20 @@ from typing import TYPE_CHECKING
 from ctxfold.chat.messages import Message, Role
 from ctxfold.compaction.archive import ArchivePass, archive_mid_turn, archive_turn_start
 from ctxfold.compaction.events import ArchivedOutput, CompactionEvent
+from ctxfold.compaction.outcome import PassOutcome, Rewrite
 
 if TYPE_CHECKING:
     from ctxfold.compaction.compactor import Compactor
 
 
 def archive_pass(c: Compactor, *, stage: str, trigger: str, reason: str,
-                  guard_step: str | None = None) -> CompactionEvent | None:
+                 guard_step: str | None = None) -> PassOutcome:
     """The turn-start pass (``stage="turn_start"``), the mid-turn stage (``"mid_turn"``: all but the
-    newest outputs) or the guard's (``"all"``: the newest outputs too)."""
+    newest outputs) or the guard's (``"all"``: the newest outputs too), planned
+    (:func:`~ctxfold.compaction.outcome.settle` applies it). No event when there was nothing to do."""
     t0 = time.perf_counter()
     params = c._archive_params
+    judged: int | None = None
     if stage == "turn_start":
         # Outputs before the previous cutoff were judged at an earlier turn start (archived, or
         # too small): scan only what the window slid past since, so a turn start with nothing
@@ -32,13 +35,12 @@ def archive_pass(c: Compactor, *, stage: str, trigger: str, reason: str,
         cutoff = turn_start_cutoff(c)
         lo = c._archive_watermark
         if cutoff <= lo:
-            return None
+            return PassOutcome(None)
         if not worth_archiving(c, c.view[lo:cutoff]):  # judged: nothing there to archive
-            c._archive_watermark = cutoff
-            return None
+            return PassOutcome(None, archive_watermark=cutoff)
         part = archive_turn_start(c.view[lo:], c.store, params, count_tokens=c.counter.count)
         if part.report.error is None:
-            c._archive_watermark = cutoff
+            judged = cutoff
         result = ArchivePass(c.view[:lo] + part.messages if part.report.archived else c.view, part.report)
     else:
         if stage == "all":
@@ -46,23 +48,17 @@ def archive_pass(c: Compactor, *, stage: str, trigger: str, reason: str,
         result = archive_mid_turn(c.view, c.store, params, count_tokens=c.counter.count)
     report = result.report
     if not report.archived and report.error is None:
-        return None  # nothing to do: no event, no log line
+        return PassOutcome(None, archive_watermark=judged)  # nothing to do: no event, no log line
     before = c.occupancy_tokens()
-    if report.archived:
-        unseen = c.state.unseen_start()
-        c._rewrite(result.messages, list(c.view_origins))
-        c.state.keep_unseen_position(unseen)  # the pass keeps positions; the unseen one may be a marker now
     event = CompactionEvent(
         kind="archive", trigger=trigger, reason=reason, applied=bool(report.archived),
-        tokens_before=before, tokens_after=c.occupancy_tokens(),
+        tokens_before=before, tokens_after=before,
         archived=tuple(ArchivedOutput(a.message_id, a.archive_id, a.chars_before, a.chars_after)
                        for a in report.archived),
         failure=report.error, seconds={"archive": time.perf_counter() - t0}, guard_step=guard_step,
     )
-    if report.archived:
-        c._log_view(event)
-    c._record(event)
-    return event
+    rewrite = Rewrite(result.messages, list(c.view_origins)) if report.archived else None
+    return PassOutcome(event, rewrite, archive_watermark=judged)
 
 
 def archive_due(c: Compactor, extra: Sequence[Message] = ()) -> bool:

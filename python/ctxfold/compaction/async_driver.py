@@ -30,11 +30,17 @@ class AsyncCompactor:
 
     async def _run(self, step: Step[T], cancel: asyncio.Event | None = None) -> T:
         async with self._lock:
+            if self.sync._log.unwritten is not None:  # a refused log may be over its bound (LogWriter.call)
+                await asyncio.to_thread(self._check_room)
             try:
                 return await run_async(step, self.sync._lock, cancel=cancel)
             finally:
                 if self.sync._log.commits:  # a session directory, an archive given apart
                     await asyncio.to_thread(self.sync.commit)
+
+    def _check_room(self) -> None:
+        with self.sync._lock:
+            self.sync._log.check_room()
 
     async def before_request(self, queued: Sequence[Message] = (), *, max_reply_tokens: int | None = None,
                              cancel: asyncio.Event | None = None) -> CompactionEvent | None:

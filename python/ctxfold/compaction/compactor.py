@@ -17,8 +17,9 @@ Lifecycle, as an agent loop drives it::
     c.compact_now()                        # manual: always a summary pass
 
 The passes live in :mod:`ctxfold.compaction` (policy, archive pass, summary pass, window guard), ask
-for summaries instead of calling a model (:mod:`ctxfold.compaction.effects`) and write into the
-conversation's journal instead of a file (:mod:`ctxfold.compaction.journal`). This class holds the
+for summaries instead of calling a model (:mod:`ctxfold.compaction.effects`), write into the
+conversation's journal instead of a file (:mod:`ctxfold.compaction.journal`) and return their rewrite as
+a plan that :func:`~ctxfold.compaction.outcome.settle` applies to this object. This class holds the
 state and is the synchronous driver: it commits the journal to the session directory at the end of
 every call (a disk that refuses it does not stop the conversation: see :attr:`Compactor.unwritten`);
 :class:`AsyncCompactor` drives the same steps on an event loop.
@@ -55,7 +56,8 @@ from ctxfold.compaction.events import (
 from ctxfold.compaction.guard import guard
 from ctxfold.compaction.journal import Journal
 from ctxfold.compaction.kv import MIN_SHIFT_TOKENS
-from ctxfold.compaction.log_writer import LogWriter
+from ctxfold.compaction.log_writer import MAX_UNWRITTEN_BYTES, LogWriter
+from ctxfold.compaction.outcome import settle, settle_summary
 from ctxfold.compaction.policy import Policy
 from ctxfold.compaction.rebuild import (
     SAMPLE_ARCHIVE_ID,
@@ -105,6 +107,7 @@ class Compactor:
         store: ArchiveStore | None = None,
         durable: bool = True,
         fsync_appends: bool = True,
+        max_unwritten_bytes: int = MAX_UNWRITTEN_BYTES,
         page_size_tokens: int = 16,
         kv_plan: str = "segments",
         observer: Observer | None = None,
@@ -150,7 +153,8 @@ class Compactor:
         # What the core writes goes into the conversation's journal, never to disk: the writer opens it
         # and persists it, where this class is the driver that must (ctxfold.compaction.log_writer).
         # The archive given (shared, object storage) or the session's own: written through the journal.
-        self._log = LogWriter(session_dir, session_log, archive=store, durable=durable, fsync_appends=fsync_appends)
+        self._log = LogWriter(session_dir, session_log, archive=store, durable=durable, fsync_appends=fsync_appends,
+                              max_unwritten_bytes=max_unwritten_bytes)
         self.journal: Journal | None = self._log.journal if self._log.keeps_log else None  # what the core logs to
         self.store = self._log.archive()
 
@@ -336,10 +340,8 @@ class Compactor:
     def append(self, *messages: Message) -> None:
         """Append messages as they happen (user turns, assistant answers). Tool results should go
         through :meth:`append_tool_result`, which applies the hard trigger."""
-        with self._lock:
+        with self._lock, self._log.call():
             self._ingest(messages)
-            if self._log.commits:
-                self._log.commit()
 
     def append_tool_result(self, result: Message) -> AppendResult:
         """Append one tool result; if it would not fit with the reply reserve, compact and retry once,
@@ -355,12 +357,12 @@ class Compactor:
         events: list[CompactionEvent] = []
         reason = "tool result would exceed context"
         if self.policy.archive_enabled(mid_turn=True):
-            ev = archive.archive_pass(self, stage="mid_turn", trigger="hard", reason=reason)
+            ev = settle(self, archive.archive_pass(self, stage="mid_turn", trigger="hard", reason=reason))
             if ev is not None:
                 events.append(ev)
         if not self._fits(result):
-            events.append((yield from summary_pass(self, trigger="hard", reason=reason,
-                                                   mid_turn=not self.state.at_turn_start())))
+            events.append(settle_summary(self, (yield from summary_pass(self, trigger="hard", reason=reason,
+                                                                        mid_turn=not self.state.at_turn_start()))))
         if self._fits(result):
             self._ingest([result])
             return AppendResult(result, fitted=True, events=tuple(events))
@@ -429,7 +431,7 @@ class Compactor:
 
     def compact_now_step(self, reason: str = "manual compaction") -> Step[CompactionEvent]:
         """:meth:`compact_now` as a step for a driver (:mod:`ctxfold.compaction.effects`)."""
-        return summary_pass(self, trigger="manual", reason=reason, mid_turn=False, manual=True)
+        return settle_summary(self, (yield from summary_pass(self, trigger="manual", reason=reason, mid_turn=False)))
 
     def request_step(self, new: Sequence[Message], *, quiet: bool = False) -> Step[list[CompactionEvent]]:
         """A model request that brings ``new`` messages, as a step: tool results through the hard trigger
@@ -455,8 +457,9 @@ class Compactor:
         cfg = self.config
         last: CompactionEvent | None = None
         if turn_start and self.policy.archive_enabled(mid_turn=False):
-            last = archive.archive_pass(self, stage="turn_start", trigger="turn_start",
-                                        reason=f"more than {cfg.minor.keep_recent_user_turns} user turns") or last
+            last = settle(self, archive.archive_pass(self, stage="turn_start", trigger="turn_start",
+                                                     reason=f"more than {cfg.minor.keep_recent_user_turns} "
+                                                     "user turns")) or last
         ctx = self.context_tokens
         if ctx is None:
             return last  # unknown window: token triggers are skipped
@@ -465,13 +468,15 @@ class Compactor:
         used = self.occupancy_tokens(queued)
         archive_line = self.policy.mid_turn_archive_line_tokens(ctx)
         if not turn_start and archive_line is not None and used >= archive_line:
-            last = archive.archive_pass(self, stage="mid_turn", trigger="mid_turn", reason=f"mid-turn occupancy over "
-                                        f"{cfg.minor.mid_turn_token_threshold:.0%} of the window") or last
+            last = settle(self, archive.archive_pass(self, stage="mid_turn", trigger="mid_turn",
+                                                     reason=f"mid-turn occupancy over "
+                                                     f"{cfg.minor.mid_turn_token_threshold:.0%} of the window")) or last
             used = self.occupancy_tokens(queued)
         trigger = self.policy.summary_trigger(used, ctx, turn_start=turn_start)
         if trigger is not None and not cost.waits(self, used, ctx, queued):  # the minimum-gain rule
             kind, reason = trigger
-            last = yield from summary_pass(self, trigger=kind, reason=reason, mid_turn=not turn_start, queued=queued)
+            last = settle_summary(self, (yield from summary_pass(self, trigger=kind, reason=reason,
+                                                                 mid_turn=not turn_start, queued=queued)))
         return last
 
     def _summary_frame_tokens(self) -> int:
@@ -506,11 +511,6 @@ class Compactor:
         count = self.counter.count
         n = count(m.text) + (count(m.reasoning) if m.reasoning else 0)
         return n + sum(count(c.name) + count(c.arguments) for c in m.tool_calls)
-
-    def _rewrite(self, view: list[Message], origins: list[int]) -> None:
-        self.state.replace(view, origins)
-        self._accounting.reset(self.header, view)
-        self._pending_bound_tokens = 0
 
     def _state(self) -> dict[str, Any]:
         turn = self.state.turn
@@ -557,14 +557,9 @@ class Compactor:
     # -- the synchronous driver's writes --------------------------------------------------------------
     def _drive(self, step: Step[T]) -> T:
         """Run ``step`` in this thread under the lock (:func:`~ctxfold.compaction.effects.drive_sync`), then
-        commit what it logged, also when it raised (a refusal is logged too)."""
-        with self._lock:
-            if not self._log.commits:  # nothing to persist here: the journal's owner commits it, if any
-                return drive_sync(step)
-            try:
-                return drive_sync(step)
-            finally:
-                self._log.commit()
+        commit what it logged, also when it raised (:meth:`LogWriter.call`)."""
+        with self._lock, self._log.call():
+            return drive_sync(step)
 
     def commit(self) -> None:
         """Commit the journal to the session directory, under the lock: for a driver that ran a step

@@ -250,6 +250,29 @@ class CompactionCost:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class PendingCost:
+    """The figures of a summary's :class:`CompactionCost` that must be read before its rewrite (the
+    request the cache holds, the summary request, the growth rate), completed by :meth:`complete` with
+    the rewrite's KV plan and the occupancy after it."""
+
+    before: RequestTokens
+    summary_prompt_tokens: int
+    summary_cached_tokens: int
+    summary_output_tokens: int
+    summary_model_call: bool
+    growth_tokens: float  # the conversation's growth a request, before the rewrite
+    line_tokens: int | None  # the policy's trigger line (None: the window is not known)
+
+    def complete(self, cost: CostConfig, *, reused_tokens: int, prefill_tokens: int,
+                 after_tokens: int) -> CompactionCost:
+        horizon = horizon_requests(cost, after_tokens=after_tokens, line_tokens=self.line_tokens,
+                                   growth_tokens=self.growth_tokens)
+        return CompactionCost(self.before, RequestTokens(reused_tokens, prefill_tokens), self.summary_prompt_tokens,
+                              self.summary_cached_tokens, self.summary_output_tokens, self.summary_model_call,
+                              horizon)
+
+
 def page_down(num_tokens: int, page_size_tokens: int) -> int:
     """``num_tokens`` rounded down to whole cache pages: a prefix cache reuses whole pages only."""
     return num_tokens - num_tokens % page_size_tokens

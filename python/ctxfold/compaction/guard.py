@@ -17,6 +17,7 @@ from ctxfold.compaction.archive.marker import make_marker
 from ctxfold.compaction.archive_pass import archive_pass
 from ctxfold.compaction.effects import no_calls
 from ctxfold.compaction.events import ArchivedOutput, CompactionEvent
+from ctxfold.compaction.outcome import PassOutcome, Rewrite, settle, settle_summary
 from ctxfold.compaction.rebuild import resume_message
 from ctxfold.compaction.summary_pass import summary_pass
 from ctxfold.errors import NoFitError
@@ -52,14 +53,15 @@ def guard(c: Compactor, turn_start: bool, queued: list[Message]) -> tuple[list[M
     for step in events.GUARD_STEPS:  # read at the call: tests leave a step out
         event: CompactionEvent | None
         if step == "archive_all":
-            event = archive_pass(c, stage="all", trigger="guard", reason=reason, guard_step=step)
+            event = settle(c, archive_pass(c, stage="all", trigger="guard", reason=reason, guard_step=step))
         elif step == "oversized_message":
-            event, shown = archive_oversized_messages(c, ctx, shown, reason)
+            outcome, shown = archive_oversized_messages(c, ctx, shown, reason)
+            event = settle(c, outcome)
         elif step == "fold_newest" and turn_start:
             continue  # at a turn start what lies after the summary is the new request alone
         else:
-            event = no_calls(summary_pass(c, trigger="guard", reason=reason, mid_turn=not turn_start,
-                                          queued=shown, guard_step=step))
+            event = settle_summary(c, no_calls(summary_pass(c, trigger="guard", reason=reason,
+                                                            mid_turn=not turn_start, queued=shown, guard_step=step)))
         if event is not None and event.applied:
             last = event
         if c.occupancy_tokens(shown) <= ctx:
@@ -69,13 +71,14 @@ def guard(c: Compactor, turn_start: bool, queued: list[Message]) -> tuple[list[M
     refold = [s for s in events.GUARD_STEPS if s == "shorter_tail" or (s == "fold_newest" and not turn_start)]
     for step in refold[-1:] * MAX_REFOLDS:  # the last summary step that ran
         over = c.occupancy_tokens(shown) - ctx
-        event = no_calls(summary_pass(c, trigger="guard", reason=reason, mid_turn=not turn_start, queued=shown,
-                                      guard_step=step, shrink_tokens=over + REFOLD_MARGIN_TOKENS))
-        if event.applied:
-            last = event
+        refolded = settle_summary(c, no_calls(summary_pass(c, trigger="guard", reason=reason,
+                                                           mid_turn=not turn_start, queued=shown, guard_step=step,
+                                                           shrink_tokens=over + REFOLD_MARGIN_TOKENS)))
+        if refolded.applied:
+            last = refolded
         if c.occupancy_tokens(shown) <= ctx:
             return shown, last
-        if not event.applied:
+        if not refolded.applied:
             break
     # The steps rewrote the view: the smallest request it allows now may be over the window after all (the
     # queued messages a mid-turn rewrite keeps ahead of the summary, at their smallest, with the new ones).
@@ -138,10 +141,11 @@ def oversized_preview_chars(c: Compactor) -> tuple[int, int]:
 
 
 def archive_oversized_messages(c: Compactor, ctx: int, queued: list[Message],
-                                reason: str) -> tuple[CompactionEvent | None, list[Message]]:
+                                reason: str) -> tuple[PassOutcome, list[Message]]:
     """The guard's "oversized_message" step: the largest tool results and user messages of the view
     and of ``queued`` (the newest request too: a huge pasted file, another agent's summary), largest
-    first, each archived whole behind a head-and-tail marker, until the request fits."""
+    first, each archived whole behind a head-and-tail marker, until the request fits. Planned (the guard
+    settles it), with what to show for ``queued``."""
     t0 = time.perf_counter()
     before = c.occupancy_tokens(queued)
     head, tail = oversized_preview_chars(c)
@@ -175,15 +179,10 @@ def archive_oversized_messages(c: Compactor, ctx: int, queued: list[Message],
             shown[i - n] = new
             used -= size - c.accounting.message_tokens(new)
     if not archived:
-        return None, queued
-    unseen = c.state.unseen_start()
-    c._rewrite(view, list(c.view_origins))
-    c.state.keep_unseen_position(unseen)  # positions kept; the first unseen one may be a marker now
+        return PassOutcome(None), queued
     event = CompactionEvent(
         kind="archive", trigger="guard", reason=reason, applied=True, tokens_before=before,
-        tokens_after=c.occupancy_tokens(shown), archived=tuple(archived), failure=error,
+        tokens_after=before, archived=tuple(archived), failure=error,
         seconds={"archive": time.perf_counter() - t0}, guard_step="oversized_message",
     )
-    c._log_view(event)
-    c._record(event)
-    return event, shown
+    return PassOutcome(event, Rewrite(view, list(c.view_origins)), queued=shown), shown

@@ -16,33 +16,50 @@ alone (the core writes no records where no log is kept).
 
 A directory or archive that refuses a commit does not stop the conversation: the batch stays in the
 journal, first in line for the next commit, and the failure is logged once and kept
-(:attr:`LogWriter.unwritten`) until a commit succeeds (:meth:`LogWriter.flush` raises it).
+(:attr:`LogWriter.unwritten`) until a commit succeeds (:meth:`LogWriter.flush` raises it). Not for
+ever: once what waits is over ``max_unwritten_bytes``, a call of the compactor tries the commit first
+and, while it is still refused, raises :class:`~ctxfold.errors.LogBacklogError` before it changes
+anything (:meth:`LogWriter.call`), so memory stays bounded and the caller learns that its log is stuck.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
+from ctxfold import fastjson
 from ctxfold.chat.messages import Conversation
 from ctxfold.compaction.archive import ArchiveStore, MemoryBackend
 from ctxfold.compaction.archive.index import INDEX_FILE
 from ctxfold.compaction.archive.store import Backend
 from ctxfold.compaction.eventlog import ResumedState
-from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Journal, JournalArchive
+from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Batch, Journal, JournalArchive
 from ctxfold.compaction.session import Session
 from ctxfold.compaction.store.buffer import BufferedLog
-from ctxfold.errors import ArchiveError
+from ctxfold.errors import ArchiveError, LogBacklogError
 
 log = logging.getLogger("ctxfold.compaction.compactor")  # what a compactor's user configures
+
+# What may wait in memory for a session directory or an archive that refuses writes, by default: far
+# more than the records and archived outputs of one agent's turn, far less than a process's memory.
+MAX_UNWRITTEN_BYTES = 64 << 20
+_NOTHING: AbstractContextManager[None] = nullcontext()
 
 
 class LogWriter:
     """A compactor's journal and where it is persisted. Not thread-safe: the compactor's lock serialises it."""
 
     def __init__(self, session_dir: str | Path | None = None, session_log: BufferedLog | None = None, *,
-                 archive: ArchiveStore | None = None, durable: bool = True, fsync_appends: bool = True) -> None:
+                 archive: ArchiveStore | None = None, durable: bool = True, fsync_appends: bool = True,
+                 max_unwritten_bytes: int = MAX_UNWRITTEN_BYTES) -> None:
+        if max_unwritten_bytes < 1:
+            raise ValueError(f"max_unwritten_bytes must be at least 1, got {max_unwritten_bytes}")
+        self.max_unwritten_bytes = max_unwritten_bytes
+        self.unwritten_nbytes = 0  # the size of what waited when the last commit failed (0 once one succeeds)
+        self._depth = 0  # calls in progress (a step may append): only the outermost checks and commits
         self.directory: Session | None = None
         self.journal: Journal | None = session_log
         self.external = archive  # the archive given apart from the session, if any
@@ -109,6 +126,38 @@ class LogWriter:
         return Path(history_dump)
 
     # -- persisting --------------------------------------------------------------------------------
+    def call(self) -> AbstractContextManager[None]:
+        """One call of the compactor: refused before it starts while too much waits (:meth:`check_room`),
+        committed when it ends, also when it raised (a refusal is logged too). Nothing to do for a
+        writer that does not commit (the journal's owner commits it, if any)."""
+        return self._call() if self.commits else _NOTHING
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        outermost = self._depth == 0
+        if outermost:
+            self.check_room()
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if outermost:
+                self.commit()
+
+    def check_room(self) -> None:
+        """LogBacklogError while what waits for a refusing directory or archive is over the bound (the
+        commit is tried first: the disk may have room again)."""
+        if self.unwritten is None or self.unwritten_nbytes <= self.max_unwritten_bytes:
+            return
+        self.commit()
+        if self.unwritten is not None and self.unwritten_nbytes > self.max_unwritten_bytes:
+            raise LogBacklogError(
+                errno.ENOSPC, f"{self._where()} has refused writes ({self.unwritten.strerror or self.unwritten}) "
+                f"while {_size(self.unwritten_nbytes)} of its log waited in memory, over the "
+                f"{_size(self.max_unwritten_bytes)} bound: nothing was done and nothing is lost; "
+                "make room for it, then call again (flush() says whether it can be written)")
+
     def commit(self) -> None:
         """Write what the journal holds to the archive given apart and the session directory; see the
         module docstring for a refusal."""
@@ -128,10 +177,12 @@ class LogWriter:
         except OSError as e:
             if self.unwritten is None:
                 log.warning("%s cannot be written (%s); the conversation goes on in memory and what it logged is "
-                            "written with the next call", self._where(), e)
+                            "written with the next call, up to %s", self._where(), e, _size(self.max_unwritten_bytes))
             self.unwritten = e
+            self.unwritten_nbytes = _nbytes(batch)
             return
         journal.drop(batch)
+        self.unwritten_nbytes = 0
         if self.unwritten is not None:
             log.warning("%s is written again: nothing was lost", self._where())
         self.unwritten = None
@@ -154,6 +205,16 @@ class LogWriter:
         finally:
             if self.directory is not None:
                 self.directory.close()
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MB" if num_bytes >= 2**20 else f"{num_bytes:,} bytes"
+
+
+def _nbytes(batch: Batch) -> int:
+    """What ``batch`` takes on disk, about as much as it holds in memory: measured only when a commit
+    failed, so a call whose commit succeeds pays nothing for the bound."""
+    return sum(len(data) for _, data in batch.blobs) + sum(len(fastjson.dumps(e)) + 1 for e in batch.events)
 
 
 def _write_archived(archive: ArchiveStore, blobs: list[tuple[str, bytes]]) -> None:

@@ -1,15 +1,16 @@
 """The summary pass: a rebuilt view of [the turn's request,] a summary of what came before, the verbatim
 tail and what the model has not seen yet. A step of the core (:mod:`ctxfold.compaction.effects`): the
-summary it needs from a model is yielded as a :class:`SummaryCall`, never called from here.
+summary it needs from a model is yielded as a :class:`SummaryCall`, never called from here, and the
+rewrite comes back as a plan (:class:`~ctxfold.compaction.outcome.PassOutcome`) the compactor applies.
 
-The pass writes the history dump (the write-ahead record of the rewrite) before it rewrites anything,
-and applies a rewrite only when the rebuilt view is smaller than the old one.
+The pass writes the history dump (the write-ahead record of the rewrite) into the journal before it plans
+anything, and plans a rewrite only when the rebuilt view is smaller than the old one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from ctxfold.compaction.archive.marker import is_marker, make_marker
 from ctxfold.compaction.effects import Step, SummaryCall
 from ctxfold.compaction.events import CompactionEvent
 from ctxfold.compaction.journal import history_dump_text
-from ctxfold.compaction.kv import kv_figures
+from ctxfold.compaction.outcome import PassOutcome, Rewrite
 from ctxfold.compaction.rebuild import (
     MARKER_MIN_TOKENS,
     SAMPLE_ARCHIVE_ID,
@@ -60,11 +61,11 @@ class _Plan:
     besides_tokens: int  # what the rebuilt view holds besides summary and tail
 
 
-def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, manual: bool = False,
+def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool,
                  queued: Sequence[Message] = (), guard_step: str | None = None,
-                 shrink_tokens: int = 0) -> Step[CompactionEvent]:
-    """A summary rewrite: [turn's request,] summary, verbatim tail, what the model has not seen yet.
-    The window guard's steps (``guard_step``) write the extractive summary, sized to the room left;
+                 shrink_tokens: int = 0) -> Step[PassOutcome]:
+    """A summary rewrite, planned: [turn's request,] summary, verbatim tail, what the model has not seen
+    yet (:func:`~ctxfold.compaction.outcome.settle` applies it). The window guard's steps (``guard_step``) write the extractive summary, sized to the room left;
     "shorter_tail" keeps no tail and "fold_newest" summarizes the turn's newest messages too."""
     ctx = c.context_tokens
     timings: dict[str, float] = {}
@@ -77,8 +78,9 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
     if plan.fresh_tokens <= 2 * c._summary_frame_tokens() and (guard_step is None or plan.bottom == 0):
         # Only earlier summaries (or nothing) lie before BOTTOM: a new summary cannot shrink the
         # view, so do not spend a dump and a model call on it, and stop trying for this turn.
-        return failed(c, trigger, reason, before, "nothing to summarize: what comes before the newest "
-                      "messages is too short or already a summary", timings, give_up=True, guard_step=guard_step)
+        return failed(trigger, reason, before, "nothing to summarize: what comes before the newest "
+                      "messages is too short or already a summary", timings, give_up=True,
+                      guard_step=guard_step)
 
     # The history since the last dump, written before the rewrite (write-ahead) to the session
     # and to the archive, where the model can read it back with read_archive.
@@ -86,7 +88,7 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
         dump, history_id = _write_history_dump(c)
     except (OSError, ArchiveError) as exc:
         # The dump is the write-ahead record of the rewrite: without it, no rewrite.
-        return failed(c, trigger, reason, before, f"cannot write the history dump: {exc}", timings,
+        return failed(trigger, reason, before, f"cannot write the history dump: {exc}", timings,
                       guard_step=guard_step)
     timings["dump"] = time.perf_counter() - t0
 
@@ -107,38 +109,28 @@ def summary_pass(c: Compactor, *, trigger: str, reason: str, mid_turn: bool, man
     after = c.accounting.count_view(c.header, new_view) + c.reply_reserve_tokens()
     after += sum(c.accounting.message_tokens(m) for m in queued)
     if after >= before:
-        return failed(c, trigger, reason, before, f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
+        return failed(trigger, reason, before, f"the rebuilt view would not be smaller ({after} >= {before} tokens)",
                       timings, summary=summary, dump=dump, give_up=True, guard_step=guard_step)
     if guard_step == "extractive_summary" and ctx is not None and after > ctx:
         # Not applied: the next step rewrites the same view with a shorter tail, instead of
         # summarizing this rewrite's summary again.
-        return failed(c, trigger, reason, before,
+        return failed(trigger, reason, before,
                       f"with the configured tail the request would still be over the window ({after} > "
                       f"{ctx} tokens)", timings, summary=summary, dump=dump, guard_step=guard_step)
-    spend = _spend(c, plan, summary, reason, mid_turn=mid_turn, model_call=model_call)
-    old_view = c.view
-    c._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
-    c._rewrites += 1
-    c._dumped, c._history_id = len(c.originals), history_id
-    c._rewrite(new_view, new_origins)
-    kv = kv_figures(c, old_view, new_view)
-    cost = spend(kv.tokens_reused, kv.tokens_to_prefill, c.occupancy_tokens(queued))
     timings["total"] = time.perf_counter() - t0
     event = CompactionEvent(
         kind="summary", trigger=trigger, reason=reason, applied=True, tokens_before=before,
-        tokens_after=c.occupancy_tokens(queued), summary=summary.text, summarizer=summary.summarizer,
+        tokens_after=after, summary=summary.text, summarizer=summary.summarizer,
         summary_fallback=summary.fallback_from is not None, summary_failure=summary.fallback_from,
         summary_cut=summary.cut_reason if summary.cut_reason not in ("eos", "none") else None,
         tail_start=start, tail_rule=tail.rule.name.lower() if start == tail.start else "widened",
         tail_tokens=tail_tokens,
-        history_dump=str(dump) if dump is not None else None, kv=kv, seconds=timings, guard_step=guard_step,
-        cost=cost,
+        history_dump=str(dump) if dump is not None else None, seconds=timings, guard_step=guard_step,
     )
-    if guard_step is None:  # the guard's passes are outside the policy: they leave its breaker alone
-        _settle_breaker(c, event, summary, mid_turn=mid_turn, manual=manual)
-    c._log_view(event)
-    c._record(event)
-    return event
+    return PassOutcome(event, Rewrite(new_view, new_origins, history=(len(c.originals), history_id)),
+                       queued=queued, cost=_pending_cost(c, plan, summary, reason, mid_turn=mid_turn,
+                                                         model_call=model_call),
+                       turn_start=not mid_turn)
 
 
 def _plan(c: Compactor, queued: Sequence[Message], *, mid_turn: bool, guard_step: str | None) -> _Plan:
@@ -166,27 +158,18 @@ def _plan(c: Compactor, queued: Sequence[Message], *, mid_turn: bool, guard_step
     return _Plan(bottom, fresh, besides)
 
 
-def _spend(c: Compactor, plan: _Plan, summary: Summary, reason: str, *, mid_turn: bool,
-           model_call: bool) -> Callable[[int, int, int], costs.CompactionCost]:
-    """The cost figures that must be read before the rewrite (the request the cache holds, the summary
-    request's prompt, the growth rate), as a function of the rewrite's KV plan (reused, prefilled) and
-    occupancy after it (:mod:`ctxfold.compaction.cost`)."""
-    before = costs.request_before(c)
+def _pending_cost(c: Compactor, plan: _Plan, summary: Summary, reason: str, *, mid_turn: bool,
+                  model_call: bool) -> costs.PendingCost:
+    """The cost figures that must be read before the rewrite (:mod:`ctxfold.compaction.cost`)."""
     prompt = cached = output = 0
     if model_call:
         contract = c.accounting.message_tokens(Message(Role.USER, contract_text(reason, mid_turn=mid_turn)))
         prompt, cached = costs.summary_prompt(c, plan.bottom, contract)
         output = c.counter.count(summary.text) if summary.fallback_from is None else 0
-    growth = costs.growth_per_request_tokens(c)
     ctx = c.context_tokens
-
-    def figures(reused_tokens: int, prefill_tokens: int, after_tokens: int) -> costs.CompactionCost:
-        line = c.policy.trigger_line_tokens(ctx) if ctx is not None else None
-        horizon = costs.horizon_requests(c.config.cost, after_tokens=after_tokens, line_tokens=line,
-                                         growth_tokens=growth)
-        return costs.CompactionCost(before, costs.RequestTokens(reused_tokens, prefill_tokens), prompt, cached,
-                                    output, model_call, horizon)
-    return figures
+    return costs.PendingCost(costs.request_before(c), prompt, cached, output, model_call,
+                             growth_tokens=costs.growth_per_request_tokens(c),
+                             line_tokens=c.policy.trigger_line_tokens(ctx) if ctx is not None else None)
 
 
 def _write_history_dump(c: Compactor) -> tuple[Path | None, str]:
@@ -274,20 +257,6 @@ def _rebuilt_view(c: Compactor, summary: Summary, history_id: str, start: int, s
     if c.accounting.alternates_roles:
         keep_turns_alternating(new_view, new_origins, c._rewrites)
     return new_view, new_origins
-
-
-def _settle_breaker(c: Compactor, event: CompactionEvent, summary: Summary, *, mid_turn: bool, manual: bool) -> None:
-    """After an applied policy pass: count a fallback as a failure, and stop the automatic passes for
-    the turn when even the compacted view is over the threshold."""
-    turn = c.state.turn
-    if summary.fallback_from is not None:
-        turn.failures += 1
-    else:
-        turn.failures = 0
-    ctx = c.context_tokens
-    if ctx is not None and not manual and c.policy.summary_trigger(event.tokens_after, ctx,
-                                                                   turn_start=not mid_turn) is not None:
-        turn.gave_up = True  # even the compacted view is over the threshold: stop for this turn
 
 
 def summarize(c: Compactor, bottom: int, reason: str, mid_turn: bool, *,
@@ -398,15 +367,10 @@ def widen_tail_with_markers(c: Compactor, tail: SegmentTail, budget_tokens: int)
     return wide.start, wide.num_tokens, stand_ins
 
 
-def failed(c: Compactor, trigger: str, reason: str, before: int, why: str, timings: dict[str, float], *,
-            summary: Summary | None = None, dump: Path | None = None, give_up: bool = False,
-            guard_step: str | None = None) -> CompactionEvent:
-    """Record a summary pass that was not applied. ``give_up``: no retry can do better this turn.
-    A manual pass or a step of the window guard that fails leaves the automatic passes alone."""
-    if trigger not in ("manual", "guard"):
-        c.state.turn.failures += 1
-        if give_up or c.state.turn.failures >= c.config.max_consecutive_failures:
-            c.state.turn.gave_up = True
+def failed(trigger: str, reason: str, before: int, why: str, timings: dict[str, float], *,
+           summary: Summary | None = None, dump: Path | None = None, give_up: bool = False,
+           guard_step: str | None = None) -> PassOutcome:
+    """A summary pass that was not applied. ``give_up``: no retry can do better this turn."""
     event = CompactionEvent(
         kind="summary", trigger=trigger, reason=reason, applied=False, tokens_before=before,
         tokens_after=before, summary=summary.text if summary else None,
@@ -414,7 +378,4 @@ def failed(c: Compactor, trigger: str, reason: str, before: int, why: str, timin
         history_dump=str(dump) if dump is not None else None, seconds=timings, failure=why,
         guard_step=guard_step,
     )
-    if c.journal is not None:
-        c.journal.log_state({**c._state(), "failure": why})
-    c._record(event)
-    return event
+    return PassOutcome(event, give_up=give_up)
