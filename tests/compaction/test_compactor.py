@@ -530,6 +530,32 @@ def test_what_waits_for_a_refusing_session_directory_is_bounded(counter: TokenCo
     c.close()
 
 
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_step_admitted_under_the_bound_is_never_refused_halfway(counter: TokenCounter, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch, driver: str) -> None:
+    """A request step appends several messages; once admitted it runs to its end even when what it
+    logs takes the backlog over the bound (a refusal halfway would leave some of its messages in and
+    say nothing was done): the next call is the one refused, before it changes anything."""
+    c = Compactor(header(), config=CompactConfig.preset("both", context_tokens=100_000), counter=counter,
+                  template=get_template("deepseek-v4"), session_dir=tmp_path / "session", durable=False,
+                  max_unwritten_bytes=2000)
+    disk = RefusingSessionDisk(monkeypatch)
+    a = call("read", path="p")
+    new = [user("u" * 5000), a, result(a, "r"), user("after")]
+    if driver == "sync":
+        c.run(c.request_step(new))
+    else:
+        asyncio.run(AsyncCompactor(c).run(c.request_step(new)))
+    assert c.originals[-4:] == new
+    assert c._log.unwritten_nbytes > 2000
+    with pytest.raises(LogBacklogError):
+        c.append(user("refused"))
+    assert c.originals[-1] is new[-1]
+    disk.full = False
+    c.append(user("the disk has room again"))
+    assert Session(tmp_path / "session").restore().messages == c.originals
+
+
 # -- the HTTP summarizer on loopback, through the compactor ------------------------------------------------
 
 @pytest.fixture(scope="module")

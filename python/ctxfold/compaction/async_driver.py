@@ -5,7 +5,7 @@ thread, its session directory committed after each operation (:mod:`ctxfold.comp
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from ctxfold.chat.messages import Message, ToolSpec
@@ -30,17 +30,20 @@ class AsyncCompactor:
 
     async def _run(self, step: Step[T], cancel: asyncio.Event | None = None) -> T:
         async with self._lock:
-            if self.sync._log.unwritten is not None:  # a refused log may be over its bound (LogWriter.call)
-                await asyncio.to_thread(self._check_room)
+            log = self.sync._log
+            if not log.commits:  # nothing to persist here: the journal's owner commits it, if any
+                return await run_async(step, self.sync._lock, cancel=cancel)
+            # One call of the compactor across the worker threads the step runs in (LogWriter.call):
+            # refused before it starts while a refusing log holds too much, committed when it ends.
+            await asyncio.to_thread(self._locked, log.enter)
             try:
                 return await run_async(step, self.sync._lock, cancel=cancel)
             finally:
-                if self.sync._log.commits:  # a session directory, an archive given apart
-                    await asyncio.to_thread(self.sync.commit)
+                await asyncio.to_thread(self._locked, log.exit)
 
-    def _check_room(self) -> None:
+    def _locked(self, work: Callable[[], None]) -> None:
         with self.sync._lock:
-            self.sync._log.check_room()
+            work()
 
     async def before_request(self, queued: Sequence[Message] = (), *, max_reply_tokens: int | None = None,
                              cancel: asyncio.Event | None = None) -> CompactionEvent | None:

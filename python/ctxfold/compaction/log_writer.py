@@ -59,7 +59,8 @@ class LogWriter:
             raise ValueError(f"max_unwritten_bytes must be at least 1, got {max_unwritten_bytes}")
         self.max_unwritten_bytes = max_unwritten_bytes
         self.unwritten_nbytes = 0  # the size of what waited when the last commit failed (0 once one succeeds)
-        self._depth = 0  # calls in progress (a step may append): only the outermost checks and commits
+        self._depth = 0  # calls in progress (a step may append): only the outermost is checked
+        self._sized = (0, 0)  # (events, their bytes) of the pending batch measured already: see _measure
         self.directory: Session | None = None
         self.journal: Journal | None = session_log
         self.external = archive  # the archive given apart from the session, if any
@@ -134,29 +135,40 @@ class LogWriter:
 
     @contextmanager
     def _call(self) -> Iterator[None]:
-        outermost = self._depth == 0
-        if outermost:
-            self.check_room()
-        self._depth += 1
+        self.enter()
         try:
             yield
         finally:
-            self._depth -= 1
-            if outermost:
-                self.commit()
+            self.exit()
+
+    def enter(self) -> None:
+        """A call starts (:meth:`call`, or a driver that runs one step across threads): the outermost
+        is refused while too much waits; a call inside it (an append inside a request step) is not,
+        since the outer one has changed state already."""
+        if self._depth == 0:
+            self.check_room()
+        self._depth += 1
+
+    def exit(self) -> None:
+        """A call ends: what it logged is committed, an inner call's too (the messages a step appends
+        are on disk before it waits for a summary)."""
+        self._depth -= 1
+        self.commit()
 
     def check_room(self) -> None:
         """LogBacklogError while what waits for a refusing directory or archive is over the bound (the
-        commit is tried first: the disk may have room again)."""
+        commit is tried first: it may take writes again). The bound is checked before a call, so what
+        waits can pass it by what one call logs."""
         if self.unwritten is None or self.unwritten_nbytes <= self.max_unwritten_bytes:
             return
         self.commit()
         if self.unwritten is not None and self.unwritten_nbytes > self.max_unwritten_bytes:
             raise LogBacklogError(
-                errno.ENOSPC, f"{self._where()} has refused writes ({self.unwritten.strerror or self.unwritten}) "
-                f"while {_size(self.unwritten_nbytes)} of its log waited in memory, over the "
-                f"{_size(self.max_unwritten_bytes)} bound: nothing was done and nothing is lost; "
-                "make room for it, then call again (flush() says whether it can be written)")
+                self.unwritten.errno or errno.EIO,
+                f"{self._where()} has refused writes ({self.unwritten.strerror or self.unwritten}) while "
+                f"{_size(self.unwritten_nbytes)} of its log waited in memory, over the "
+                f"{_size(self.max_unwritten_bytes)} bound: nothing was done and nothing is lost; call again "
+                "once it takes writes (flush() says whether it does)")
 
     def commit(self) -> None:
         """Write what the journal holds to the archive given apart and the session directory; see the
@@ -179,13 +191,22 @@ class LogWriter:
                 log.warning("%s cannot be written (%s); the conversation goes on in memory and what it logged is "
                             "written with the next call, up to %s", self._where(), e, _size(self.max_unwritten_bytes))
             self.unwritten = e
-            self.unwritten_nbytes = _nbytes(batch)
+            self.unwritten_nbytes = self._measure(batch)
             return
         journal.drop(batch)
-        self.unwritten_nbytes = 0
+        self.unwritten_nbytes, self._sized = 0, (0, 0)
         if self.unwritten is not None:
             log.warning("%s is written again: nothing was lost", self._where())
         self.unwritten = None
+
+    def _measure(self, batch: Batch) -> int:
+        """What ``batch`` (all that waits) takes on disk, about what it holds in memory. Measured only
+        when a commit failed, so a call whose commit succeeds pays nothing for the bound; the events
+        measured by an earlier failure are still first in the batch, and are not encoded again."""
+        num_sized, events_nbytes = self._sized
+        events_nbytes += sum(len(fastjson.dumps(e)) + 1 for e in batch.events[num_sized:])
+        self._sized = (len(batch.events), events_nbytes)
+        return events_nbytes + sum(len(data) for _, data in batch.blobs)
 
     def _where(self) -> str:
         if self.directory is None:
@@ -209,12 +230,6 @@ class LogWriter:
 
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.1f} MB" if num_bytes >= 2**20 else f"{num_bytes:,} bytes"
-
-
-def _nbytes(batch: Batch) -> int:
-    """What ``batch`` takes on disk, about as much as it holds in memory: measured only when a commit
-    failed, so a call whose commit succeeds pays nothing for the bound."""
-    return sum(len(data) for _, data in batch.blobs) + sum(len(fastjson.dumps(e)) + 1 for e in batch.events)
 
 
 def _write_archived(archive: ArchiveStore, blobs: list[tuple[str, bytes]]) -> None:
