@@ -80,7 +80,8 @@ def add_format_option(p: argparse.ArgumentParser) -> None:
 
 def add_counting_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, metavar="SPEC",
-                   help="token counter: a tokenizer by name (deepseek-v4, qwen3, mistral, tekken, o200k_base, "
+                   help="token counter: a tokenizer by name (deepseek-v4, deepseek-v3 (its tokenizer.json from "
+                   "$CTXFOLD_DEEPSEEK_V3_TOKENIZER or the Hugging Face cache), qwen3, mistral, tekken, o200k_base, "
                    "cl100k_base, llama3, llama4), a tokenizer.json or SentencePiece .model file, gguf:PATH (a GGUF model's own "
                    "tokenizer, through llama.cpp: pip install 'ctxfold[llama]'), estimate:NAME (the "
                    "calibrated estimator, an upper bound), auto:NAME (exact when the tokenizer and the fast "

@@ -57,7 +57,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=FORMATTER,
     )
     p.add_argument("--tokenizer", required=True, metavar="NAME_OR_PATH",
-                   help="exact tokenizer: deepseek-v4, qwen3, mistral-v7, tekken, o200k_base, ..., or a "
+                   help="exact tokenizer: deepseek-v4, deepseek-v3, qwen3, mistral-v7, tekken, o200k_base, ..., or a "
                    "tokenizer.json / SentencePiece .model path")
     p.add_argument("--corpus", required=True, nargs="+", metavar="PATH",
                    help="trace files (.json, .jsonl, .traj), UTF-8 text files, or directories searched for trace files")

