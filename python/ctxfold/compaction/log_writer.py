@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from ctxfold import fastjson
@@ -131,21 +130,19 @@ class LogWriter:
         """One call of the compactor: refused before it starts while too much waits (:meth:`check_room`),
         committed when it ends, also when it raised (a refusal is logged too). Nothing to do for a
         writer that does not commit (the journal's owner commits it, if any)."""
-        return self._call() if self.commits else _NOTHING
+        return self if self.commits else _NOTHING
 
-    @contextmanager
-    def _call(self) -> Iterator[None]:
+    def __enter__(self) -> None:
         self.enter()
-        try:
-            yield
-        finally:
-            self.exit()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.exit()
 
     def enter(self) -> None:
         """A call starts (:meth:`call`, or a driver that runs one step across threads): the outermost
-        is refused while too much waits; a call inside it (an append inside a request step) is not,
-        since the outer one has changed state already."""
-        if self._depth == 0:
+        is refused while too much waits (an inner one, an append inside a request step, is not: the
+        outer one has changed state already)."""
+        if self._depth == 0 and self.unwritten is not None:
             self.check_room()
         self._depth += 1
 
