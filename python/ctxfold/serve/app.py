@@ -89,7 +89,6 @@ from ctxfold.serve.request import (
 from ctxfold.serve.responses import RESPONSES
 from ctxfold.serve.routing import ProxySession
 from ctxfold.serve.sessions import WARNING_HEADER, SessionStore, StoreCompactorFactory, is_storage_error
-from ctxfold.serve.summaries import CLIENT_AUTHORIZATION
 from ctxfold.serve.tasks import uncancelled
 from ctxfold.serve.upstream import UpstreamClient
 from ctxfold.tokens.templates.jinja import TemplateRenderError
@@ -343,7 +342,7 @@ class ProxyApp:
             if header_key is not None and not (0 < len(header_key) <= MAX_SESSION_KEY_CHARS):
                 raise BadRequest(400, f"{SESSION_HEADER} must be 1 to {MAX_SESSION_KEY_CHARS} characters",
                                  code="invalid_session", param=SESSION_HEADER)
-            CLIENT_AUTHORIZATION.set(request.headers.get("Authorization"))  # for summaries this request triggers
+            parsed.authorization = request.headers.get("Authorization")  # for summaries this request triggers
             try:
                 key = self.sessions.key_for(request.headers, parsed.system, parsed.messages)
                 self._count_request(request, parsed.stream, key)

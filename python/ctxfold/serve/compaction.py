@@ -31,6 +31,7 @@ from ctxfold.serve.dialect import OPENAI
 from ctxfold.serve.metrics import ProxyMetrics
 from ctxfold.serve.request import ParsedRequest
 from ctxfold.serve.routing import ProxySession
+from ctxfold.serve.summaries import UpstreamSummarizer
 from ctxfold.serve.window import lower_after_refusal
 
 # New messages up to this size (UTF-8 bytes, a frame each) are counted on the event loop: the exact
@@ -115,6 +116,7 @@ class CompactionStep:
             session.tools_wire = tools
             new = new[k:]
         c = session.compactor
+        _summaries_as(c, parsed)
         first_new = known  # 0 for a new conversation: all of it is new
         c.expect_reply(dialect.max_reply_tokens(parsed.body))  # before the quiet check: the reserve is part of it
         if tools != session.tools_wire:
@@ -149,6 +151,7 @@ class CompactionStep:
         """The upstream refused ``out`` as too long: compact to a lower window (:mod:`ctxfold.serve.window`)
         and build the request again; None when there is no window to aim at."""
         session = out.session
+        _summaries_as(session.compactor, parsed)
         events = await run_async(self._lower(session, out.first_new, prompt_tokens, limit_tokens),
                                  session.compactor._lock, cancel=left)
         if events is None:
@@ -243,3 +246,10 @@ class CompactionStep:
             if e.summary_fallback:
                 m.summary_fallbacks.inc(failure_kind(e.summary_failure))
                 log.warning("summary by the extractive fallback: %s", e.summary_failure)
+
+
+def _summaries_as(c: Compactor, parsed: ParsedRequest) -> None:
+    """The summaries this request's compaction triggers go upstream with its credentials (the
+    conversation's own summarizer; its requests run one at a time)."""
+    if isinstance(c.summarizer, UpstreamSummarizer):
+        c.summarizer.client_authorization = parsed.authorization

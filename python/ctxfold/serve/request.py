@@ -79,6 +79,8 @@ class ParsedRequest:
     # Why the proxy relays the request as sent instead of compacting it (the Responses API's
     # previous_response_id: the history is upstream); None: it is compacted.
     relay_reason: str | None = None
+    # The client's Authorization header: the credentials of the summaries this request triggers.
+    authorization: str | None = None
 
     @property
     def offset(self) -> int:

@@ -5,8 +5,9 @@ The compaction driver awaits a summary on the proxy's event loop (:mod:`ctxfold.
 connections, connect and read timeouts, and metrics, and is sent with credentials:
 
 - ``--summary-api-key-env NAME``: the key in that environment variable, when set;
-- else the ``Authorization`` header of the client request that triggered the compaction
-  (:data:`CLIENT_AUTHORIZATION`, set by the handler in the request's own task, where the summary runs).
+- else the ``Authorization`` header of the client request that triggered the compaction: the proxy
+  hands it to the conversation's summarizer before it runs the request's compaction
+  (:attr:`UpstreamSummarizer.client_authorization`; one request of a conversation runs at a time).
 
 A failed summary is a result, never an exception: the compactor falls back to the extractive summary,
 and the proxy logs the reason and counts it by reason (``ctxfold_summary_fallbacks_total``).
@@ -15,7 +16,6 @@ and the proxy logs the reason and counts it by reason (``ctxfold_summary_fallbac
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -27,10 +27,6 @@ from ctxfold.compaction.summarize.openai import SummaryAnswer, SummaryTransportE
 from ctxfold.compaction.summarize.request import SummaryRequest
 from ctxfold.serve.upstream import UpstreamClient, UpstreamError, UpstreamResponse
 
-# The Authorization header of the request being handled (None: it sent none). Set by the handler in the
-# request's task; the summaries that request triggers are awaited in that task.
-CLIENT_AUTHORIZATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("ctxfold_client_authorization",
-                                                                                  default=None)
 CLIENT_LEFT_REASON = "the client left"  # a summary stopped because of it (the fallback's metric label)
 
 
@@ -67,11 +63,12 @@ class UpstreamTransport:
     def __init__(self, client: Callable[[], UpstreamClient], api_key: str | None) -> None:
         self._client = client
         self._api_key = api_key
+        self.client_authorization: str | None = None  # the request being handled's (None: it sent none)
 
     @asynccontextmanager
     async def stream(self, body: bytes, headers: Mapping[str, str]) -> AsyncIterator[SummaryAnswer]:
         out = dict(headers)
-        authorization = f"Bearer {self._api_key}" if self._api_key else CLIENT_AUTHORIZATION.get()
+        authorization = f"Bearer {self._api_key}" if self._api_key else self.client_authorization
         if authorization is not None:
             out["Authorization"] = authorization
         try:
@@ -88,7 +85,18 @@ class UpstreamSummarizer(OpenAICompatibleSummarizer):
     def __init__(self, base_url: str, model: str, *, client: Callable[[], UpstreamClient], api_key: str | None,
                  timeout_s: float) -> None:
         # The key goes through the transport (it chooses between it and the client's header).
-        super().__init__(base_url, model, timeout_s=timeout_s, transport=UpstreamTransport(client, api_key))
+        self._upstream = UpstreamTransport(client, api_key)
+        super().__init__(base_url, model, timeout_s=timeout_s, transport=self._upstream)
+
+    @property
+    def client_authorization(self) -> str | None:
+        """The ``Authorization`` header of the client request whose compaction runs now: the summaries it
+        triggers are sent with it (unless the proxy has a key of its own for them)."""
+        return self._upstream.client_authorization
+
+    @client_authorization.setter
+    def client_authorization(self, value: str | None) -> None:
+        self._upstream.client_authorization = value
 
     def summarize(self, request: SummaryRequest, *, on_token: TokenCallback | None = None,
                   cancel: threading.Event | None = None, timeout_s: float | None = None) -> SummaryResult:
