@@ -442,6 +442,61 @@ def test_an_archive_given_apart_that_refuses_writes_loses_nothing(counter: Token
     c.close()
 
 
+class WatchedArchive(LocalBackend):
+    """An archive directory that records every read and listing it is asked for."""
+
+    def __init__(self, root: Path) -> None:
+        self.reads: list[str] = []
+        super().__init__(root)
+
+    def exists(self, name: str) -> bool:
+        self.reads.append(f"exists {name}")
+        return super().exists(name)
+
+    def read_bytes(self, name: str) -> bytes:
+        self.reads.append(f"read {name}")
+        return super().read_bytes(name)
+
+    def names(self) -> Iterator[str]:
+        self.reads.append("names")
+        return super().names()
+
+
+def test_the_compaction_core_never_reads_an_archive_given_apart(counter: TokenCounter, tmp_path: Path) -> None:
+    """The passes archive outputs and summarize through the conversation's journal without asking the
+    archive given apart anything (not even whether it holds an output: content-addressed, a second write
+    holds the same bytes), before and after a restart; its reader (a recall, a restore) reads it."""
+    archive = WatchedArchive(tmp_path / "archive")
+    archive.reads.clear()  # its own sweep of stale temporary files, when it is opened
+    config = CompactConfig.preset("both", context_tokens=8000, max_output_tokens=512)
+
+    def compactor() -> Compactor:
+        return Compactor(header(), config=config, counter=counter, template=get_template("deepseek-v4"),
+                         session_dir=tmp_path / "session", durable=False, store=ArchiveStore(archive))
+
+    c = compactor()
+    c.append(user("go"))
+    for k in range(30):
+        a = call("read", path=f"p{k}")
+        c.before_request()
+        c.append(a)
+        c.append_tool_result(result(a, readme_lines(k * 50, 30)))
+    assert any(e.archived for e in c.events) and any(e.kind == "summary" and e.applied for e in c.events)
+    resumed = compactor()
+    for k in range(30, 40):
+        a = call("read", path=f"p{k}")
+        resumed.before_request()
+        resumed.append(a)
+        resumed.append_tool_result(result(a, readme_lines(k * 50, 30)))
+    assert archive.reads == []
+    restored = restore(resumed.view, resumed.store, strict=True)
+    assert restored == [resumed.originals[o] if o >= 0 else m for m, o in zip(resumed.view, resumed.view_origins,
+                                                                           strict=True)]
+    first = next(a.archive_id for e in c.events for a in e.archived)
+    assert resumed.store.get(first)  # a reader (a recall) reads what the first process archived
+    assert archive.reads
+
+
 def test_the_asyncio_driver_writes_an_archive_given_apart(counter: TokenCounter, tmp_path: Path) -> None:
     """AsyncCompactor commits after each step as the synchronous driver does, with no session directory
     too: every output its passes archived is in the given archive when the step returns."""

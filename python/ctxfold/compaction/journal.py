@@ -162,18 +162,23 @@ class Journal:
 
 class JournalArchive:
     """The archive of a :class:`Journal`'s conversation. Writes are pending blobs; reads take a pending
-    one, else a committed one from ``committed`` (a session directory's archive), else none. Archive
-    files are content-addressed: a name written again holds the same bytes, so "exists" may say False
-    for one that is stored (it is then written once more) without harm."""
+    one, else a committed one from ``committed`` (a session directory's archive, an archive given
+    apart), else none.
+
+    ``exists`` is what the compaction core asks before it archives an output, and it never waits on
+    the archive: it answers from what this object wrote or was handed (:attr:`known`), the pending
+    blobs among them. Archive files are content-addressed, so a False for a name stored by another
+    process, or before a restart, only has it written once more with the same bytes; a reader that
+    must know (a restore) reads instead."""
 
     def __init__(self, journal: Journal, committed: Backend | None = None, location: str = "<journal>") -> None:
         self.journal = journal
         self.committed = committed
         self.location = committed.location if committed is not None else location
+        self.known: set[str] = set()  # names written here (pending, then committed) or read back before
 
     def exists(self, name: str) -> bool:
-        pending = self.journal.pending_blob(ARCHIVE_BLOB_PREFIX + name) is not None
-        return pending or (self.committed is not None and self.committed.exists(name))
+        return name in self.known or self.journal.pending_blob(ARCHIVE_BLOB_PREFIX + name) is not None
 
     def read_bytes(self, name: str) -> bytes:
         # One lookup, not a test then a read: a driver may take the pending batch between two steps
@@ -181,7 +186,9 @@ class JournalArchive:
         pending = self.journal.pending_blob(ARCHIVE_BLOB_PREFIX + name)
         if pending is not None:
             return pending
-        return self._read_committed(name)
+        data = self._read_committed(name)
+        self.known.add(name)
+        return data
 
     def _read_committed(self, name: str) -> bytes:
         if self.committed is None:
@@ -190,6 +197,7 @@ class JournalArchive:
 
     def write_atomic(self, name: str, data: bytes) -> None:
         self.journal._blobs[ARCHIVE_BLOB_PREFIX + name] = bytes(data)
+        self.known.add(name)
 
     def pending_names(self) -> set[str]:
         # A snapshot first (one C call under the GIL): the committing thread may drop names meanwhile.

@@ -426,16 +426,15 @@ def _expand(text: str, store: ArchiveStore, m: Message, strict: bool) -> tuple[s
         return None
     problem = None
     original = ""
-    if not store.exists(marker.archive_id):
+    try:  # one read, not a test then a read: an archive may say it lacks what it has (JournalArchive.exists)
+        original = store.get(marker.archive_id)
+    except (KeyError, ValueError):
         problem = "is not in the archive"
+    except (ArchiveError, IntegrityError) as e:
+        problem = f"cannot be read: {e}"
     else:
-        try:
-            original = store.get(marker.archive_id)
-        except (KeyError, ArchiveError, IntegrityError) as e:
-            problem = f"cannot be read: {e}"
-        else:
-            if len(original) != marker.chars or fold_preview(original, len(marker.preview)) != marker.preview:
-                problem = "does not match the marker's size and preview"
+        if len(original) != marker.chars or fold_preview(original, len(marker.preview)) != marker.preview:
+            problem = "does not match the marker's size and preview"
     if problem is not None:
         if strict:
             raise IntegrityError(f"message {m.id!r}: archive {marker.archive_id} {problem} ({store.location})")

@@ -94,7 +94,6 @@ class BufferedArchive(JournalArchive):
     def __init__(self, log: BufferedLog) -> None:
         super().__init__(log, location=f"{log.source} archive")
         self.log = log
-        self._known: set[str] = set()  # names committed or fetched before
         self._fetched: dict[str, bytes] = {}  # read from the store for a reader that has not taken them yet
         self._unreadable: dict[str, str] = {}  # names whose fetch failed, and why
         self._listed: set[str] = set()  # the store's names at the last relist
@@ -120,7 +119,7 @@ class BufferedArchive(JournalArchive):
                 # A search's first fetch reads every archived text: the other conversations' callbacks
                 # run between two reads, not after the last.
                 await asyncio.sleep(0)
-            self._known.add(name)
+            self.known.add(name)
 
     async def relist(self) -> list[str]:
         """The names the store holds now (another replica may have archived some), which :meth:`names`
@@ -135,9 +134,6 @@ class BufferedArchive(JournalArchive):
         self._listed = {b.split("/", 1)[1] for b in listed if b.startswith(ARCHIVE_BLOB_PREFIX)}
         return sorted(self._listed)
 
-    def exists(self, name: str) -> bool:
-        return name in self._known or super().exists(name)
-
     def _read_committed(self, name: str) -> bytes:
         data = self._fetched.pop(name, None)
         if data is not None:
@@ -146,13 +142,9 @@ class BufferedArchive(JournalArchive):
             raise OSError(errno.EIO, self._unreadable[name])
         raise FileNotFoundError(f"{self.location}: no {name} (not fetched from the store)")
 
-    def write_atomic(self, name: str, data: bytes) -> None:
-        super().write_atomic(name, data)
-        self._known.add(name)
-
     def names(self) -> Iterator[str]:
         """The names committed or fetched before, those pending and those the store listed at the last
         :meth:`relist`. OSError when that listing failed."""
         if self._list_error is not None:
             raise OSError(errno.EIO, self._list_error)
-        return iter(sorted(self._known | self._listed | self.pending_names()))
+        return iter(sorted(self.known | self._listed | self.pending_names()))
