@@ -1,58 +1,41 @@
-"""A scripted OpenAI-compatible endpoint on loopback, shared by the summarizer and compactor tests.
-
-aiohttp on 127.0.0.1 with an ephemeral port, in its own thread and event loop, speaking the OpenAI
-chat.completions streaming protocol (SSE ``data:`` lines, ``[DONE]``) from a script each test sets.
+"""Per-test scripts for the scripted OpenAI-compatible upstream (:mod:`ctxfold.serve.testing`), shared by the
+summarizer and compactor tests: each test sets what every chat completion is answered with (SSE ``data:``
+lines and ``[DONE]``, an HTTP error, a cut or trickling stream, raw bytes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ScriptedServer:
-    """An OpenAI-compatible endpoint whose behaviour each test sets with ``handler``."""
+    """The scripted upstream on loopback, answering every chat completion with ``handler``; what it was
+    sent is in ``bodies`` and ``headers``."""
 
     def __init__(self) -> None:
         self.handler: Handler = self.stream_pieces(["ok"])
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.disconnects = 0  # streams the client closed before the server finished writing
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("the scripted server did not start")
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._dispatch)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/v1"
-        self._ready.set()
-        self._loop.run_forever()
-        self._loop.close()
+        upstream = ScriptedUpstream()
+        upstream.script = self._dispatch
+        self._server = BackgroundServer(upstream.app()).__enter__()
+        self.url = f"{self._server.url}/v1"
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._server.close()
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
-        self.bodies.append(await request.json())
+        self.bodies.append(await request.json())  # read once by the upstream already: aiohttp keeps the body
         self.headers.append(dict(request.headers))
         return await self.handler(request)
 

@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Self
@@ -207,6 +207,9 @@ class ScriptedUpstream:
         self._rng = random.Random(0)
         self.echo_digest = False  # append "[seen N messages DIGEST]" to echoed answers
         self.faults_drawn: dict[str, int] = {"500": 0, "429": 0, "cut": 0}  # what the random faults did
+        # A test's own answer to every chat completion, once it is recorded (an HTTP error, a cut or
+        # trickling stream, raw bytes): the summarizer's tests script the upstream per test this way.
+        self.script: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
 
     def set_faults(self, faults: RandomFaults) -> None:
         self.faults = faults
@@ -266,6 +269,8 @@ class ScriptedUpstream:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        if self.script is not None:
+            return await self.script(request)
         if is_summary_request(body):
             self.summary_authorizations.append(request.headers.get("Authorization"))
         if self.api_keys and request.headers.get("Authorization", "").removeprefix("Bearer ") not in self.api_keys:
