@@ -14,10 +14,12 @@ from ctxfold.compaction.archive import (
     DEFAULT_LIMIT_CHARS,
     ArchiveParams,
     ArchiveStore,
+    MemoryBackend,
     answer_read_archive,
     archive_mid_turn,
     archive_oversized,
     archive_turn_start,
+    archive_whole,
     content_id,
     is_archived_text,
     is_marker,
@@ -353,3 +355,16 @@ def test_token_counter_keeps_outputs_a_marker_would_not_shrink(tmp_path: Path) -
     assert by_tokens[2] is msgs[2]
     _, mid = archive_mid_turn(msgs, store, ArchiveParams(keep_recent_tool_results=0), count_tokens=count)
     assert [a.message_id for a in mid.archived] == ["t1"]
+
+
+@given(st.text(min_size=1, max_size=200), st.integers(0, 120), st.integers(1, 120))
+def test_a_head_and_tail_marker_restores_strictly(unit: str, head_chars: int, tail_chars: int) -> None:
+    """A marker whose preview is the output's head and tail around the gap (the window guard's oversized
+    step) restores in strict mode: the check of its preview knows both parts, whatever the text holds
+    (the gap's own characters, line breaks)."""
+    store = ArchiveStore(MemoryBackend())
+    text = (unit + " [...] \n") * (3000 // (len(unit) + 7) + 1)
+    m = Message(Role.TOOL, text, id="r1", tool_call_id="c1", name="read")
+    shown = archive_whole(m, store, head_chars=head_chars, tail_chars=tail_chars).messages[0]
+    assert is_marker(shown.text)
+    assert restore([shown], store, strict=True) == [m]

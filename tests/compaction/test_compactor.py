@@ -19,7 +19,7 @@ import pytest
 
 from ctxfold.chat.integrity import count_orphans, validate
 from ctxfold.chat.messages import Conversation, Message, Role, ToolCall, ToolSpec
-from ctxfold.compaction.archive import ArchiveStore, is_marker, restore
+from ctxfold.compaction.archive import ArchiveStore, archive_whole, is_archived_text, is_marker, restore
 from ctxfold.compaction.archive.store import LocalBackend
 from ctxfold.compaction.compactor import AsyncCompactor, CompactionEvent, Compactor
 from ctxfold.compaction.config import CompactConfig
@@ -495,6 +495,27 @@ def test_the_compaction_core_never_reads_an_archive_given_apart(counter: TokenCo
     first = next(a.archive_id for e in c.events for a in e.archived)
     assert resumed.store.get(first)  # a reader (a recall) reads what the first process archived
     assert archive.reads
+
+
+def test_a_marker_read_back_after_a_restart_is_never_archived_again(counter: TokenCounter, tmp_path: Path) -> None:
+    """The core never asks the archive what it holds; the markers of a view read back are known all the
+    same (write-ahead: their outputs were stored before the records that show them), so a marker longer
+    than a later preview (an error output's, twice as long) is not archived again as if it were an output."""
+    def compactor() -> Compactor:
+        return make(counter, tmp_path, context_tokens=100_000)
+
+    c = compactor()
+    a = call("run", cmd="pytest")
+    failure = result(a, readme_lines(0, 80), is_error=True)
+    marker = archive_whole(failure, c.store, head_chars=2000, tail_chars=0).messages[0]
+    assert is_marker(marker.text) and len(marker.text) > 2000
+    c.append(user("run the tests"), a, marker)
+    c.close()
+    resumed = compactor()
+    assert is_archived_text(marker.text, resumed.store)
+    again = archive_whole(resumed.view[-1], resumed.store, head_chars=500, tail_chars=0)
+    assert again.messages[0] is resumed.view[-1] and not again.report.archived
+    assert restore(resumed.view, resumed.store, strict=True)[-1].text == failure.text
 
 
 def test_the_asyncio_driver_writes_an_archive_given_apart(counter: TokenCounter, tmp_path: Path) -> None:

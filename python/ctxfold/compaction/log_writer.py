@@ -33,7 +33,8 @@ from ctxfold import fastjson
 from ctxfold.chat.messages import Conversation
 from ctxfold.compaction.archive import ArchiveStore, MemoryBackend
 from ctxfold.compaction.archive.index import INDEX_FILE
-from ctxfold.compaction.archive.store import Backend
+from ctxfold.compaction.archive.marker import parse_marker
+from ctxfold.compaction.archive.store import ARCHIVE_FILE_SUFFIX, Backend
 from ctxfold.compaction.eventlog import ResumedState
 from ctxfold.compaction.journal import ARCHIVE_BLOB_PREFIX, Batch, Journal, JournalArchive
 from ctxfold.compaction.session import Session
@@ -101,6 +102,13 @@ class LogWriter:
             index_path = self.directory.archive_dir / INDEX_FILE  # kept between processes
         elif self.journal is not None:
             backend = self.journal.archive_backend()
+        if self.resumed is not None and isinstance(backend, JournalArchive):
+            # The core never asks the archive what it holds (JournalArchive.exists): the markers of the
+            # view read back name outputs stored before the records that show them (write-ahead), so
+            # they are known, and a marker is never archived again after a restart.
+            backend.known.update(f"{m.archive_id}{ARCHIVE_FILE_SUFFIX}" for m in
+                                 map(parse_marker, (v.text for v in self.resumed.conversation.messages))
+                                 if m is not None)
         return ArchiveStore(backend, index_path=index_path)
 
     def start(self, header: Conversation) -> None:

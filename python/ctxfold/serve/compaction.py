@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +117,6 @@ class CompactionStep:
             session.tools_wire = tools
             new = new[k:]
         c = session.compactor
-        _summaries_as(c, parsed)
         first_new = known  # 0 for a new conversation: all of it is new
         c.expect_reply(dialect.max_reply_tokens(parsed.body))  # before the quiet check: the reserve is part of it
         if tools != session.tools_wire:
@@ -124,8 +124,9 @@ class CompactionStep:
             session.tools_wire = tools
         quiet = self.inline(c, new)
         waits = c.min_gain_waits
-        events = await run_async(self._ingest(session, new, parsed.messages, quiet=quiet), c._lock,
-                                 in_thread=not quiet, cancel=left)
+        with _summaries_as(c, parsed.authorization):
+            events = await run_async(self._ingest(session, new, parsed.messages, quiet=quiet), c._lock,
+                                     in_thread=not quiet, cancel=left)
         self.count_events(events)
         if c.min_gain_waits > waits:
             self.metrics.min_gain_waits.inc(amount=c.min_gain_waits - waits)
@@ -151,9 +152,9 @@ class CompactionStep:
         """The upstream refused ``out`` as too long: compact to a lower window (:mod:`ctxfold.serve.window`)
         and build the request again; None when there is no window to aim at."""
         session = out.session
-        _summaries_as(session.compactor, parsed)
-        events = await run_async(self._lower(session, out.first_new, prompt_tokens, limit_tokens),
-                                 session.compactor._lock, cancel=left)
+        with _summaries_as(session.compactor, parsed.authorization):
+            events = await run_async(self._lower(session, out.first_new, prompt_tokens, limit_tokens),
+                                     session.compactor._lock, cancel=left)
         if events is None:
             return None
         self.count_events(events)
@@ -248,8 +249,15 @@ class CompactionStep:
                 log.warning("summary by the extractive fallback: %s", e.summary_failure)
 
 
-def _summaries_as(c: Compactor, parsed: ParsedRequest) -> None:
-    """The summaries this request's compaction triggers go upstream with its credentials (the
-    conversation's own summarizer; its requests run one at a time)."""
-    if isinstance(c.summarizer, UpstreamSummarizer):
-        c.summarizer.client_authorization = parsed.authorization
+@contextmanager
+def _summaries_as(c: Compactor, authorization: str | None) -> Iterator[None]:
+    """The summaries a request's compaction triggers go upstream with its credentials (the conversation's
+    own summarizer; its requests run one at a time), which the summarizer keeps no longer."""
+    summarizer = c.summarizer if isinstance(c.summarizer, UpstreamSummarizer) else None
+    if summarizer is not None:
+        summarizer.client_authorization = authorization
+    try:
+        yield
+    finally:
+        if summarizer is not None:
+            summarizer.client_authorization = None

@@ -67,6 +67,20 @@ def make_marker(archive_id: str, text: str, preview_chars: int, tail_chars: int 
     return header + fold_preview(text, preview_chars)
 
 
+def preview_matches(text: str, preview: str) -> bool:
+    """Whether ``preview`` is what :func:`make_marker` shows of ``text``: its head, or its head and tail
+    around :data:`PREVIEW_GAP` (the head may hold that string too: each place it occurs is tried)."""
+    if fold_preview(text, len(preview)) == preview:
+        return True
+    at = preview.find(PREVIEW_GAP)
+    while at >= 0:
+        head, tail = preview[:at], preview[at + len(PREVIEW_GAP):]
+        if tail and fold_preview(text, len(head)) == head and text[-len(tail):].translate(_FOLD) == tail:
+            return True
+        at = preview.find(PREVIEW_GAP, at + 1)
+    return False
+
+
 def marker_chars(text_chars: int, preview_chars: int) -> int:
     """Length of the marker of a ``text_chars``-long output, known before hashing it."""
     return _HEADER_CHARS_WITHOUT_COUNT + len(str(text_chars)) + min(preview_chars, text_chars)

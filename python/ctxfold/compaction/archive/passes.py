@@ -21,11 +21,11 @@ from ctxfold.chat.messages import Content, ContentPart, Message, Role
 from ctxfold.compaction.archive.marker import (
     MARKER_PREFIX,
     PREVIEW_GAP,
-    fold_preview,
     make_marker,
     make_oversized_notice,
     marker_chars,
     parse_marker,
+    preview_matches,
 )
 from ctxfold.compaction.archive.store import ArchiveStore, content_id
 from ctxfold.compaction.config import MinorConfig
@@ -433,7 +433,7 @@ def _expand(text: str, store: ArchiveStore, m: Message, strict: bool) -> tuple[s
     except (ArchiveError, IntegrityError) as e:
         problem = f"cannot be read: {e}"
     else:
-        if len(original) != marker.chars or fold_preview(original, len(marker.preview)) != marker.preview:
+        if len(original) != marker.chars or not preview_matches(original, marker.preview):
             problem = "does not match the marker's size and preview"
     if problem is not None:
         if strict:

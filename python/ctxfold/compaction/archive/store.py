@@ -34,7 +34,7 @@ from ctxfold.errors import ArchiveError, IntegrityError
 ArchiveId = NewType("ArchiveId", str)
 
 ID_PATTERN = re.compile(r"[0-9a-f]{64}")
-_FILE_SUFFIX = ".txt"
+ARCHIVE_FILE_SUFFIX = ".txt"  # an archived output's file: its id and this
 _TEMP_PREFIX = ".tmp-"
 # A writer finishes one file in well under a second; a temp file older than this was left by a crash.
 STALE_TEMP_AGE_S = 600.0
@@ -336,7 +336,7 @@ class ArchiveStore:
         if archive_id in self._known:
             return True
         try:
-            found = self.backend.exists(archive_id + _FILE_SUFFIX)
+            found = self.backend.exists(archive_id + ARCHIVE_FILE_SUFFIX)
         except OSError:
             return False
         if found:
@@ -350,7 +350,7 @@ class ArchiveStore:
         if self.exists(archive_id):
             return archive_id
         try:
-            self.backend.write_atomic(archive_id + _FILE_SUFFIX, data)
+            self.backend.write_atomic(archive_id + ARCHIVE_FILE_SUFFIX, data)
         except (OSError, ValueError) as e:
             err = ArchiveError(f"cannot write archive {archive_id[:12]}... under {self.location}: {_describe(e)}")
             self.write_failures += 1
@@ -366,7 +366,7 @@ class ArchiveStore:
         IntegrityError when the file does not hash to its id, ArchiveError when it cannot be read."""
         aid = check_id(archive_id)
         try:
-            data = self.backend.read_bytes(aid + _FILE_SUFFIX)
+            data = self.backend.read_bytes(aid + ARCHIVE_FILE_SUFFIX)
         except FileNotFoundError:
             raise KeyError(f"no archive {aid} under {self.location}") from None
         except OSError as e:
@@ -395,7 +395,7 @@ class ArchiveStore:
         """The stored ids, sorted. Temp files and foreign files are not ids."""
         out = []
         for name in self.backend.names():
-            stem = name[: -len(_FILE_SUFFIX)] if name.endswith(_FILE_SUFFIX) else ""
+            stem = name[: -len(ARCHIVE_FILE_SUFFIX)] if name.endswith(ARCHIVE_FILE_SUFFIX) else ""
             if is_valid_id(stem):
                 out.append(ArchiveId(stem))
         return sorted(out)
