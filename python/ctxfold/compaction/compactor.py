@@ -561,12 +561,6 @@ class Compactor:
         with self._lock, self._log.call():
             return drive_sync(step)
 
-    def commit(self) -> None:
-        """Commit the journal to the session directory, under the lock: for a driver that ran a step
-        itself (:class:`AsyncCompactor`). See :class:`~ctxfold.compaction.log_writer.LogWriter`."""
-        with self._lock:
-            self._log.commit()
-
     @property
     def session(self) -> Session | None:
         """The session directory this compactor commits to (its ``root``, ``restore()``), None without one."""

@@ -35,10 +35,6 @@ class Rewrite:
     origins: list[int]
     history: tuple[int, str] | None = None
 
-    @property
-    def summary(self) -> bool:
-        return self.history is not None
-
 
 @dataclass(frozen=True, slots=True)
 class PassOutcome:
@@ -88,20 +84,17 @@ def settle_summary(c: Compactor, outcome: PassOutcome) -> CompactionEvent:
 
 def _apply(c: Compactor, rewrite: Rewrite, event: CompactionEvent, outcome: PassOutcome) -> CompactionEvent:
     """The rewritten view in place, and the event's figures that only it can give."""
-    old_view = c.view
-    unseen = c.state.unseen_start()
-    if rewrite.history is not None:
-        c._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
-        c._rewrites += 1
-        c._dumped, c._history_id = rewrite.history
+    old_view, unseen = c.view, c.state.unseen_start()
     c.state.replace(rewrite.view, rewrite.origins)
     c._accounting.reset(c.header, rewrite.view)
     c._pending_bound_tokens = 0
-    if not rewrite.summary:
-        c.state.keep_unseen_position(unseen)  # positions kept; the first unseen one may be a marker now
+    if rewrite.history is None:  # an archive rewrite: positions kept; the first unseen may be a marker now
+        c.state.keep_unseen_position(unseen)
+        return replace(event, tokens_after=c.occupancy_tokens(outcome.queued))
+    c._archive_watermark = 0  # positions moved: the turn-start pass looks at everything again
+    c._rewrites += 1
+    c._dumped, c._history_id = rewrite.history
     after = c.occupancy_tokens(outcome.queued)
-    if not rewrite.summary:
-        return replace(event, tokens_after=after)
     kv = kv_figures(c, old_view, rewrite.view)
     cost = None
     if outcome.cost is not None:

@@ -110,7 +110,8 @@ def preview_chars_for(message: Message, params: ArchiveParams) -> int:
 
 
 def is_archived_text(text: str, store: ArchiveStore) -> bool:
-    """Whether ``text`` is a marker of this store: marker syntax and an id that resolves here."""
+    """Whether ``text`` is a marker of this store: marker syntax and an id the store says it holds
+    (:meth:`ArchiveStore.exists`)."""
     if not text.startswith(MARKER_PREFIX):
         return False
     marker = parse_marker(text)

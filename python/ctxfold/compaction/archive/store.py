@@ -330,7 +330,10 @@ class ArchiveStore:
         return f"ArchiveStore({self.location!r})"
 
     def exists(self, archive_id: str) -> bool:
-        """Whether ``archive_id`` is stored here. False (not an error) for a malformed id."""
+        """Whether ``archive_id`` is stored here, as the backend says: a conversation's journal archive
+        answers from what it wrote or read back and never asks where it commits
+        (:class:`~ctxfold.compaction.journal.JournalArchive`); read with :meth:`get` to be sure. False
+        (not an error) for a malformed id."""
         if not is_valid_id(archive_id):
             return False
         if archive_id in self._known:
