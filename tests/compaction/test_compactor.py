@@ -606,6 +606,12 @@ def test_what_waits_for_a_refusing_session_directory_is_bounded(counter: TokenCo
     c.close()
 
 
+@pytest.mark.parametrize("bound", [0, -5, "64", 1.5, True])
+def test_a_backlog_bound_that_is_not_a_number_of_bytes_is_refused(counter: TokenCounter, bound: Any) -> None:
+    with pytest.raises(ValueError, match="max_unwritten_bytes must be a whole number of bytes >= 1"):
+        Compactor(header(), counter=counter, max_unwritten_bytes=bound)
+
+
 @pytest.mark.parametrize("driver", ["sync", "async"])
 def test_a_step_admitted_under_the_bound_is_never_refused_halfway(counter: TokenCounter, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch, driver: str) -> None:

@@ -55,8 +55,8 @@ class LogWriter:
     def __init__(self, session_dir: str | Path | None = None, session_log: BufferedLog | None = None, *,
                  archive: ArchiveStore | None = None, durable: bool = True, fsync_appends: bool = True,
                  max_unwritten_bytes: int = MAX_UNWRITTEN_BYTES) -> None:
-        if max_unwritten_bytes < 1:
-            raise ValueError(f"max_unwritten_bytes must be at least 1, got {max_unwritten_bytes}")
+        if isinstance(max_unwritten_bytes, bool) or not isinstance(max_unwritten_bytes, int) or max_unwritten_bytes < 1:
+            raise ValueError(f"max_unwritten_bytes must be a whole number of bytes >= 1, got {max_unwritten_bytes!r}")
         self.max_unwritten_bytes = max_unwritten_bytes
         self.unwritten_nbytes = 0  # the size of what waited when the last commit failed (0 once one succeeds)
         self._depth = 0  # calls in progress (a step may append): only the outermost is checked
