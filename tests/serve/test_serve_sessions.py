@@ -618,10 +618,10 @@ def test_serve_warns_at_startup_of_no_window_and_a_data_dir_it_cannot_write(tmp_
 @pytest.mark.skipif(not can_mount(), reason="needs unshare -m (mount namespaces) to mount a real file system")
 def test_a_disk_that_fills_while_a_request_is_out_loses_nothing(
         upstream: tuple[ScriptedUpstream, str], tmp_path: Path) -> None:
-    """A request that nothing compacts goes upstream before its messages are stored. When the disk is
-    full by then, the client still gets its answer, with a warning and /health saying why, and the
-    answer is not stored after the missing request. Once there is room, the next request stores the
-    whole history, each message once and in order."""
+    """A request that nothing compacts goes upstream before its messages are stored: they are written
+    with its answer, once the client has it. When the disk is full by then, the client has its answer,
+    /health says why, and the conversation's next request says that the last answer was not stored.
+    Once there is room, that request stores the whole history, each message once and in order."""
     _, url = upstream
     root = tmp_path / "fs"
     root.mkdir()
@@ -642,12 +642,16 @@ def test_a_disk_that_fills_while_a_request_is_out_loses_nothing(
         more = "more " * 2000  # past the page the log has begun: its append needs a page there is no room for
         turns.append(("user", more))
         r = post(purl, chat(*turns))
-        assert answer(r) == f"echo: {more[:200]}" and "not compacted" in r.headers[WARNING_HEADER]
-        health = httpx.get(f"{purl}/health")
-        assert health.status_code == 503 and "data directory" in health.json()["reason"]
+        assert answer(r) == f"echo: {more[:200]}" and WARNING_HEADER not in r.headers
+        assert eventually(lambda: httpx.get(f"{purl}/health").status_code == 503)
+        assert "data directory" in httpx.get(f"{purl}/health").json()["reason"]
+        assert 'ctxfold_answers_unstored_total 1.0' in httpx.get(f"{purl}/metrics").text
         filler.unlink()
         turns += [("assistant", f"echo: {more[:200]}"), ("user", "again")]
         r = post(purl, chat(*turns))
+        assert answer(r) == "echo: again"
+        assert r.headers[WARNING_HEADER].startswith("the last answer of this conversation was not stored (")
+        r = post(purl, chat(*turns))  # said once
         assert answer(r) == "echo: again" and WARNING_HEADER not in r.headers
         assert eventually(lambda: len(Session(session_dirs(seen)[0]).restore().messages) == len(turns) + 1)
         assert [m.text for m in Session(session_dirs(seen)[0]).restore().messages] == \

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ctxfold.compaction.store import QuotaExceeded, Store, StoreError, open_store
+from ctxfold.compaction.store import QuotaExceeded, Spooled, Store, StoreError, open_store
 from ctxfold.errors import ConfigError, NoFitError
 from ctxfold.serve.anthropic import ANTHROPIC, count_tokens_body
 from ctxfold.serve.compaction import CompactionStep, Outgoing, failure_kind
@@ -499,13 +499,21 @@ class ProxyApp:
         session = await self.sessions.find(key, parsed.system, parsed.messages, warnings)
         out = await self.compaction.prepare(parsed, session, lambda conv: self.sessions.create(key, conv), left)
         # What the step compacted is stored (or spooled) before anything goes upstream (a summary is
-        # costly to write again); messages alone go with the answer's commit.
+        # costly to write again); messages alone go with the answer's commit (one write, after the answer).
         await self.sessions.commit(out.session, unless_only_appends=True)
         return out
 
     async def _commit_answer(self, session: ProxySession) -> None:
-        """The request's last write to the store: its messages and the answer, and the lease."""
-        await self.sessions.commit(session, release=True)
+        """The request's last write to the store: its messages and the answer, and the lease. A refusal
+        (not a spooled batch: that is written later) is counted and said on the conversation's next request."""
+        try:
+            await self.sessions.commit(session, release=True)
+        except Spooled:
+            raise
+        except StoreError as e:
+            self.metrics.answers_unstored.inc()
+            self.sessions.note_unstored_answer(session.key, e)
+            raise
 
     async def _lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,
                      limit_tokens: int | None, left: asyncio.Event) -> Outgoing | None:

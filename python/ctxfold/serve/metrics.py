@@ -144,6 +144,9 @@ class ProxyMetrics:
         self.bad_requests = Counter(r, "ctxfold_bad_requests_total", "Requests refused, or passed through "
                                     "uncompacted (storage_error, store_unavailable, tenant_quota, template_refused, internal_error), by reason.",
                                     ["reason"])
+        self.answers_unstored = Counter(
+            r, "ctxfold_answers_unstored_total", "Answers the session store refused after the client had them "
+            "(with their request's messages); the conversation's next request stores them.")
         self.upstream_errors = Counter(
             r, "ctxfold_upstream_errors_total", "Upstream failures: connect, timeout, status, cut_stream.", ["kind"])
         self.compactions = Counter(r, "ctxfold_compactions_total", "Compaction passes applied.", ["kind", "trigger"])

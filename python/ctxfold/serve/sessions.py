@@ -48,6 +48,7 @@ import errno
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ WARNING_HEADER = "X-Ctxfold-Warning"  # what the proxy could not do for a reques
 # (Not EIO: a read can fail with it too, after an answer has begun, where passing through is too late.)
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
 STORAGE_ERROR_HOLD_S = 60.0  # /health reports a failed write for this long after it
+MAX_UNSTORED_NOTES = 4096  # conversations whose last answer the store refused, said on their next request
 MIN_FREE_BYTES = 1 << 20  # below this, /health calls the data directory full
 
 
@@ -127,6 +129,9 @@ class SessionStore:
         self.num_forks = 0  # sessions forked from another since start (metric)
         # The last failure to write the data directory: (monotonic time, reason), for /health.
         self.storage_error: tuple[float, str] | None = None
+        # Conversations whose last answer the store refused, oldest first: key -> why, said on their next
+        # request (the conversations that never come back are forgotten past MAX_UNSTORED_NOTES).
+        self._unstored: OrderedDict[ConversationKey, str] = OrderedDict()
         if store is None:
             store = LocalStore(self.data_dir, fsync=fsync)
         # The data directory's per-tenant accounts (serve.quota); a shared store keeps its own.
@@ -214,6 +219,10 @@ class SessionStore:
 
         A session whose log cannot be read is set aside (in a data directory a ``QUARANTINED`` file
         says why), counted, logged, and said in ``warnings``: the request goes on as if it were not there."""
+        unstored = self._unstored.pop(key, None)
+        if unstored is not None and warnings is not None:
+            warnings.append(f"the last answer of this conversation was not stored ({unstored}); it is stored "
+                            "with this request")
         entry = await self.stored.sync_key(key, warnings)
         chosen = route(entry.sessions, system, messages)
         if chosen.session is None and chosen.parent is not None:
@@ -274,6 +283,17 @@ class SessionStore:
         cause = error.__cause__
         if cause is not None and is_storage_error(cause):
             return self.note_storage_error(cause)
+        return reason
+
+    def note_unstored_answer(self, key: ConversationKey, error: BaseException) -> str:
+        """The store refused an answer the client has (with its request's messages, which wait for the
+        answer's commit when nothing compacted): counted and kept for /health as a pass-through is, and
+        said on the conversation's next request, which carries them and stores them. Returns the reason."""
+        reason = self.note_store_error(key, error)
+        self._unstored[key] = reason
+        self._unstored.move_to_end(key)
+        while len(self._unstored) > MAX_UNSTORED_NOTES:
+            self._unstored.popitem(last=False)
         return reason
 
     async def replay_spool(self) -> None:

@@ -459,18 +459,18 @@ class StoredSessions:
         the batch waits in the local spool, memory and store+spool agree) or LeaseLost; after any
         failure but Spooled the session is marked broken and its key unloaded (read again next time).
 
-        ``unless_only_appends``: with a shared store, nothing when only messages wait (the step before
-        forwarding, when nothing fired): they go with the answer's commit, one round trip (and one
-        fsync of Redis's append-only file) fewer per request. Nothing is acknowledged to the client
-        before the answer, and a request that gets none is sent again with those messages. A local
-        store writes them at once (a write without fsync, quicker than the round trip): a disk that
-        refuses them is said to the client in the request's warning header. ``release``: the
-        request's last write: the lease goes in the same call (when there was something to write;
-        else :meth:`finish` releases it)."""
+        ``unless_only_appends``: nothing when only messages wait (the step before forwarding, when
+        nothing fired): they go with the answer's commit, one write fewer per request on the way
+        upstream (a round trip and an fsync of Redis's append-only file; a file append in the data
+        directory). Nothing is acknowledged to the client before the answer, and a request that gets
+        none is sent again with those messages; a store that refuses the answer's commit is said on
+        the conversation's next request (:meth:`SessionStore.note_unstored_answer`). ``release``:
+        the request's last write: the lease goes in the same call (when there was something to
+        write; else :meth:`finish` releases it)."""
         blog, lease = session.log, session.lease
         if blog is None or session.broken:
             return
-        if unless_only_appends and blog.only_appends_pending and self.store.shared:
+        if unless_only_appends and blog.only_appends_pending:
             return
         batch = blog.take()
         if not batch:
