@@ -54,9 +54,17 @@ class _Metric:
         self._metric = metric
         self._sample = sample
         self.label_names = tuple(labels)
+        # Each label set's child, once looked up: the client library checks and locks on every lookup,
+        # several times per request. The label sets are few (tenants are capped: TenantLabels).
+        self._children: dict[tuple[str, ...], Any] = {}
 
     def _child(self, labels: tuple[str, ...]) -> Any:
-        return self._metric.labels(*labels) if labels else self._metric
+        if not labels:
+            return self._metric
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self._metric.labels(*labels)
+        return child
 
     @property
     def values(self) -> dict[tuple[str, ...], float]:

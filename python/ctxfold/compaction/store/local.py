@@ -59,6 +59,9 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+MAX_KNOWN_DIRS = 65_536  # session directories LocalStore keeps checked paths of
+
+
 class LocalStore:
     """A :class:`ctxfold.compaction.store.base.Store` in a local directory (the default; nothing to install)."""
 
@@ -75,9 +78,16 @@ class LocalStore:
         self._next: dict[str, int] = {}  # session id -> next seq, once read or written
         # Sessions whose log this process wrote last (whole lines): no torn tail to look for before an append.
         self._clean: set[str] = set()
+        # Each session id's directory, checked once: a request asks for it twice (its lease, its append).
+        self._dirs: dict[str, Path] = {}
 
     def _dir(self, session_id: str) -> Path:
-        return self.root / check_session_id(session_id)
+        folder = self._dirs.get(session_id)
+        if folder is None:
+            if len(self._dirs) >= MAX_KNOWN_DIRS:  # a bound, not an eviction policy: rebuilt as asked
+                self._dirs.clear()
+            folder = self._dirs[session_id] = self.root / check_session_id(session_id)
+        return folder
 
     def _blob_path(self, session_id: str, name: str) -> Path:
         folder, file = check_blob_name(name).split("/")
@@ -229,7 +239,7 @@ class LocalStore:
         # No accounts here (new is for StoreLimits): the proxy's data directory keeps its own (serve.quota).
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
-        check_session_id(session_id)
+        self._dir(session_id)  # checks the id
         held = self._leases.get(session_id)
         now = time.monotonic()
         if held is not None and held[2] > now:
@@ -290,7 +300,7 @@ def _make_new_dir(folder: Path) -> bool:
 def _append_lines(folder: Path, events: list[Event], *, sync: bool = True, clean: bool = False) -> None:
     """Append records as lines of ``folder/events.jsonl``: one write, then (``sync``) fsync; all or
     none. ``clean``: the log ends with a whole line (this process wrote it last): nothing to cut."""
-    path = folder / EVENTS_FILE
+    path = os.path.join(folder, EVENTS_FILE)  # not pathlib's join: one of these per request
     if not clean:
         make_private_dir(folder)
         refuse_symlink(path)
