@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from ctxfold.compaction.config import CompactConfig
+from ctxfold.compaction.store import LocalStore
 from ctxfold.errors import ConfigError
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
@@ -235,12 +236,16 @@ def test_idle_sessions_expire_from_the_data_directory_and_free_the_quota(
         assert tenant_dirs(data) == {app.sessions.key_for({"Authorization": "Bearer key-a"}, None,
                                                           [{"role": "user", "content": "x"}]).split("/")[1]: 1}
         keep_b = conversation(proxy_url, "key-b", "b")  # noqa: F841 - tenant B's session expires too
+        store = app.sessions.store
+        assert isinstance(store, LocalStore) and store.num_remembered == 2
         wait_for("the idle sessions to be swept", lambda: not session_dirs(data))
         assert not list(data.glob("tenants/*/sessions/*"))  # key directories (archives) gone with them
+        # The process forgets them too: a proxy that runs for months holds nothing of sessions long gone.
+        wait_for("the store to forget the deleted sessions", lambda: store.num_remembered == 0)
         # The quota is free again: a new conversation of A is stored.
         assert not refused(conversation(proxy_url, "key-a", "third")[0])
         settle(app)
-        assert len(session_dirs(data)) == 1
+        assert len(session_dirs(data)) == 1 and store.num_remembered == 1
         assert (metric(metrics_text(proxy_url), "ctxfold_sessions_expired") or 0) >= 2
 
 

@@ -240,7 +240,8 @@ class ProxyApp:
         while True:
             try:
                 if self.sessions.quota is not None:
-                    await sweep_data_dir(self.sessions.quota, self.sessions.lock, self._forget_key)
+                    await sweep_data_dir(self.sessions.quota, self.sessions.lock, self._forget_key,
+                                         self.sessions.forget_sessions)
                 elif sweep_store is not None:
                     await sweep_store()
             except Exception as e:  # noqa: BLE001 - a failed sweep is tried again; requests go on

@@ -188,6 +188,11 @@ class SessionStore:
         if self.quota is not None:
             self.quota.note(s.path, s.log_nbytes)
 
+    def forget_sessions(self, session_ids: list[str]) -> None:
+        """Sessions deleted from the data directory: the local store drops what it remembers of them."""
+        if isinstance(self.store, LocalStore):
+            self.store.forget(session_ids)
+
     def unload(self, key: str) -> None:
         """Close and forget ``key``'s sessions if loaded (before its sessions are deleted, under its lock)."""
         self.cache.unload(key)

@@ -274,6 +274,23 @@ class LocalStore:
     async def close(self) -> None:
         return None
 
+    def forget(self, session_ids: list[str]) -> None:
+        """Drop what this process remembers of sessions deleted from the directory (an expiry sweep's):
+        their fencing tokens, next numbers and checked paths. A long-running proxy would otherwise keep
+        an entry for every session it ever served. A session still leased is kept."""
+        for sid in session_ids:
+            if sid in self._leases:
+                continue
+            self._fence.pop(sid, None)
+            self._next.pop(sid, None)
+            self._clean.discard(sid)
+            self._dirs.pop(sid, None)
+
+    @property
+    def num_remembered(self) -> int:
+        """Sessions this process holds a fencing token of (what :meth:`forget` frees)."""
+        return len(self._fence)
+
     def _guard(self, what: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn``; a failing disk (full, read-only, I/O error) as StoreUnavailable, which the proxy
         handles like an unreachable Redis. A symbolic link where a directory should be stays an OSError."""
