@@ -111,6 +111,34 @@ def test_an_append_that_releases_frees_the_lease_in_the_same_call(store_url: str
     with_store(store_url, body)
 
 
+def test_what_a_store_remembers_of_sessions_stays_bounded(store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-running proxy serves sessions without end: a Redis client's memory of the ids it listed is
+    bounded (listing one again is harmless), and a local store forgets the sessions a sweep deleted."""
+    from ctxfold.compaction.store import redis_store
+
+    monkeypatch.setattr(redis_store, "MAX_LISTED_IDS", 2)
+    ids = [f"{SID[:33]}{k:04d}" for k in range(5)]
+
+    async def body(store: Store) -> None:
+        for sid in ids:
+            lease = await store.acquire(sid, owner="a", new=True)
+            assert lease is not None
+            await store.append(lease, Batch(events=(header_event(),)), release=True)
+        assert await store.sessions(SID[:33]) == ids  # every one listed, whatever the client forgot
+        if isinstance(store, RedisStore):
+            assert len(store._listed) <= 2
+        else:
+            assert isinstance(store, LocalStore) and store.num_remembered == 5
+            store.forget(ids[:4])
+            assert store.num_remembered == 1
+            lease = await store.acquire(ids[0], owner="a")  # a forgotten id that is still there: read again
+            assert lease is not None
+            await store.append(lease, Batch(events=events_for(["more"])), release=True)
+            assert len((await store.read(ids[0])).events) == 2
+
+    with_store(store_url, body)
+
+
 # -- events: order, replays, gaps -------------------------------------------------------------------------
 
 def test_events_read_back_in_order_and_a_replayed_batch_writes_nothing_twice(store_url: str) -> None:

@@ -77,6 +77,8 @@ DEFAULT_DURABILITY = "always"
 DEFAULT_PREFIX = "ctxfold"
 DEFAULT_SOCKET_TIMEOUT_S = 5.0
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
+# Session ids a client remembers having listed in the index (each listed once); past it, it starts over.
+MAX_LISTED_IDS = 65_536
 
 # KEYS: lease, fence. ARGV: owner, ttl ms. The lease is taken with SET NX PX, and only then is the
 # fence incremented, so every grant, and only a grant, gets a token greater than all before it.
@@ -331,6 +333,8 @@ class RedisStore:
                     await pipe.execute()
 
             await self._call("writing blobs", first)
+            if len(self._listed) >= MAX_LISTED_IDS:  # a bound, not a cache policy: listing again is harmless
+                self._listed.clear()
             self._listed.add(sid)
         if not batch.events:
             if release:
