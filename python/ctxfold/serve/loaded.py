@@ -1,7 +1,8 @@
 """The conversations a proxy keeps in memory: per key, its loaded sessions (least recently used first),
 one asyncio lock per key, and the bounds on both (sessions, event-log bytes) that :meth:`trim` keeps by
-closing whole keys, least recently used first. Everything is stored before it is evicted: the next request
-of an evicted conversation loads it again."""
+closing whole keys, least recently used first. What is evicted is stored, but for the messages of a
+request that got no answer (they wait for an answer's commit), which its client sends again: the next
+request of an evicted conversation loads it again."""
 
 from __future__ import annotations
 
