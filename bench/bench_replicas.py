@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -41,7 +40,6 @@ from typing import Any
 
 import aiohttp
 
-import ctxfold
 from bench_serve import interleaved, start
 
 FILLER = "lorem ipsum dolor sit amet " * 16  # ~110 tokens by chars4: a compaction every few turns at 2500
@@ -93,20 +91,9 @@ class Redis:
         self.proc.wait(20)
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(Path(ctxfold.__file__).resolve().parent.parent),
-                CTXFOLD_TENANT_KEY=TENANT_KEY)
-
-
-def start_proxy(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "ctxfold", "serve", "--port", "0", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    if "listening on " not in line:
-        proc.kill()
-        raise RuntimeError(f"ctxfold serve did not start: {line}{proc.stderr.read()[-2000:]}")
-    return proc, line.split("listening on ", 1)[1].split(",", 1)[0]
+def start_proxy(args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+    return start([sys.executable, "-m", "ctxfold", "serve", "--port", "0", *args], marker="listening on ",
+                 stream="stderr", extra_env={"CTXFOLD_TENANT_KEY": TENANT_KEY})
 
 
 # -- 1. replicas ------------------------------------------------------------------------------------------
@@ -268,7 +255,7 @@ def _metric(url: str, prefix: str) -> int:
 # -- 2. latency ---------------------------------------------------------------------------------------------
 
 def run_latency(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[bytes]] = []
     servers: list[Redis] = []
     try:
         up, up_url = start([sys.executable, "-m", "ctxfold.serve.testing", "--port", "0"], marker="listening on ")

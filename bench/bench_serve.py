@@ -70,22 +70,27 @@ API_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "mess
 TRACE_BODY_LIMIT_BYTES = 300_000
 
 
-def start(cmd: list[str], *, marker: str, stream: str = "stdout") -> tuple[subprocess.Popen[str], str]:
+def start(cmd: list[str], *, marker: str, stream: str = "stdout",
+          extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server and wait for ``marker`` on its ``stream``. Its output goes to files (in the
+    temporary directory, kept for a look after the run), as a deployment's goes to a collector that
+    reads it all: a pipe nobody reads once the marker came would block its log writer, and a proxy
+    whose log lines are dropped would be measured without the cost of writing them."""
     # The children run the ctxfold this script imports (installed, or the tree on PYTHONPATH).
-    env = dict(os.environ, PYTHONPATH=str(Path(ctxfold.__file__).resolve().parent.parent))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    pipe = proc.stdout if stream == "stdout" else proc.stderr
-    assert pipe is not None
+    env = dict(os.environ, PYTHONPATH=str(Path(ctxfold.__file__).resolve().parent.parent), **(extra_env or {}))
+    logs = Path(tempfile.mkdtemp(prefix="ctxfold-bench-serve-log-"))
+    out, err = logs / "stdout.txt", logs / "stderr.txt"
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env)
+    watched = out if stream == "stdout" else err
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = pipe.readline()
-        if not line:
-            break
-        if marker in line:
-            url = line.split(marker, 1)[1].split()[0].rstrip(",")
-            return proc, url
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in watched.read_text(errors="replace").splitlines():
+            if marker in line:
+                return proc, line.split(marker, 1)[1].split()[0].rstrip(",")
+        time.sleep(0.05)
     proc.kill()
-    raise RuntimeError(f"{cmd[2:4]} did not start: {proc.stderr.read() if proc.stderr else ''}")
+    raise RuntimeError(f"{cmd[2:4]} did not start: {err.read_text(errors='replace')[-2000:]}")
 
 
 def percentile(values: list[float], q: float) -> float:
