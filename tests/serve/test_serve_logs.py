@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream
 from helpers.proxy_helpers import chat, post
@@ -111,13 +112,15 @@ def test_a_stderr_nobody_reads_never_blocks_the_proxy(tmp_path: Path) -> None:
         proc.stderr.close()
 
 
-def test_a_full_log_queue_drops_and_counts_instead_of_waiting() -> None:
+def test_a_full_log_queue_drops_and_counts_instead_of_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     import logging
-    import queue
+    from collections import deque
 
-    from ctxfold.serve.logs import _DroppingQueueHandler
+    from ctxfold.serve import logs
 
-    handler = _DroppingQueueHandler(queue.Queue(3))
+    monkeypatch.setattr(logs, "QUEUE_LINES", 3)
+    lines: deque[logging.LogRecord] = deque()
+    handler = logs._DroppingQueueHandler(lines)
     for k in range(10):
         handler.handle(logging.LogRecord("ctxfold.access", logging.INFO, "", 0, "line %d", (k,), None))
-    assert handler.dropped == 7 and handler.queue.qsize() == 3
+    assert handler.dropped == 7 and [r.getMessage() for r in lines] == ["line 0", "line 1", "line 2"]

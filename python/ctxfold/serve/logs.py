@@ -9,9 +9,9 @@ Loggers: ``ctxfold.access`` (one line per chat completion, INFO), ``ctxfold.serv
 fallbacks, pass-throughs, quarantines, changes of health), ``ctxfold.compaction.store`` (the spool).
 
 The event loop never waits on a log write: a line goes into a bounded queue, and a thread of its own
-writes the queue to stderr, the lines that come within 50 ms of each other in one write (a line is
-written at most that late; one wake and one write per line cost the proxy a tenth of its CPU under
-load). A stderr nobody reads (a pipe whose reader took the first line and stopped)
+writes what the queue holds to stderr every 50 ms, in one write (a line is written at most that late;
+a wake of the writer and a write per line cost the proxy a tenth of its CPU under load). A stderr
+nobody reads (a pipe whose reader took the first line and stopped)
 would otherwise block the whole proxy once the pipe is full; instead the lines past the queue's bound
 are dropped and counted (:func:`dropped_lines`). Each worker of a pool starts its own writer thread
 (threads do not survive a fork).
@@ -20,20 +20,18 @@ are dropped and counted (:func:`dropped_lines`). Each worker of a pool starts it
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
-import logging.handlers
 import os
-import queue
 import threading
 import time
+from collections import deque
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 QUEUE_LINES = 10_000  # lines waiting for the writer thread at most; more are dropped and counted
 WRITE_LINES = 1024  # lines written together at most
-WRITE_INTERVAL_S = 0.05  # a line waits for the writer this long at most, so those that follow share its write
+WRITE_INTERVAL_S = 0.05  # the writer writes what came every this often: a line waits this long at most
 LOG_FORMATS = ("text", "json")
 # The attributes every LogRecord has: what is not among them was passed with extra= and is a field.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -59,19 +57,26 @@ class JsonFormatter(_UtcFormatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
-class _DroppingQueueHandler(logging.handlers.QueueHandler):
-    """Puts each record (formatted here, so the writer thread formats nothing) on a bounded queue; a
-    full queue drops the record and counts it rather than wait."""
+class _DroppingQueueHandler(logging.Handler):
+    """Appends each record to a bounded queue the writer thread takes from; a full queue drops the
+    record and counts it rather than wait. No lock and no wake: appending to a deque is atomic, and
+    the writer looks every :data:`WRITE_INTERVAL_S` (a wake of the writer per line cost the event
+    loop's thread more than the line itself). The writer formats: the records of ctxfold's lines hold
+    values that do not change once logged."""
 
-    def __init__(self, lines: queue.Queue[Any]) -> None:
-        super().__init__(lines)
+    def __init__(self, lines: deque[logging.LogRecord]) -> None:
+        super().__init__()
+        self.lines = lines
         self.dropped = 0
 
-    def enqueue(self, record: logging.LogRecord) -> None:
-        try:
-            self.queue.put_nowait(record)
-        except queue.Full:
+    def createLock(self) -> None:
+        self.lock = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) >= QUEUE_LINES:
             self.dropped += 1
+        else:
+            self.lines.append(record)
 
 
 _state: dict[str, Any] = {}  # the queue's handler, the writer thread, the stream handler it writes through
@@ -124,32 +129,23 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
 
 
 def _start(out: _StderrWriter) -> _DroppingQueueHandler:
-    lines: queue.Queue[Any] = queue.Queue(QUEUE_LINES)
+    lines: deque[logging.LogRecord] = deque()
     handler = _DroppingQueueHandler(lines)
-    writer = threading.Thread(target=_write, args=(lines, out), name="ctxfold-log-writer", daemon=True)
+    stop = threading.Event()
+    writer = threading.Thread(target=_write, args=(lines, out, stop), name="ctxfold-log-writer", daemon=True)
     writer.start()
-    _state.update(handler=handler, writer=writer, out=out)
+    _state.update(handler=handler, writer=writer, out=out, stop=stop)
     return handler
 
 
-def _write(lines: queue.Queue[Any], out: _StderrWriter) -> None:
-    """Write the queue's lines: a line that comes to an idle writer, and every line that comes within
-    :data:`WRITE_INTERVAL_S` after it, in one write. Under load a line comes every few milliseconds
-    (one a request), and a wake of this thread and a write per line cost the proxy about a tenth of
-    its CPU per request. None stops it, once what came before it is written."""
+def _write(lines: deque[logging.LogRecord], out: _StderrWriter, stop: threading.Event) -> None:
+    """Every :data:`WRITE_INTERVAL_S`, write the lines that came meanwhile in one write; ``stop``
+    ends it, once what came before is written."""
     while True:
-        batch = [lines.get()]
-        if batch[-1] is not None:
-            time.sleep(WRITE_INTERVAL_S)
-        while batch[-1] is not None and len(batch) < WRITE_LINES:
-            try:
-                batch.append(lines.get_nowait())
-            except queue.Empty:
-                break
-        records = [r for r in batch if r is not None]
-        if records:
-            out.emit_many(records)
-        if batch[-1] is None:
+        stopping = stop.wait(WRITE_INTERVAL_S)
+        while lines:
+            out.emit_many([lines.popleft() for _ in range(min(len(lines), WRITE_LINES))])
+        if stopping:
             return
 
 
@@ -172,9 +168,8 @@ def dropped_lines() -> int:
 def stop_logging(timeout_s: float = 2.0) -> None:
     """Write what waits in the queue and stop the writer thread, waiting ``timeout_s`` at most (a stderr
     nobody reads must not keep the process from exiting)."""
-    handler, writer = _state.pop("handler", None), _state.pop("writer", None)
-    if handler is None or writer is None:
+    handler, writer, stop = _state.pop("handler", None), _state.pop("writer", None), _state.pop("stop", None)
+    if handler is None or writer is None or stop is None:
         return
-    with contextlib.suppress(queue.Full):
-        handler.queue.put(None, timeout=timeout_s)
+    stop.set()
     writer.join(timeout_s)
