@@ -124,3 +124,23 @@ def test_a_full_log_queue_drops_and_counts_instead_of_waiting(monkeypatch: pytes
     for k in range(10):
         handler.handle(logging.LogRecord("ctxfold.access", logging.INFO, "", 0, "line %d", (k,), None))
     assert handler.dropped == 7 and [r.getMessage() for r in lines] == ["line 0", "line 1", "line 2"]
+
+
+def test_a_line_that_cannot_be_formatted_is_said_and_the_writer_goes_on(capfd: pytest.CaptureFixture[str]) -> None:
+    """The writer thread formats the lines: one whose arguments do not fit its message is written as
+    such, and the lines after it are written too (a writer that died would lose every later line)."""
+    import logging
+
+    from ctxfold.serve.logs import configure_logging, stop_logging
+
+    configure_logging("info", "text")
+    try:
+        log = logging.getLogger("ctxfold.serve")
+        log.info("two values %d %d", 1)  # noqa: PLE1206 - one missing, on purpose
+        log.info("after it %s", "still written")
+    finally:
+        stop_logging()
+    err = capfd.readouterr().err.splitlines()
+    assert any("this log line could not be formatted (TypeError" in line and "'two values %d %d'" in line
+               for line in err), err
+    assert any(line.endswith("ctxfold.serve: after it still written") for line in err), err

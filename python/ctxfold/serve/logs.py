@@ -95,12 +95,19 @@ class _StderrWriter(logging.Handler):
         self.emit_many([record])
 
     def emit_many(self, records: list[logging.LogRecord]) -> None:
-        data = "".join(self.format(r) + "\n" for r in records).encode("utf-8", "backslashreplace")
+        data = "".join(self._line(r) + "\n" for r in records).encode("utf-8", "backslashreplace")
         try:
             while data:  # a blocking write writes it all, but for a signal part way
                 data = data[os.write(2, data):]
         except OSError:
             pass  # stderr is gone (closed, a broken pipe): the lines with it
+
+    def _line(self, record: logging.LogRecord) -> str:
+        try:
+            return self.format(record)
+        except Exception as e:  # noqa: BLE001 - a call whose arguments do not fit its message: said, not lost
+            return (f"{record.levelname} {record.name}: this log line could not be formatted "
+                    f"({type(e).__name__}: {e}): {record.msg!r} % {record.args!r}")
 
     def flush(self) -> None:
         return None
