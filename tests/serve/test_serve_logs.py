@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,23 +125,53 @@ def test_a_full_log_queue_drops_and_counts_instead_of_waiting(monkeypatch: pytes
     for k in range(10):
         handler.handle(logging.LogRecord("ctxfold.access", logging.INFO, "", 0, "line %d", (k,), None))
     assert handler.dropped == 7 and [r.getMessage() for r in lines] == ["line 0", "line 1", "line 2"]
+    # A record waits with its traceback as text, not with the frames (and all they hold) alive.
+    lines.clear()
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        handler.handle(logging.LogRecord("ctxfold.serve", logging.ERROR, "", 0, "failed", None, sys.exc_info()))
+    assert lines[0].exc_info is None and "ValueError: boom" in (lines[0].exc_text or "")
 
 
-def test_a_line_that_cannot_be_formatted_is_said_and_the_writer_goes_on(capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def serve_logging() -> Iterator[None]:
+    """``ctxfold serve``'s logging in this process, undone after: the ctxfold logger as it was (other
+    tests read its records through the root logger)."""
+    import logging
+
+    from ctxfold.serve.logs import stop_logging
+
+    logger = logging.getLogger("ctxfold")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        yield
+    finally:
+        stop_logging()
+        logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
+
+def test_a_line_that_cannot_be_formatted_is_said_and_the_writer_goes_on(
+        serve_logging: None, capfd: pytest.CaptureFixture[str]) -> None:
     """The writer thread formats the lines: one whose arguments do not fit its message is written as
     such, and the lines after it are written too (a writer that died would lose every later line)."""
     import logging
 
     from ctxfold.serve.logs import configure_logging, stop_logging
 
-    configure_logging("info", "text")
+    configure_logging("info", "json")
+    log = logging.getLogger("ctxfold.serve")
+    log.info("two values %d %d", 1)  # noqa: PLE1206 - one missing, on purpose
+    log.info("after it %s", "still written")
     try:
-        log = logging.getLogger("ctxfold.serve")
-        log.info("two values %d %d", 1)  # noqa: PLE1206 - one missing, on purpose
-        log.info("after it %s", "still written")
-    finally:
-        stop_logging()
-    err = capfd.readouterr().err.splitlines()
-    assert any("this log line could not be formatted (TypeError" in line and "'two values %d %d'" in line
-               for line in err), err
-    assert any(line.endswith("ctxfold.serve: after it still written") for line in err), err
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("it failed")
+    stop_logging()
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines()]  # every line JSON
+    messages = [line["message"] for line in lines]
+    assert any(m.startswith("this log line could not be formatted (TypeError") and "'two values %d %d'" in m
+               for m in messages), messages
+    assert "after it still written" in messages
+    failed = [line for line in lines if line.get("message") == "it failed"]
+    assert failed and "ValueError: boom" in failed[0]["exception"], lines

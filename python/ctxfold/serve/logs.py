@@ -33,6 +33,7 @@ QUEUE_LINES = 10_000  # lines waiting for the writer thread at most; more are dr
 WRITE_LINES = 1024  # lines written together at most
 WRITE_INTERVAL_S = 0.05  # the writer writes what came every this often: a line waits this long at most
 LOG_FORMATS = ("text", "json")
+_TRACEBACKS = logging.Formatter()  # formats a record's exception where it is logged
 # The attributes every LogRecord has: what is not among them was passed with extra= and is a field.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -52,8 +53,9 @@ class JsonFormatter(_UtcFormatter):
         out: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname.lower(),
                                "logger": record.name, "message": record.getMessage()}
         out.update((k, v) for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_"))
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
+        exception = record.exc_text or (self.formatException(record.exc_info) if record.exc_info else None)
+        if exception:
+            out["exception"] = exception
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
@@ -75,8 +77,11 @@ class _DroppingQueueHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if len(self.lines) >= QUEUE_LINES:
             self.dropped += 1
-        else:
-            self.lines.append(record)
+            return
+        if record.exc_info:  # the traceback as text now: a waiting record must not keep its frames alive
+            record.exc_text = _TRACEBACKS.formatException(record.exc_info)
+            record.exc_info = None
+        self.lines.append(record)
 
 
 _state: dict[str, Any] = {}  # the queue's handler, the writer thread, the stream handler it writes through
@@ -106,8 +111,12 @@ class _StderrWriter(logging.Handler):
         try:
             return self.format(record)
         except Exception as e:  # noqa: BLE001 - a call whose arguments do not fit its message: said, not lost
-            return (f"{record.levelname} {record.name}: this log line could not be formatted "
-                    f"({type(e).__name__}: {e}): {record.msg!r} % {record.args!r}")
+            record.msg = f"this log line could not be formatted ({type(e).__name__}: {e}): {record.msg!r} % {record.args!r}"
+            record.args = None
+        try:
+            return self.format(record)  # in the log's format, as every other line
+        except Exception:  # noqa: BLE001 - a field that even the formatter's fallback cannot write
+            return f"{record.levelname} {record.name}: {record.msg}"
 
     def flush(self) -> None:
         return None
