@@ -28,6 +28,7 @@ import pytest
 
 from ctxfold.compaction.config import CompactConfig
 from ctxfold.compaction.session import Session
+from ctxfold.compaction.store import LocalStore
 from ctxfold.serve import ProxyApp, ProxyConfig
 from ctxfold.serve.testing import BackgroundServer, ScriptedUpstream, is_summary_request
 from helpers.proxy_helpers import chat, metric, post, settle, start_proxy
@@ -651,6 +652,7 @@ def test_a_disk_that_fills_while_a_request_is_out_loses_nothing(
         r = post(purl, chat(*turns))
         assert answer(r) == "echo: again"
         assert r.headers[WARNING_HEADER].startswith("the last answer of this conversation was not stored (")
+        assert r.headers[WARNING_HEADER].endswith("this request carries it again")
         r = post(purl, chat(*turns))  # said once
         assert answer(r) == "echo: again" and WARNING_HEADER not in r.headers
         assert eventually(lambda: len(Session(session_dirs(seen)[0]).restore().messages) == len(turns) + 1)
@@ -699,6 +701,8 @@ def test_a_client_editing_every_request_stays_within_the_bounds(
             answer(post(srv.url, {"model": "m", "messages": history}))
             settle(app)
             assert eventually(lambda: app.sessions.num_sessions <= 3) and open_fds_under(data) <= 3
+            # The store forgets the sessions that left memory: nothing grows with every fork.
+            assert isinstance(app.sessions.store, LocalStore) and app.sessions.store.num_remembered <= 3
             history += [{"role": "assistant", "content": f"edited answer {k}"}, {"role": "user", "content": f"next {k}"}]
         assert app.sessions.num_forks == 9
     finally:

@@ -513,7 +513,7 @@ class ProxyApp:
             raise
         except StoreError as e:
             self.metrics.answers_unstored.inc()
-            self.sessions.note_unstored_answer(session.key, e)
+            self.sessions.note_unstored_answer(session, e)
             raise
 
     async def _lower(self, parsed: ParsedRequest, out: Outgoing, prompt_tokens: int | None,

@@ -38,6 +38,9 @@ class LoadedSessions:
         self._keys: OrderedDict[str, LoadedKey] = OrderedDict()  # least recently used first
         self._num_sessions = 0
         self._num_bytes = 0
+        # Told the sessions that leave memory (unloaded, or no longer among their key's): the store
+        # forgets what it remembers of them (LocalStore.forget).
+        self.on_leave: Callable[[list[ProxySession]], None] = lambda sessions: None
 
     def lock(self, key: str) -> asyncio.Lock:
         lock = self._loaded_locks.get(key) or self._locks.get(key)
@@ -79,7 +82,11 @@ class LoadedSessions:
         nbytes = sum(s.log_nbytes for s in sessions)
         self._num_sessions += len(sessions) - len(entry.sessions)
         self._num_bytes += nbytes - entry.nbytes
+        kept = {id(s) for s in sessions}
+        left = [s for s in entry.sessions if id(s) not in kept]
         entry.sessions, entry.nbytes = sessions, nbytes
+        if left:
+            self.on_leave(left)
 
     @staticmethod
     def use(entry: LoadedKey, session: ProxySession) -> None:
@@ -122,6 +129,7 @@ class LoadedSessions:
         self._num_sessions -= len(entry.sessions)
         self._num_bytes -= entry.nbytes
         self._loaded_locks.pop(key, None)
+        self.on_leave(entry.sessions)
 
     # -- figures ------------------------------------------------------------------------------------
     @property

@@ -129,14 +129,16 @@ class SessionStore:
         self.num_forks = 0  # sessions forked from another since start (metric)
         # The last failure to write the data directory: (monotonic time, reason), for /health.
         self.storage_error: tuple[float, str] | None = None
-        # Conversations whose last answer the store refused, oldest first: key -> why, said on their next
-        # request (the conversations that never come back are forgotten past MAX_UNSTORED_NOTES).
-        self._unstored: OrderedDict[ConversationKey, str] = OrderedDict()
+        # Sessions whose last answer the store refused, oldest first: session id -> why, said to the next
+        # request this process routes to them (those that never come back are forgotten past
+        # MAX_UNSTORED_NOTES).
+        self._unstored: OrderedDict[str, str] = OrderedDict()
         if store is None:
             store = LocalStore(self.data_dir, fsync=fsync)
         # The data directory's per-tenant accounts (serve.quota); a shared store keeps its own.
         self.quota = quota if not store.shared else None
         # ``archive_url``: archived outputs in object storage shared by replicas (serve.object_archive).
+        self.cache.on_leave = lambda sessions: self.forget_sessions([s.store_id for s in sessions if s.store_id])
         self.stored = StoredSessions(store, self.cache, make_compactor, data_dir=self.data_dir, lease_ms=lease_ms,
                                      owner=owner or default_owner(),
                                      note_quarantine=self._quarantine_note, quota=self.quota,
@@ -189,7 +191,8 @@ class SessionStore:
             self.quota.note(s.path, s.log_nbytes)
 
     def forget_sessions(self, session_ids: list[str]) -> None:
-        """Sessions deleted from the data directory: the local store drops what it remembers of them."""
+        """Sessions deleted from the data directory, or gone from memory: the local store drops what it
+        remembers of them (it reads them again if they come back)."""
         if isinstance(self.store, LocalStore):
             self.store.forget(session_ids)
 
@@ -224,12 +227,13 @@ class SessionStore:
 
         A session whose log cannot be read is set aside (in a data directory a ``QUARANTINED`` file
         says why), counted, logged, and said in ``warnings``: the request goes on as if it were not there."""
-        unstored = self._unstored.pop(key, None)
-        if unstored is not None and warnings is not None:
-            warnings.append(f"the last answer of this conversation was not stored ({unstored}); it is stored "
-                            "with this request")
         entry = await self.stored.sync_key(key, warnings)
         chosen = route(entry.sessions, system, messages)
+        sid = chosen.session.store_id if chosen.session is not None else None
+        unstored = self._unstored.pop(sid, None) if sid is not None else None
+        if unstored is not None and warnings is not None:
+            warnings.append(f"the last answer of this conversation was not stored ({unstored}); this request "
+                            "carries it again")
         if chosen.session is None and chosen.parent is not None:
             fork = await self.stored.fork(key, chosen.parent, chosen.num_common)
             self.cache.add(entry, fork)
@@ -290,13 +294,16 @@ class SessionStore:
             return self.note_storage_error(cause)
         return reason
 
-    def note_unstored_answer(self, key: ConversationKey, error: BaseException) -> str:
+    def note_unstored_answer(self, session: ProxySession, error: BaseException) -> str:
         """The store refused an answer the client has (with its request's messages, which wait for the
         answer's commit when nothing compacted): counted and kept for /health as a pass-through is, and
-        said on the conversation's next request, which carries them and stores them. Returns the reason."""
-        reason = self.note_store_error(key, error)
-        self._unstored[key] = reason
-        self._unstored.move_to_end(key)
+        said to the next request this process routes to the session (which carries them again). Per
+        process: under --workers or replicas, the next request may go to another. Returns the reason."""
+        reason = self.note_store_error(session.key, error)
+        if session.store_id is None:
+            return reason
+        self._unstored[session.store_id] = reason
+        self._unstored.move_to_end(session.store_id)
         while len(self._unstored) > MAX_UNSTORED_NOTES:
             self._unstored.popitem(last=False)
         return reason

@@ -59,7 +59,7 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-MAX_KNOWN_DIRS = 65_536  # session directories LocalStore keeps checked paths of
+MAX_KNOWN_DIRS = 4_096  # session directories LocalStore keeps checked paths of (those in use)
 
 
 class LocalStore:
@@ -275,9 +275,10 @@ class LocalStore:
         return None
 
     def forget(self, session_ids: list[str]) -> None:
-        """Drop what this process remembers of sessions deleted from the directory (an expiry sweep's):
-        their fencing tokens, next numbers and checked paths. A long-running proxy would otherwise keep
-        an entry for every session it ever served. A session still leased is kept."""
+        """Drop what this process remembers of sessions deleted from the directory (an expiry sweep's)
+        or gone from its memory: their fencing tokens, next numbers and checked paths, which are read
+        again from the directory if they come back. A long-running proxy would otherwise keep an entry
+        for every session it ever served. A session still leased is kept."""
         for sid in session_ids:
             if sid in self._leases:
                 continue

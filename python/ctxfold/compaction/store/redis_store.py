@@ -456,6 +456,7 @@ class RedisStore:
         n = int(await self._call("sweeping expired accounts", lambda: acct.sweep_script(keys=keys, args=args)))
         if n:
             acct.note_expired(n, None)
+            self._listed.clear()  # ids out of the index now: a session made again under one is listed again
         return n
 
     @property
