@@ -240,8 +240,7 @@ class ProxyApp:
         while True:
             try:
                 if self.sessions.quota is not None:
-                    await sweep_data_dir(self.sessions.quota, self.sessions.lock, self._forget_key,
-                                         self.sessions.forget_sessions)
+                    await sweep_data_dir(self.sessions.quota, self.sessions.lock, self._forget_key)
                 elif sweep_store is not None:
                     await sweep_store()
             except Exception as e:  # noqa: BLE001 - a failed sweep is tried again; requests go on

@@ -298,11 +298,10 @@ def _size(folder: Path) -> int:
 
 
 async def sweep_data_dir(quota: DiskQuota, lock: Callable[[str], asyncio.Lock],
-                         unload: Callable[[str], None], forget: Callable[[list[str]], None] = lambda ids: None) -> int:
+                         unload: Callable[[str], None]) -> int:
     """Measure the data directory again and delete the sessions idle past the time; returns how many.
     A key whose lock is held (a request under way, an answer being recorded) is left for the next
-    sweep; the others are deleted under their lock, unloaded first, so no request reads them meanwhile.
-    ``forget`` is given the ids of the sessions deleted (the store drops what it remembers of them)."""
+    sweep; the others are deleted under their lock, unloaded first, so no request reads them meanwhile."""
     began = quota.clock()
     quota.apply_scan(await asyncio.to_thread(walk, quota.data_dir), began)
     removed = 0
@@ -318,7 +317,6 @@ async def sweep_data_dir(quota: DiskQuota, lock: Callable[[str], asyncio.Lock],
             whole_key = all(r in rels for r in quota.sessions if r.rsplit("/", 1)[0] == key)
             gone = await asyncio.to_thread(remove, quota.data_dir, key, rels, whole_key)
             quota.apply_removal(key, gone)
-            forget(gone)
         n = len(gone)
         if n:
             removed += n

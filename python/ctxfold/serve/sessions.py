@@ -191,8 +191,8 @@ class SessionStore:
             self.quota.note(s.path, s.log_nbytes)
 
     def forget_sessions(self, session_ids: list[str]) -> None:
-        """Sessions deleted from the data directory, or gone from memory: the local store drops what it
-        remembers of them (it reads them again if they come back)."""
+        """Sessions gone from memory (unloaded, an expiry sweep's first of all): the local store drops what
+        it remembers of them (it reads them again if they come back)."""
         if isinstance(self.store, LocalStore):
             self.store.forget(session_ids)
 

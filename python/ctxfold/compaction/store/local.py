@@ -59,9 +59,6 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
-MAX_KNOWN_DIRS = 4_096  # session directories LocalStore keeps checked paths of (those in use)
-
-
 class LocalStore:
     """A :class:`ctxfold.compaction.store.base.Store` in a local directory (the default; nothing to install)."""
 
@@ -78,16 +75,9 @@ class LocalStore:
         self._next: dict[str, int] = {}  # session id -> next seq, once read or written
         # Sessions whose log this process wrote last (whole lines): no torn tail to look for before an append.
         self._clean: set[str] = set()
-        # Each session id's directory, checked once: a request asks for it twice (its lease, its append).
-        self._dirs: dict[str, Path] = {}
 
     def _dir(self, session_id: str) -> Path:
-        folder = self._dirs.get(session_id)
-        if folder is None:
-            if len(self._dirs) >= MAX_KNOWN_DIRS:  # a bound, not an eviction policy: rebuilt as asked
-                self._dirs.clear()
-            folder = self._dirs[session_id] = self.root / check_session_id(session_id)
-        return folder
+        return self.root / check_session_id(session_id)
 
     def _blob_path(self, session_id: str, name: str) -> Path:
         folder, file = check_blob_name(name).split("/")
@@ -239,7 +229,7 @@ class LocalStore:
         # No accounts here (new is for StoreLimits): the proxy's data directory keeps its own (serve.quota).
         if ttl_ms < 1:
             raise ValueError(f"ttl_ms must be >= 1, got {ttl_ms}")
-        self._dir(session_id)  # checks the id
+        check_session_id(session_id)
         held = self._leases.get(session_id)
         now = time.monotonic()
         if held is not None and held[2] > now:
@@ -285,7 +275,6 @@ class LocalStore:
             self._fence.pop(sid, None)
             self._next.pop(sid, None)
             self._clean.discard(sid)
-            self._dirs.pop(sid, None)
 
     @property
     def num_remembered(self) -> int:
